@@ -1,0 +1,34 @@
+// qkvfuse/fp8_gemm.hpp: per-tensor scaled FP8 GEMM, e4m3 x e4m3 -> bf16 (cuBLASLt on the GPU).
+#pragma once
+
+#include "qkvfuse/tensor.hpp"
+
+namespace qkvfuse {
+
+/// d = (a @ b^T) * scale_a * scale_b * alpha, fp32 accumulation, rounded to bf16 once.
+///
+///   a        e4m3 [M, K], row-major (row stride >= K, last dim contiguous)
+///   b        e4m3 [N, K], row-major (row stride >= K, last dim contiguous)
+///   scale_a, scale_b  float32 scalars ([] or [1]) on a's device
+///   alpha    optional float32 scalar on a's device (absent = 1): a third factor, so a product of
+///            three scales needs no extra kernel
+///   d        bf16 [M, N], last dim contiguous, row stride >= N
+/// Both operands are K-major, the one FP8 layout Hopper's tensor cores take. On CUDA, M, N and K
+/// must be multiples of 16, row strides multiples of 16 elements and pointers 16-byte aligned
+/// (cuBLASLt's FP8 requirements); anything else is refused before the call.
+/// fast_accum lets the tensor cores accumulate in reduced precision between promotions
+/// (cuBLASLt's FAST_ACCUM); the CPU backend always accumulates exactly in fp32 or better.
+struct Fp8GemmParams {
+  TensorView a;
+  TensorView b;
+  TensorView scale_a;
+  TensorView scale_b;
+  TensorView alpha;
+  TensorView d;
+  bool fast_accum = false;
+  Stream stream = nullptr;
+};
+
+void fp8_gemm(const Fp8GemmParams& params);
+
+}  // namespace qkvfuse

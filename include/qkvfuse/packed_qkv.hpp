@@ -1,0 +1,93 @@
+// qkvfuse/packed_qkv.hpp: the packed FP8 QKV projection, forward and backward (SPEC.md section 6),
+// composed from the library's ops with no PyTorch. Every buffer is the caller's: the PyTorch
+// binding hands in tensors from its caching allocator.
+#pragma once
+
+#include <cstdint>
+
+#include "qkvfuse/qk_norm_rope.hpp"
+#include "qkvfuse/tensor.hpp"
+
+namespace qkvfuse {
+
+/// Forward: qkv = (x_f8 @ weight_f8^T) * x_scale * weight_scale * qkv_scale (fast accumulation,
+/// bf16 out), then q, k = qk_norm_rope(qkv[:, :2HD]) and v = qkv[:, 2HD:].
+///
+///   x_f8        e4m3 [T, C], row-major
+///   weight_f8   e4m3 [qkv_dim, C], the cached packed [Wq; Wk; Wv], qkv_dim = 2*H*D + H*Dv
+///   x_scale, weight_scale, qkv_scale   float32 scalars on the device
+///   factor1/2   as qk_norm_rope
+///   qk          output bf16 [T, 2H, D]: the GEMM's Q/K columns, saved for the backward
+///   v           output bf16 [T, H, Dv]
+///   q, k        outputs as qk_norm_rope
+/// When qk and v are the two column slices of one row-major [T, qkv_dim] buffer (v starts at
+/// column 2*H*D of qk's rows), one GEMM writes both. Otherwise (paired layers, where attention
+/// needs v dense) two GEMMs over the Q/K rows and the V rows of the weight write them apart.
+struct PackedQkvForwardParams {
+  TensorView x_f8;
+  TensorView weight_f8;
+  TensorView x_scale;
+  TensorView weight_scale;
+  TensorView qkv_scale;
+  TensorView factor1;
+  TensorView factor2;
+  TensorView qk;
+  TensorView v;
+  TensorView q;
+  TensorView k;
+  RopeLayout layout;
+  Stream stream = nullptr;
+};
+
+/// Number of float32 partial sums the backward's grad_qkv_scale reduction uses. A fixed count
+/// keeps the reduction order, and so its bits, independent of the device.
+inline constexpr int64_t kGradScalePartials = 264;
+
+/// Backward from grad_q, grad_k, grad_v:
+///   grad_row, grad_t = qkv_backward_fp8(...)
+///   grad_weight      = (grad_t @ x_f8_t^T) * grad_scale * x_scale              (exact accumulation)
+///   grad_x           = (grad_row @ weight_f8_t^T) * grad_scale * weight_scale * qkv_scale
+///   grad_qkv_scale   = sum(grad_weight * [qk_weight; v_weight])  (products and sum in fp32)
+///   grad_qk_weight, grad_v_weight = split(grad_weight) * qkv_scale
+///
+///   grad_q, grad_k, grad_v, qk, factor1/2: as qkv_backward_fp8
+///   x_f8_t          e4m3 [C, T], x quantized with x_scale, transposed
+///   weight_f8_t     e4m3 [C, qkv_dim], the cached packed weight, transposed
+///   qk_weight       bf16 [2*H*D, C], v_weight bf16 [H*Dv, C]: the master weights
+///   grad_row        workspace e4m3 [T, qkv_dim];  grad_t workspace e4m3 [qkv_dim, T]
+///   partials        workspace float32 [kGradScalePartials]
+///   grad_x          output bf16 [T, C]
+///   grad_qk_weight  output bf16 [2*H*D, C];  grad_v_weight output bf16 [H*Dv, C]
+///                   (one wgrad GEMM when grad_v_weight directly follows grad_qk_weight in
+///                   memory, as two row slices of one [qkv_dim, C] buffer; two otherwise)
+///   grad_qkv_scale  output float32 scalar
+struct PackedQkvBackwardParams {
+  TensorView grad_q;
+  TensorView grad_k;
+  TensorView grad_v;
+  TensorView qk;
+  TensorView factor1;
+  TensorView factor2;
+  TensorView x_f8_t;
+  TensorView weight_f8_t;
+  TensorView qk_weight;
+  TensorView v_weight;
+  TensorView x_scale;
+  TensorView weight_scale;
+  TensorView qkv_scale;
+  TensorView grad_scale;
+  TensorView grad_row;
+  TensorView grad_t;
+  TensorView partials;
+  TensorView grad_x;
+  TensorView grad_qk_weight;
+  TensorView grad_v_weight;
+  TensorView grad_qkv_scale;
+  RopeLayout layout;
+  Stream stream = nullptr;
+};
+
+void packed_qkv_forward(const PackedQkvForwardParams& params);
+void packed_qkv_backward(const PackedQkvBackwardParams& params);
+
+}  // namespace qkvfuse

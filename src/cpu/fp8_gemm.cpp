@@ -1,0 +1,1 @@
+// placeholder: src/cpu/fp8_gemm.cpp

@@ -1,0 +1,1 @@
+// placeholder: src/cpu/grad_weight_finalize.cpp

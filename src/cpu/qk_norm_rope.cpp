@@ -1,0 +1,1 @@
+// placeholder: src/cpu/qk_norm_rope.cpp

@@ -1,0 +1,1 @@
+// placeholder: src/cpu/qkv_backward_fp8.cpp

@@ -1,0 +1,1 @@
+// placeholder: src/cuda/fp8_gemm_cublaslt.cpp

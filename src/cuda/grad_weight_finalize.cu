@@ -1,0 +1,1 @@
+// placeholder: src/cuda/grad_weight_finalize.cu

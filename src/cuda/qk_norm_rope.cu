@@ -1,0 +1,1 @@
+// placeholder: src/cuda/qk_norm_rope.cu

@@ -1,0 +1,1 @@
+// placeholder: src/cuda/qkv_backward_fp8.cu

@@ -1,0 +1,1 @@
+// placeholder: src/cuda/quantize.cu

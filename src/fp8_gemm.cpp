@@ -1,0 +1,1 @@
+// placeholder: src/fp8_gemm.cpp

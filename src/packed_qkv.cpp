@@ -1,0 +1,1 @@
+// placeholder: src/packed_qkv.cpp

@@ -1,0 +1,1 @@
+// placeholder: src/qk_norm_rope.cpp

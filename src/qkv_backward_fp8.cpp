@@ -1,0 +1,1 @@
+// placeholder: src/qkv_backward_fp8.cpp

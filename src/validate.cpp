@@ -1,0 +1,1 @@
+// placeholder: src/validate.cpp

@@ -1,0 +1,66 @@
+// gpu_util.hpp: helpers for the GPU tests: the skip when no device is present, device buffers.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "qkvfuse/tensor.hpp"
+
+namespace qkvfuse::test {
+
+/// Empty when a CUDA device is usable, otherwise the reason none is.
+std::string gpu_unavailable_reason();
+
+/// Skips the calling test, printing why, when no CUDA device is usable.
+#define QKVF_REQUIRE_GPU()                                                        \
+  do {                                                                            \
+    const std::string qkvf_reason_ = ::qkvfuse::test::gpu_unavailable_reason();   \
+    if (!qkvf_reason_.empty()) GTEST_SKIP() << "GPU test skipped: " << qkvf_reason_; \
+  } while (0)
+
+inline constexpr Device kGPU{DeviceType::kCUDA, 0};
+
+/// Device memory owning RAII buffer; bytes are copied to and from host vectors.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t bytes);
+  ~DeviceBuffer();
+  DeviceBuffer(DeviceBuffer&& other) noexcept;
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  void fill_byte(uint8_t value);                  ///< poison
+  void upload(const void* host, size_t bytes);    ///< host -> device, synchronous
+  void download(void* host, size_t bytes) const;  ///< device -> host, synchronous
+
+  template <typename T>
+  static DeviceBuffer from(const std::vector<T>& host) {
+    DeviceBuffer buffer(host.size() * sizeof(T));
+    buffer.upload(host.data(), host.size() * sizeof(T));
+    return buffer;
+  }
+  template <typename T>
+  std::vector<T> to_host() const {
+    std::vector<T> host(bytes_ / sizeof(T));
+    download(host.data(), host.size() * sizeof(T));
+    return host;
+  }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+/// Fills a 16-bit buffer with a 16-bit pattern (bf16 poison such as 0x7fc1).
+void fill_u16(DeviceBuffer& buffer, uint16_t value);
+
+/// Waits for all work on the current device and throws on any asynchronous error.
+void synchronize();
+
+}  // namespace qkvfuse::test

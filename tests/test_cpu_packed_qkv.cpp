@@ -1,0 +1,1 @@
+// placeholder: tests/test_cpu_packed_qkv.cpp

@@ -1,0 +1,1 @@
+// placeholder: tests/test_cuda_packed_qkv.cpp

@@ -1,0 +1,1 @@
+// placeholder: tests/test_cuda_qk_norm_rope.cpp

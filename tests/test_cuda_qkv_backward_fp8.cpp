@@ -1,0 +1,1 @@
+// placeholder: tests/test_cuda_qkv_backward_fp8.cpp

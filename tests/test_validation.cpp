@@ -1,0 +1,1 @@
+// placeholder: tests/test_validation.cpp
