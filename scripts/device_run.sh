@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build (C++ + CUDA + PyTorch extension), run the GPU tests, the
+# sanitizers and the benchmarks, and print a short table last. Logs and result files go to $OUT.
+#
+#   scripts/device_run.sh [stage ...]     stages: build test sanitize python bench (default: all
+#                                         but sanitize)
+# Needs, carried next to the tree (git-ignored): .gtest/ (GoogleTest sources; the GPU machine has
+# no network) and .seed/reference_triton.py (the reference implementation, for side-by-side runs).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/qkvfuse-out}
+mkdir -p "$OUT"
+stages=${*:-build test python bench}
+build=build-device
+summary=$OUT/summary.txt
+: >"$summary"
+note() { echo "$*" | tee -a "$summary"; }
+has() { [[ " $stages " == *" $1 "* ]]; }
+
+note "device: $(nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null | head -1)"
+note "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo '+dirty')  date: $(date -u +%F)"
+
+if has build; then
+  torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
+  start=$SECONDS
+  cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
+    -DQKVFUSE_GTEST_SOURCE_DIR="$PWD/.gtest" -DQKVFUSE_BUILD_TORCH=ON \
+    -DCMAKE_PREFIX_PATH="$torch_prefix" >"$OUT/build.log" 2>&1 &&
+    ninja -C $build >>"$OUT/build.log" 2>&1
+  rc=$?
+  note "build: rc=$rc in $((SECONDS - start)) s"
+  if [ $rc -ne 0 ]; then grep -E "error|Error" -m 30 "$OUT/build.log"; tail -20 "$OUT/build.log"; exit 1; fi
+fi
+
+if has test; then
+  start=$SECONDS
+  ctest --test-dir $build -j 8 --output-on-failure --timeout 300 >"$OUT/ctest.log" 2>&1
+  rc=$?
+  note "ctest: rc=$rc in $((SECONDS - start)) s: $(grep -E 'tests passed|tests failed' "$OUT/ctest.log")"
+  grep -E "Failed|\*\*\*|SKIPPED" "$OUT/ctest.log" | head -40
+  # The skipped count must be zero here: every GPU test runs on this machine.
+  $build/tests/qkvfuse_tests --gtest_brief=1 2>&1 | grep -E "SKIPPED|PASSED|FAILED" | tail -5 | tee -a "$summary"
+fi
+
+if has sanitize; then
+  start=$SECONDS
+  for tool in memcheck racecheck synccheck initcheck; do
+    compute-sanitizer --tool $tool --error-exitcode 9 \
+      $build/tests/qkvfuse_tests --gtest_filter='Cuda*:*Gpu*' --gtest_brief=1 >"$OUT/sanitize_$tool.log" 2>&1
+    note "compute-sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
+  done
+  note "sanitize: $((SECONDS - start)) s"
+fi
+
+if has python; then
+  start=$SECONDS
+  python3 -m pip install -q --no-build-isolation --no-deps . >"$OUT/pip.log" 2>&1
+  note "pip install: rc=$?"
+  (cd tests/python && python3 -m pytest -q -ra -x . >"$OUT/pytest.log" 2>&1)
+  note "pytest: rc=$? $(tail -1 "$OUT/pytest.log") in $((SECONDS - start)) s"
+fi
+
+if has bench; then
+  for b in qkvfuse_bench_kernels qkvfuse_bench_fp8; do
+    [ -x $build/bench/$b ] && $build/bench/$b --csv "$OUT/$b.csv" >"$OUT/$b.txt" 2>&1
+    note "$b: rc=$?"
+  done
+  if python3 -c 'import qkvfuse' 2>/dev/null; then
+    python3 bench/bench_torch.py --reference .seed/reference_triton.py --out "$OUT/bench_torch.md" \
+      --commit "$(git rev-parse --short HEAD 2>/dev/null)" >"$OUT/bench_torch.txt" 2>&1
+    note "bench_torch: rc=$?"
+  fi
+  for f in "$OUT"/qkvfuse_bench_kernels.txt "$OUT"/qkvfuse_bench_fp8.txt "$OUT"/bench_torch.txt; do
+    [ -f "$f" ] && { echo "== $(basename "$f")"; tail -40 "$f"; }
+  done
+fi
+echo "== summary"
+cat "$summary"
