@@ -9,35 +9,39 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/qkvfuse-out}
-mkdir -p "$OUT"
+# $OUT brings back at most 8 files: logs and results are written to $LOG and packed into one
+# archive at the end.
+LOG=/tmp/qkvfuse-logs
+rm -rf "$LOG"; mkdir -p "$OUT" "$LOG"
 stages=${*:-build test python bench}
 build=build-device
-summary=$OUT/summary.txt
+summary=$LOG/summary.txt
 : >"$summary"
 note() { echo "$*" | tee -a "$summary"; }
 has() { [[ " $stages " == *" $1 "* ]]; }
 
 note "device: $(nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null | head -1)"
-note "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo '+dirty')  date: $(date -u +%F)"
+commit=${QKVFUSE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+note "commit: $commit  date: $(date -u +%F)"
 
 if has build; then
   torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
   start=$SECONDS
   cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
     -DQKVFUSE_GTEST_SOURCE_DIR="$PWD/.gtest" -DQKVFUSE_BUILD_TORCH=ON \
-    -DCMAKE_PREFIX_PATH="$torch_prefix" >"$OUT/build.log" 2>&1 &&
-    ninja -C $build >>"$OUT/build.log" 2>&1
+    -DCMAKE_PREFIX_PATH="$torch_prefix" >"$LOG/build.log" 2>&1 &&
+    ninja -C $build >>"$LOG/build.log" 2>&1
   rc=$?
   note "build: rc=$rc in $((SECONDS - start)) s"
-  if [ $rc -ne 0 ]; then grep -E "error|Error" -m 30 "$OUT/build.log"; tail -20 "$OUT/build.log"; exit 1; fi
+  if [ $rc -ne 0 ]; then grep -E "error|Error" -m 30 "$LOG/build.log"; tail -20 "$LOG/build.log"; exit 1; fi
 fi
 
 if has test; then
   start=$SECONDS
-  ctest --test-dir $build -j 8 --output-on-failure --timeout 300 >"$OUT/ctest.log" 2>&1
+  ctest --test-dir $build -j 8 --output-on-failure --timeout 300 >"$LOG/ctest.log" 2>&1
   rc=$?
-  note "ctest: rc=$rc in $((SECONDS - start)) s: $(grep -E 'tests passed|tests failed' "$OUT/ctest.log")"
-  grep -E "Failed|\*\*\*|SKIPPED" "$OUT/ctest.log" | head -40
+  note "ctest: rc=$rc in $((SECONDS - start)) s: $(grep -E 'tests passed|tests failed' "$LOG/ctest.log")"
+  grep -E "Failed|\*\*\*|SKIPPED" "$LOG/ctest.log" | head -40
   # The skipped count must be zero here: every GPU test runs on this machine.
   $build/tests/qkvfuse_tests --gtest_brief=1 2>&1 | grep -E "SKIPPED|PASSED|FAILED" | tail -5 | tee -a "$summary"
 fi
@@ -46,33 +50,35 @@ if has sanitize; then
   start=$SECONDS
   for tool in memcheck racecheck synccheck initcheck; do
     compute-sanitizer --tool $tool --error-exitcode 9 \
-      $build/tests/qkvfuse_tests --gtest_filter='Cuda*:*Gpu*' --gtest_brief=1 >"$OUT/sanitize_$tool.log" 2>&1
-    note "compute-sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
+      $build/tests/qkvfuse_tests --gtest_filter='Cuda*:*Gpu*' --gtest_brief=1 >"$LOG/sanitize_$tool.log" 2>&1
+    note "compute-sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY' "$LOG/sanitize_$tool.log" | tail -1)"
   done
   note "sanitize: $((SECONDS - start)) s"
 fi
 
 if has python; then
   start=$SECONDS
-  python3 -m pip install -q --no-build-isolation --no-deps . >"$OUT/pip.log" 2>&1
+  python3 -m pip install -q --no-build-isolation --no-deps . >"$LOG/pip.log" 2>&1
   note "pip install: rc=$?"
-  (cd tests/python && python3 -m pytest -q -ra -x . >"$OUT/pytest.log" 2>&1)
-  note "pytest: rc=$? $(tail -1 "$OUT/pytest.log") in $((SECONDS - start)) s"
+  (cd tests/python && python3 -m pytest -q -ra -x . >"$LOG/pytest.log" 2>&1)
+  note "pytest: rc=$? $(tail -1 "$LOG/pytest.log") in $((SECONDS - start)) s"
 fi
 
 if has bench; then
   for b in qkvfuse_bench_kernels qkvfuse_bench_fp8; do
-    [ -x $build/bench/$b ] && $build/bench/$b --csv "$OUT/$b.csv" >"$OUT/$b.txt" 2>&1
+    [ -x $build/bench/$b ] && $build/bench/$b --csv "$LOG/$b.csv" >"$LOG/$b.txt" 2>&1
     note "$b: rc=$?"
   done
   if python3 -c 'import qkvfuse' 2>/dev/null; then
-    python3 bench/bench_torch.py --reference .seed/reference_triton.py --out "$OUT/bench_torch.md" \
-      --commit "$(git rev-parse --short HEAD 2>/dev/null)" >"$OUT/bench_torch.txt" 2>&1
+    python3 bench/bench_torch.py --reference .seed/reference_triton.py --out "$LOG/bench_torch.md" \
+      --commit "$commit" >"$LOG/bench_torch.txt" 2>&1
     note "bench_torch: rc=$?"
   fi
-  for f in "$OUT"/qkvfuse_bench_kernels.txt "$OUT"/qkvfuse_bench_fp8.txt "$OUT"/bench_torch.txt; do
+  for f in "$LOG"/qkvfuse_bench_kernels.txt "$LOG"/qkvfuse_bench_fp8.txt "$LOG"/bench_torch.txt; do
     [ -f "$f" ] && { echo "== $(basename "$f")"; tail -40 "$f"; }
   done
 fi
+tar czf "$OUT/logs.tgz" -C "$LOG" .
+cp "$summary" "$OUT/summary.txt"
 echo "== summary"
 cat "$summary"
