@@ -9,7 +9,7 @@ command -v ninja >/dev/null || need_apt+=(ninja-build)
 command -v g++ >/dev/null || need_apt+=(g++)
 if [ ${#need_apt[@]} -gt 0 ]; then apt-get update -qq && apt-get install -y -qq "${need_apt[@]}"; fi
 if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then export PATH=/usr/local/cuda/bin:$PATH; fi
-build=${QKVFUSE_BUILD_DIR:-build}
+build=${QKVFUSE_BUILD_DIR:-build-demo}
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DQKVFUSE_BUILD_TESTS=OFF -DQKVFUSE_BUILD_BENCH=OFF >/dev/null
 cmake --build "$build" --target qkvfuse_demo
 "$build/examples/qkvfuse_demo" "$@"
