@@ -1,1 +1,681 @@
-// placeholder: tests/reference.cpp
+// reference.cpp: the float64 model of SPEC.md and the comparisons (see reference.hpp).
+//
+// The rope backward is written as the transpose of the forward's reads: every output element
+// scatters its gradient onto the normalized values it was computed from. That is the chain rule
+// applied to section 1 directly, a different route from section 2's gather formula, so the two
+// meet only if both are right (and the tests check both against finite differences).
+#include "reference.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <sstream>
+#include <stdexcept>
+#include <utility>
+
+#include "qkvfuse/error.hpp"
+#include "test_util.hpp"
+
+namespace qkvfuse::ref {
+namespace {
+
+constexpr double kEps = 1.0 / 8388608.0;  // 2^-23, F.rms_norm's fp32 default
+constexpr double kE4m3Max = 448.0;
+const double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+/// x rounded to `bits` significant bits, ties to even, with the quantum of 2^min_exponent's
+/// binade below it (gradual underflow). Exact: x / quantum is a power-of-two scaling.
+double round_significant(double x, int bits, int min_exponent) {
+  if (!std::isfinite(x) || x == 0.0) return x;
+  int exponent = 0;
+  std::frexp(x, &exponent);  // |x| in [2^(exponent-1), 2^exponent)
+  const int lead = std::max(exponent - 1, min_exponent);
+  const double quantum = std::ldexp(1.0, lead - (bits - 1));
+  // nearbyint rounds in the current mode, which the tests leave at its default, to nearest even.
+  return std::nearbyint(x / quantum) * quantum;
+}
+
+/// Element (i, j) of a dense row-major matrix with `cols` columns.
+size_t at(int64_t i, int64_t j, int64_t cols) { return size_t(i * cols + j); }
+
+/// Normalized row and its rstd: n = x / sqrt(mean(x^2) + eps).
+double normalize(const double* x, int64_t width, std::vector<double>& n) {
+  double squares = 0;
+  for (int64_t d = 0; d < width; ++d) squares += x[d] * x[d];
+  const double rstd = 1.0 / std::sqrt(squares / double(width) + kEps);
+  n.resize(size_t(width));
+  for (int64_t d = 0; d < width; ++d) n[size_t(d)] = x[d] * rstd;
+  return rstd;
+}
+
+/// Output token, output head and factor column offset of input row (t, h2) (SPEC.md 1).
+struct Target {
+  int64_t token;
+  int64_t head;
+  int64_t factor_offset;
+  bool key;
+};
+
+Target target_of(const Rope& rope, int64_t t, int64_t h2) {
+  const int64_t h = h2 % rope.heads;
+  const bool key = h2 >= rope.heads;
+  if (!rope.paired) return {t, h, 0, key};
+  const int64_t half = rope.heads / 2;
+  return {2 * t + h / half, h % half, (h % 2) * rope.head_dim, key};
+}
+
+/// True when output element d of (t, h2) copies the previous token's normalized key instead.
+bool shifted(const Rope& rope, int64_t t, int64_t d, bool key) {
+  return rope.key_offset && key && t > 0 && d >= rope.rotary_dim;
+}
+
+}  // namespace
+
+// ---- rounding and encodings --------------------------------------------------------------------
+
+double round_bf16(double x) {
+  const double rounded = round_significant(x, 8, -126);
+  // The largest bf16 is (2 - 2^-7) * 2^127; anything that rounds beyond it is infinite.
+  if (std::fabs(rounded) >= std::ldexp(1.0, 128)) return std::copysign(INFINITY, x);
+  return rounded;
+}
+
+uint16_t bf16_bits(double representable) {
+  if (std::isnan(representable)) return 0x7fc0;
+  const float value = float(representable);  // exact for a bf16 value
+  uint32_t bits = 0;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return uint16_t(bits >> 16);
+}
+
+double bf16_value(uint16_t bits) {
+  const uint32_t wide = uint32_t(bits) << 16;
+  float value = 0;
+  std::memcpy(&value, &wide, sizeof(value));
+  return value;
+}
+
+double e4m3_value(uint8_t code) {
+  const double sign = (code & 0x80) ? -1.0 : 1.0;
+  const int exponent = (code >> 3) & 0xf;
+  const int mantissa = code & 0x7;
+  if (exponent == 0xf && mantissa == 0x7) return kNaN;
+  if (exponent == 0) return sign * mantissa * std::ldexp(1.0, -9);
+  return sign * (1.0 + mantissa / 8.0) * std::ldexp(1.0, exponent - 7);
+}
+
+double round_e4m3(double x) {
+  if (std::isnan(x)) return x;
+  if (std::fabs(x) > kE4m3Max) return std::copysign(kE4m3Max, x);
+  return round_significant(x, 4, -6);
+}
+
+uint8_t e4m3_code(double representable) {
+  if (std::isnan(representable)) return 0x7f;
+  const int sign = std::signbit(representable) ? 0x80 : 0x00;
+  const double magnitude = std::fabs(representable);
+  int code = 0;
+  if (magnitude < std::ldexp(1.0, -6)) {
+    code = int(magnitude / std::ldexp(1.0, -9));  // subnormal: m * 2^-9
+  } else {
+    int exponent = 0;
+    const double fraction = std::frexp(magnitude, &exponent);  // magnitude = f * 2^exponent
+    const int mantissa = int((2 * fraction - 1) * 8);          // (1 + m/8) * 2^(exponent - 1)
+    code = ((exponent - 1 + 7) << 3) | mantissa;
+  }
+  if (code > 0x7e || e4m3_value(uint8_t(code)) != magnitude) {
+    throw std::logic_error("e4m3_code: not an e4m3 value");
+  }
+  return uint8_t(sign | code);
+}
+
+uint8_t quantize_code(double bf16_value, float scale) {
+  const float quotient = float(bf16_value) / scale;  // the spec's fp32 division
+  return e4m3_code(round_e4m3(quotient));
+}
+
+// ---- QK-norm + rotary --------------------------------------------------------------------------
+
+QkPair rope_forward(const Rope& rope, const std::vector<double>& qk,
+                    const std::vector<double>& factor1, const std::vector<double>& factor2) {
+  const int64_t D = rope.head_dim;
+  const int64_t W = rope.factor_width();
+  const int64_t heads2 = 2 * rope.heads;
+  const size_t out_size = size_t(rope.out_tokens() * rope.out_heads() * D);
+  QkPair out{std::vector<double>(out_size, kNaN), std::vector<double>(out_size, kNaN)};
+  std::vector<double> n, n_prev;
+  for (int64_t t = 0; t < rope.tokens; ++t) {
+    for (int64_t h2 = 0; h2 < heads2; ++h2) {
+      normalize(&qk[at(t * heads2 + h2, 0, D)], D, n);
+      const Target target = target_of(rope, t, h2);
+      if (t > 0) normalize(&qk[at((t - 1) * heads2 + h2, 0, D)], D, n_prev);
+      std::vector<double>& dest = target.key ? out.k : out.q;
+      for (int64_t d = 0; d < D; ++d) {
+        const size_t f = at(t, target.factor_offset + d, W);
+        const double rotated = factor1[f] * n[size_t(d)] + factor2[f] * n[size_t(d ^ 1)];
+        dest[at(target.token * rope.out_heads() + target.head, d, D)] =
+            shifted(rope, t, d, target.key) ? n_prev[size_t(d)] : rotated;
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<double> rope_backward(const Rope& rope, const std::vector<double>& grad_q,
+                                  const std::vector<double>& grad_k, const std::vector<double>& qk,
+                                  const std::vector<double>& factor1,
+                                  const std::vector<double>& factor2) {
+  const int64_t D = rope.head_dim;
+  const int64_t W = rope.factor_width();
+  const int64_t heads2 = 2 * rope.heads;
+  // Gradient with respect to the normalized rows, scattered from every output element.
+  std::vector<double> grad_n(size_t(rope.tokens * heads2 * D), 0.0);
+  for (int64_t t = 0; t < rope.tokens; ++t) {
+    for (int64_t h2 = 0; h2 < heads2; ++h2) {
+      const Target target = target_of(rope, t, h2);
+      const std::vector<double>& grad = target.key ? grad_k : grad_q;
+      for (int64_t d = 0; d < D; ++d) {
+        const double g = grad[at(target.token * rope.out_heads() + target.head, d, D)];
+        if (shifted(rope, t, d, target.key)) {
+          grad_n[at((t - 1) * heads2 + h2, d, D)] += g;
+          continue;
+        }
+        const size_t f = at(t, target.factor_offset + d, W);
+        grad_n[at(t * heads2 + h2, d, D)] += factor1[f] * g;
+        grad_n[at(t * heads2 + h2, d ^ 1, D)] += factor2[f] * g;
+      }
+    }
+  }
+  // Through the normalization: dx = rstd * (dn - n * mean(dn * n)).
+  std::vector<double> grad_qk(grad_n.size());
+  std::vector<double> n;
+  for (int64_t row = 0; row < rope.tokens * heads2; ++row) {
+    const double rstd = normalize(&qk[at(row, 0, D)], D, n);
+    double dot = 0;
+    for (int64_t d = 0; d < D; ++d) dot += grad_n[at(row, d, D)] * n[size_t(d)];
+    for (int64_t d = 0; d < D; ++d) {
+      grad_qk[at(row, d, D)] = rstd * (grad_n[at(row, d, D)] - n[size_t(d)] * dot / double(D));
+    }
+  }
+  return grad_qk;
+}
+
+// ---- fused FP8 backward ------------------------------------------------------------------------
+
+std::vector<double> qkv_backward_values(const Rope& rope, int64_t v_dim,
+                                        const std::vector<double>& grad_q,
+                                        const std::vector<double>& grad_k,
+                                        const std::vector<double>& grad_v,
+                                        const std::vector<double>& qk,
+                                        const std::vector<double>& factor1,
+                                        const std::vector<double>& factor2) {
+  const std::vector<double> grad_qk = rope_backward(rope, grad_q, grad_k, qk, factor1, factor2);
+  const int64_t qk_features = 2 * rope.heads * rope.head_dim;
+  const int64_t qkv_dim = qk_features + rope.heads * v_dim;
+  std::vector<double> values(size_t(rope.tokens * qkv_dim));
+  for (int64_t t = 0; t < rope.tokens; ++t) {
+    for (int64_t f = 0; f < qk_features; ++f) {
+      values[at(t, f, qkv_dim)] = grad_qk[at(t, f, qk_features)];
+    }
+    for (int64_t f = 0; f < rope.heads * v_dim; ++f) {
+      values[at(t, qk_features + f, qkv_dim)] = grad_v[at(t, f, rope.heads * v_dim)];
+    }
+  }
+  return values;
+}
+
+// ---- quantize ----------------------------------------------------------------------------------
+
+Quantized quantize(const std::vector<double>& src, int64_t rows, int64_t cols, float scale) {
+  Quantized out{std::vector<uint8_t>(src.size()), std::vector<uint8_t>(src.size())};
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t n = 0; n < cols; ++n) {
+      const uint8_t code = quantize_code(src[at(m, n, cols)], scale);
+      out.row[at(m, n, cols)] = code;
+      out.t[at(n, m, rows)] = code;
+    }
+  }
+  return out;
+}
+
+double amax(const std::vector<double>& values) {
+  double result = 0;
+  for (double v : values) {
+    if (std::isnan(v)) return kNaN;
+    result = std::max(result, std::fabs(v));
+  }
+  return result;
+}
+
+// ---- GEMM and the packed projection ------------------------------------------------------------
+
+std::vector<double> gemm(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b, int64_t m,
+                         int64_t n, int64_t k, double scale) {
+  std::vector<double> a_values(a.size()), b_values(b.size());
+  for (size_t i = 0; i < a.size(); ++i) a_values[i] = e4m3_value(a[i]);
+  for (size_t i = 0; i < b.size(); ++i) b_values[i] = e4m3_value(b[i]);
+  std::vector<double> d(size_t(m * n));
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      double sum = 0;
+      for (int64_t l = 0; l < k; ++l) sum += a_values[at(i, l, k)] * b_values[at(j, l, k)];
+      d[at(i, j, n)] = sum * scale;
+    }
+  }
+  return d;
+}
+
+std::vector<double> packed_projection(const std::vector<uint8_t>& x_f8,
+                                      const std::vector<uint8_t>& weight_f8, int64_t tokens,
+                                      int64_t qkv_dim, int64_t channels, float x_scale,
+                                      float weight_scale, float qkv_scale) {
+  const double scale = double(x_scale) * double(weight_scale) * double(qkv_scale);
+  return gemm(x_f8, weight_f8, tokens, qkv_dim, channels, scale);
+}
+
+WeightGrads packed_weight_grads(const std::vector<double>& grad_weight,
+                                const std::vector<double>& weight, float qkv_scale) {
+  WeightGrads out;
+  out.grad_weight.resize(grad_weight.size());
+  for (size_t i = 0; i < grad_weight.size(); ++i) {
+    out.grad_weight[i] = grad_weight[i] * double(qkv_scale);
+    out.grad_qkv_scale += grad_weight[i] * weight[i];
+  }
+  return out;
+}
+
+}  // namespace qkvfuse::ref
+
+namespace qkvfuse::test {
+namespace {
+
+/// Position on the number line in steps: +0 and -0 are both 0, and adjacent values differ by 1
+/// across zero too (both formats are sign-magnitude).
+int ordinal_bf16(uint16_t bits) { return (bits & 0x8000) ? -int(bits & 0x7fff) : int(bits); }
+int ordinal_e4m3(uint8_t code) { return (code & 0x80) ? -int(code & 0x7f) : int(code); }
+
+/// Files one element: `got`, the expected ordinal, and the lowest/highest acceptable ordinals
+/// before the one-step allowance.
+/// `detail()` describes the element; it is only called for the first failure.
+template <typename Detail>
+void classify(Comparison& c, size_t index, bool got_nan, bool expect_nan, int got, int expected,
+              int low, int high, const Detail& detail) {
+  if (expect_nan || got_nan) {
+    if (expect_nan && got_nan) {
+      ++c.exact;
+      return;
+    }
+  } else if (got == expected) {
+    ++c.exact;
+    return;
+  } else if (std::abs(got - expected) == 1) {
+    ++c.one_step;
+    return;
+  } else if (got >= low - 1 && got <= high + 1) {
+    ++c.in_noise;
+    return;
+  }
+  if (c.bad++ == 0) c.first_bad = "element " + std::to_string(index) + ": " + detail();
+}
+
+double noise_at(const std::vector<double>& noise, size_t i) {
+  return noise.empty() ? 0.0 : noise[i];
+}
+
+}  // namespace
+
+namespace {
+
+/// The bytes of one poisoned element of `dtype`.
+std::vector<unsigned char> poison_bytes(DType dtype) {
+  std::vector<unsigned char> bytes(dtype_size(dtype));
+  const float nan32 = std::numeric_limits<float>::quiet_NaN();
+  switch (dtype) {
+    case DType::kBFloat16: std::memcpy(bytes.data(), &kPoisonBF16, 2); break;
+    case DType::kFloat32: std::memcpy(bytes.data(), &nan32, 4); break;
+    case DType::kFloat64: std::memcpy(bytes.data(), &ref::kNaN, 8); break;
+    case DType::kFloat8E4M3: bytes[0] = kPoisonE4M3; break;
+  }
+  return bytes;
+}
+
+}  // namespace
+
+HostTensor::HostTensor(DType dtype, std::vector<int64_t> sizes, std::vector<int64_t> strides,
+                       int64_t offset)
+    : dtype_(dtype), sizes_(std::move(sizes)), strides_(std::move(strides)), offset_(offset) {
+  if (strides_.empty()) {
+    strides_.resize(sizes_.size());
+    int64_t stride = 1;
+    for (size_t d = sizes_.size(); d-- > 0;) {
+      strides_[d] = stride;
+      stride *= sizes_[d];
+    }
+  }
+  int64_t last = offset_;  // the highest element the view reaches
+  for (size_t d = 0; d < sizes_.size(); ++d)
+    last += std::max<int64_t>(0, sizes_[d] - 1) * strides_[d];
+  bytes_.resize(size_t(last + 1) * dtype_size(dtype_));
+  poison();
+}
+
+TensorView HostTensor::view() {
+  TensorView view;
+  view.data = slot(offset_);
+  view.dtype = dtype_;
+  view.device = kCPU;
+  view.ndim = int(sizes_.size());
+  for (size_t d = 0; d < sizes_.size(); ++d) {
+    view.sizes[d] = sizes_[d];
+    view.strides[d] = strides_[d];
+  }
+  return view;
+}
+
+int64_t HostTensor::numel() const {
+  int64_t count = 1;
+  for (int64_t size : sizes_) count *= size;
+  return count;
+}
+
+int64_t HostTensor::buffer_index(int64_t dense_index) const {
+  int64_t index = offset_;
+  for (size_t d = sizes_.size(); d-- > 0;) {
+    index += (dense_index % sizes_[d]) * strides_[d];
+    dense_index /= sizes_[d];
+  }
+  return index;
+}
+
+unsigned char* HostTensor::slot(int64_t element) {
+  return bytes_.data() + size_t(element) * dtype_size(dtype_);
+}
+const unsigned char* HostTensor::slot(int64_t element) const {
+  return bytes_.data() + size_t(element) * dtype_size(dtype_);
+}
+
+void HostTensor::set(const std::vector<double>& values) {
+  if (dtype_ == DType::kFloat8E4M3) {
+    std::vector<uint8_t> codes(values.size());
+    for (size_t i = 0; i < values.size(); ++i)
+      codes[i] = ref::e4m3_code(ref::round_e4m3(values[i]));
+    set_codes(codes);
+    return;
+  }
+  for (int64_t i = 0; i < numel(); ++i) {
+    unsigned char* out = slot(buffer_index(i));
+    const double value = values[size_t(i)];
+    if (dtype_ == DType::kBFloat16) {
+      const uint16_t bits = ref::bf16_bits(ref::round_bf16(value));
+      std::memcpy(out, &bits, sizeof(bits));
+    } else if (dtype_ == DType::kFloat32) {
+      const float narrow = float(value);
+      std::memcpy(out, &narrow, sizeof(narrow));
+    } else {
+      std::memcpy(out, &value, sizeof(value));
+    }
+  }
+}
+
+void HostTensor::set_codes(const std::vector<uint8_t>& codes) {
+  for (int64_t i = 0; i < numel(); ++i) *slot(buffer_index(i)) = codes[size_t(i)];
+}
+
+std::vector<double> HostTensor::get() const {
+  std::vector<double> out(static_cast<size_t>(numel()));
+  for (int64_t i = 0; i < numel(); ++i) {
+    const unsigned char* in = slot(buffer_index(i));
+    if (dtype_ == DType::kBFloat16) {
+      uint16_t bits = 0;
+      std::memcpy(&bits, in, sizeof(bits));
+      out[size_t(i)] = ref::bf16_value(bits);
+    } else if (dtype_ == DType::kFloat32) {
+      float value = 0;
+      std::memcpy(&value, in, sizeof(value));
+      out[size_t(i)] = value;
+    } else if (dtype_ == DType::kFloat64) {
+      std::memcpy(&out[size_t(i)], in, sizeof(double));
+    } else {
+      out[size_t(i)] = ref::e4m3_value(*in);
+    }
+  }
+  return out;
+}
+
+std::vector<uint16_t> HostTensor::get_bf16_bits() const {
+  std::vector<uint16_t> out(static_cast<size_t>(numel()));
+  for (int64_t i = 0; i < numel(); ++i) std::memcpy(&out[size_t(i)], slot(buffer_index(i)), 2);
+  return out;
+}
+
+std::vector<uint8_t> HostTensor::get_codes() const {
+  std::vector<uint8_t> out(static_cast<size_t>(numel()));
+  for (int64_t i = 0; i < numel(); ++i) out[size_t(i)] = *slot(buffer_index(i));
+  return out;
+}
+
+void HostTensor::poison() {
+  const std::vector<unsigned char> pattern = poison_bytes(dtype_);
+  for (size_t i = 0; i < bytes_.size(); i += pattern.size()) {
+    std::memcpy(bytes_.data() + i, pattern.data(), pattern.size());
+  }
+}
+
+int64_t HostTensor::padding_touched() const {
+  const size_t element = dtype_size(dtype_);
+  std::vector<bool> in_view(bytes_.size() / element, false);
+  for (int64_t i = 0; i < numel(); ++i) in_view[size_t(buffer_index(i))] = true;
+  const std::vector<unsigned char> pattern = poison_bytes(dtype_);
+  int64_t touched = 0;
+  for (size_t e = 0; e < in_view.size(); ++e) {
+    if (!in_view[e] && std::memcmp(bytes_.data() + e * element, pattern.data(), element) != 0) {
+      ++touched;
+    }
+  }
+  return touched;
+}
+
+std::vector<double> random_values(std::mt19937_64& rng, size_t count, DType dtype, double scale) {
+  std::normal_distribution<double> normal(0.0, scale);
+  std::vector<double> values(count);
+  for (double& v : values) {
+    v = normal(rng);
+    switch (dtype) {
+      case DType::kBFloat16: v = ref::round_bf16(v); break;
+      case DType::kFloat32: v = double(float(v)); break;
+      case DType::kFloat64: break;
+      case DType::kFloat8E4M3: v = ref::round_e4m3(v); break;
+    }
+  }
+  return values;
+}
+
+std::vector<double> e4m3_tie_inputs(float scale) {
+  std::vector<double> out;
+  for (int code = 0; code + 1 < 0x7f; ++code) {
+    const double midpoint =
+        (ref::e4m3_value(uint8_t(code)) + ref::e4m3_value(uint8_t(code + 1))) / 2;
+    const double x = midpoint * double(scale);
+    const bool bf16_exact = ref::round_bf16(x) == x;
+    if (bf16_exact && double(float(x) / scale) == midpoint) {
+      out.push_back(x);
+      out.push_back(-x);
+    }
+  }
+  return out;
+}
+
+void rotary_factor_values(std::mt19937_64& rng, int64_t tokens, int64_t head_dim, int64_t copies,
+                          int64_t rotary_dim, bool off_bf16_grid, std::vector<double>& factor1,
+                          std::vector<double>& factor2) {
+  std::vector<float> f1, f2;
+  rotary_tables(tokens, head_dim, copies, rotary_dim, f1, f2);
+  std::uniform_real_distribution<double> nudge(-1.0 / 4096, 1.0 / 4096);
+  factor1.resize(f1.size());
+  factor2.resize(f2.size());
+  for (size_t i = 0; i < f1.size(); ++i) {
+    factor1[i] = f1[i];
+    factor2[i] = f2[i];
+    const bool stationary = f1[i] == 1.0f && f2[i] == 0.0f;
+    if (off_bf16_grid && !stationary) {
+      factor1[i] = double(float(factor1[i] * (1 + nudge(rng))));
+      factor2[i] = double(float(factor2[i] * (1 + nudge(rng))));
+    }
+  }
+}
+
+::testing::AssertionResult passes(const Comparison& comparison) {
+  std::printf("[compare] %s\n", comparison.summary().c_str());
+  if (comparison.ok()) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << comparison.summary();
+}
+
+std::string Comparison::summary() const {
+  std::ostringstream out;
+  out << what << ": " << count << " elements, " << exact << " exact, " << one_step << " by 1 step, "
+      << in_noise << " in noise, " << unwritten << " unwritten, " << bad << " bad";
+  if (bad) out << " (first: " << first_bad << ")";
+  return out.str();
+}
+
+std::vector<double> row_noise(const std::vector<double>& ref, int64_t row_length, double relative) {
+  std::vector<double> noise(ref.size());
+  for (size_t start = 0; start < ref.size(); start += size_t(row_length)) {
+    const size_t end = std::min(ref.size(), start + size_t(row_length));
+    double largest = 0;
+    for (size_t i = start; i < end; ++i) largest = std::max(largest, std::fabs(ref[i]));
+    for (size_t i = start; i < end; ++i) noise[i] = relative * largest;
+  }
+  return noise;
+}
+
+std::vector<double> qkv_feature_noise(const ref::Rope& rope, int64_t v_dim,
+                                      const std::vector<double>& values, double relative) {
+  const int64_t qk_features = 2 * rope.heads * rope.head_dim;
+  const int64_t qkv_dim = qk_features + rope.heads * v_dim;
+  std::vector<double> noise(values.size(), 0.0);
+  for (int64_t t = 0; t < rope.tokens; ++t) {
+    for (int64_t start = 0; start < qk_features; start += rope.head_dim) {
+      const size_t base = size_t(t * qkv_dim + start);
+      double largest = 0;
+      for (int64_t d = 0; d < rope.head_dim; ++d)
+        largest = std::max(largest, std::fabs(values[base + size_t(d)]));
+      for (int64_t d = 0; d < rope.head_dim; ++d) noise[base + size_t(d)] = relative * largest;
+    }
+  }
+  return noise;
+}
+
+Comparison compare_bf16(const std::string& what, const std::vector<uint16_t>& got,
+                        const std::vector<double>& ref, const std::vector<double>& noise) {
+  Comparison c;
+  c.what = what;
+  c.count = int64_t(ref.size());
+  if (got.size() != ref.size()) {
+    c.bad = c.count;
+    c.first_bad = "size " + std::to_string(got.size()) + " vs " + std::to_string(ref.size());
+    return c;
+  }
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (got[i] == kPoisonBF16 && !std::isnan(ref[i])) {
+      ++c.unwritten;
+      continue;
+    }
+    const uint16_t expected = ref::bf16_bits(ref::round_bf16(ref[i]));
+    const uint16_t low = ref::bf16_bits(ref::round_bf16(ref[i] - noise_at(noise, i)));
+    const uint16_t high = ref::bf16_bits(ref::round_bf16(ref[i] + noise_at(noise, i)));
+    const auto detail = [&] {
+      std::ostringstream out;
+      out << "got " << ref::bf16_value(got[i]) << ", expected " << ref[i] << " (rounded "
+          << ref::bf16_value(expected) << ")";
+      return out.str();
+    };
+    classify(c, i, std::isnan(ref::bf16_value(got[i])), std::isnan(ref[i]), ordinal_bf16(got[i]),
+             ordinal_bf16(expected), ordinal_bf16(low), ordinal_bf16(high), detail);
+  }
+  return c;
+}
+
+Comparison compare_e4m3(const std::string& what, const std::vector<uint8_t>& got,
+                        const std::vector<double>& values, float scale,
+                        const std::vector<double>& noise) {
+  Comparison c;
+  c.what = what;
+  c.count = int64_t(values.size());
+  if (got.size() != values.size()) {
+    c.bad = c.count;
+    c.first_bad = "size " + std::to_string(got.size()) + " vs " + std::to_string(values.size());
+    return c;
+  }
+  const auto code_of = [scale](double value) {
+    return ref::quantize_code(ref::round_bf16(value), scale);
+  };
+  for (size_t i = 0; i < values.size(); ++i) {
+    const uint8_t expected = code_of(values[i]);
+    const bool expect_nan = (expected & 0x7f) == 0x7f;
+    if (got[i] == kPoisonE4M3 && !expect_nan) {
+      ++c.unwritten;
+      continue;
+    }
+    const uint8_t low = code_of(values[i] - noise_at(noise, i));
+    const uint8_t high = code_of(values[i] + noise_at(noise, i));
+    const auto detail = [&] {
+      std::ostringstream out;
+      out << "got code 0x" << std::hex << int(got[i]) << ", expected 0x" << int(expected)
+          << std::dec << " (value " << values[i] << " / scale " << scale << ")";
+      return out.str();
+    };
+    classify(c, i, (got[i] & 0x7f) == 0x7f, expect_nan, ordinal_e4m3(got[i]),
+             ordinal_e4m3(expected), ordinal_e4m3(low), ordinal_e4m3(high), detail);
+  }
+  return c;
+}
+
+Comparison compare_close(const std::string& what, const std::vector<double>& got,
+                         const std::vector<double>& ref, const std::vector<double>& tolerance) {
+  Comparison c;
+  c.what = what;
+  c.count = int64_t(ref.size());
+  if (got.size() != ref.size()) {
+    c.bad = c.count;
+    c.first_bad = "size " + std::to_string(got.size()) + " vs " + std::to_string(ref.size());
+    return c;
+  }
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (std::isnan(got[i]) && !std::isnan(ref[i])) {
+      ++c.unwritten;  // the poison (a NaN result would be just as wrong)
+    } else if (got[i] == ref[i] || (std::isnan(got[i]) && std::isnan(ref[i]))) {
+      ++c.exact;
+    } else if (std::fabs(got[i] - ref[i]) <= tolerance[i]) {
+      ++c.in_noise;
+    } else if (c.bad++ == 0) {
+      std::ostringstream detail;
+      detail.precision(17);
+      detail << "element " << i << ": got " << got[i] << ", expected " << ref[i] << " (tolerance "
+             << tolerance[i] << ")";
+      c.first_bad = detail.str();
+    }
+  }
+  return c;
+}
+
+::testing::AssertionResult throws_error(const std::function<void()>& call,
+                                        std::initializer_list<std::string> parts) {
+  try {
+    call();
+  } catch (const Error& error) {
+    const std::string message = error.what();
+    for (const std::string& part : parts) {
+      if (message.find(part) == std::string::npos) {
+        return ::testing::AssertionFailure() << "the message lacks \"" << part << "\": " << message;
+      }
+    }
+    return ::testing::AssertionSuccess() << message;
+  } catch (const std::exception& other) {
+    return ::testing::AssertionFailure() << "threw a non-qkvfuse exception: " << other.what();
+  }
+  return ::testing::AssertionFailure() << "did not throw";
+}
+
+}  // namespace qkvfuse::test

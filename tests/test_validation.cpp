@@ -1,1 +1,714 @@
-// placeholder: tests/test_validation.cpp
+// test_validation.cpp: every public op refuses each class of bad argument with a qkvfuse::Error
+// that names the op and the argument, treats empty work as a no-op that writes nothing, and
+// never writes anything when it refuses.
+//
+// Each test starts from a valid call (checked to succeed) and breaks one thing.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "qkvfuse/qkvfuse.hpp"
+#include "reference.hpp"
+#include "test_util.hpp"
+
+namespace qkvfuse::test {
+namespace {
+
+constexpr Device kCuda0{DeviceType::kCUDA, 0};
+
+TensorView with_strides(TensorView view, std::initializer_list<int64_t> strides) {
+  int d = 0;
+  for (int64_t stride : strides) view.strides[d++] = stride;
+  return view;
+}
+
+TensorView on_device(TensorView view, Device device) {
+  view.device = device;
+  return view;
+}
+
+/// A view of `sizes` (row-major) over another view's memory: aliasing on purpose.
+TensorView alias(const TensorView& memory, DType dtype, std::initializer_list<int64_t> sizes) {
+  return make_view(memory.data, dtype, memory.device, sizes);
+}
+
+/// True when every byte of the tensor's buffer still holds the poison.
+bool untouched(const HostTensor& tensor) {
+  const std::vector<double> values = tensor.get();
+  return std::all_of(values.begin(), values.end(), [](double v) { return std::isnan(v); }) &&
+         tensor.padding_touched() == 0;
+}
+
+// ---- the rope ops and the fused FP8 backward ---------------------------------------------------
+
+/// Valid arguments for qk_norm_rope, its backward and qkv_backward_fp8 (T=4, H=2, D=32, Dv=16).
+struct RopeArgs {
+  static constexpr int64_t T = 4, H = 2, D = 32, Dv = 16, kQkvDim = 2 * H * D + H * Dv;
+  HostTensor qk{DType::kBFloat16, {T, 2 * H, D}};
+  HostTensor factor1{DType::kBFloat16, {T, D}};
+  HostTensor factor2{DType::kBFloat16, {T, D}};
+  HostTensor q{DType::kBFloat16, {T, H, D}};
+  HostTensor k{DType::kBFloat16, {T, H, D}};
+  HostTensor grad_q{DType::kBFloat16, {T, H, D}};
+  HostTensor grad_k{DType::kBFloat16, {T, H, D}};
+  HostTensor grad_qk{DType::kBFloat16, {T, 2 * H, D}};
+  HostTensor grad_v{DType::kBFloat16, {T, H, Dv}};
+  HostTensor grad_scale{DType::kFloat32, {}};
+  HostTensor grad_row{DType::kFloat8E4M3, {T, kQkvDim}};
+  HostTensor grad_t{DType::kFloat8E4M3, {kQkvDim, T}};
+
+  RopeArgs() {
+    for (HostTensor* input : {&qk, &factor1, &grad_q, &grad_k, &grad_v, &grad_scale}) {
+      input->set(std::vector<double>(size_t(input->numel()), 1.0));
+    }
+    factor2.set(std::vector<double>(size_t(factor2.numel()), 0.0));
+  }
+  static RopeLayout layout() { return {H, D, false, false}; }
+  QkNormRopeParams forward() {
+    return {qk.view(), factor1.view(), factor2.view(), q.view(), k.view(), layout()};
+  }
+  QkNormRopeBackwardParams backward() {
+    return {grad_q.view(),  grad_k.view(),  qk.view(), factor1.view(),
+            factor2.view(), grad_qk.view(), layout()};
+  }
+  QkvBackwardFp8Params fp8() {
+    return {grad_q.view(),  grad_k.view(),     grad_v.view(),   qk.view(),     factor1.view(),
+            factor2.view(), grad_scale.view(), grad_row.view(), grad_t.view(), layout()};
+  }
+};
+
+TEST(Validation, ValidRopeCallsSucceed) {
+  RopeArgs args;
+  EXPECT_NO_THROW(qk_norm_rope(args.forward()));
+  EXPECT_NO_THROW(qk_norm_rope_backward(args.backward()));
+  EXPECT_NO_THROW(qkv_backward_fp8(args.fp8()));
+}
+
+TEST(Validation, QkNormRopeWrongDtype) {
+  RopeArgs args;
+  auto p = args.forward();
+  p.qk.dtype = DType::kFloat8E4M3;
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"qk_norm_rope: qk: expected dtype"}));
+  p = args.forward();
+  p.q.dtype = DType::kFloat32;
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"q: expected dtype bfloat16", "float32"}));
+  p = args.forward();
+  p.factor1.dtype = DType::kFloat8E4M3;
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"factor1: expected dtype"}));
+  p = args.forward();
+  p.factor2.dtype = DType::kFloat32;
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"factor2: expected dtype bfloat16"}));
+}
+
+TEST(Validation, QkNormRopeWrongHeadCountAndShapes) {
+  RopeArgs args;
+  auto p = args.forward();
+  p.layout.num_heads = 3;  // qk holds 4 heads, the layout says 6
+  EXPECT_TRUE(
+      throws_error([&] { qk_norm_rope(p); },
+                   {"qk: expected shape [T, 6, 32] (2*num_heads = 6 heads), got [4, 4, 32]"}));
+  p = args.forward();
+  p.qk.ndim = 2;
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"qk: expected 3 dims"}));
+  p = args.forward();
+  p.factor1.sizes[0] = 3;
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"factor1: expected shape [4, 32]"}));
+  p = args.forward();
+  p.layout.paired = true;  // paired factors are [T, 2D]
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"factor1: expected shape [4, 64]", "2*D"}));
+  p = args.forward();
+  p.k.sizes[1] = 1;
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"k: expected shape [4, 2, 32]"}));
+}
+
+TEST(Validation, QkNormRopeHeadWidth) {
+  RopeArgs args;
+  for (int64_t bad : {0, 33, 258}) {
+    auto p = args.forward();
+    p.qk.sizes[2] = bad;
+    EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); },
+                             {"qk: head width D = " + std::to_string(bad),
+                              "not supported on cpu: expected D in [2, 256], a multiple of 2"}));
+  }
+}
+
+TEST(Validation, QkNormRopeStrides) {
+  RopeArgs args;
+  auto p = args.forward();
+  p.qk.strides[2] = 2;
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"qk: expected its last dim contiguous"}));
+  p = args.forward();
+  p.factor2.strides[1] = 2;
+  EXPECT_TRUE(
+      throws_error([&] { qk_norm_rope(p); }, {"factor2: expected its last dim contiguous"}));
+  p = args.forward();
+  p.q = with_strides(p.q, {RopeArgs::H * RopeArgs::D + 8, RopeArgs::D, 1});
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"q: expected a row-major contiguous"}));
+  // Token and head strides of qk are free: a column slice of a wider buffer is accepted.
+  HostTensor wide(DType::kBFloat16, {RopeArgs::T, 2 * RopeArgs::H, RopeArgs::D},
+                  {3 * 2 * RopeArgs::H * RopeArgs::D, RopeArgs::D, 1});
+  wide.set(std::vector<double>(size_t(wide.numel()), 1.0));
+  p = args.forward();
+  p.qk = wide.view();
+  EXPECT_NO_THROW(qk_norm_rope(p));
+}
+
+TEST(Validation, RopeLayoutFlags) {
+  RopeArgs args;
+  auto p = args.forward();
+  p.layout.key_offset = true;
+  for (int64_t bad : {3, 34, -2}) {
+    p.layout.rotary_dim = bad;
+    EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); },
+                             {"layout.rotary_dim: expected an even value in [0, D = 32]",
+                              "got " + std::to_string(bad)}));
+  }
+  p = args.forward();
+  p.layout.rotary_dim = 3;  // ignored without key_offset
+  EXPECT_NO_THROW(qk_norm_rope(p));
+
+  p = args.forward();
+  p.layout.paired = true;
+  p.layout.key_offset = true;
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"paired and key_offset cannot both be set"}));
+
+  p = args.forward();
+  p.layout.num_heads = 0;
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"layout.num_heads: expected >= 1"}));
+}
+
+TEST(Validation, PairedNeedsEvenHeads) {
+  const int64_t T = 2, H = 3, D = 32;
+  HostTensor qk(DType::kBFloat16, {T, 2 * H, D});
+  HostTensor f(DType::kBFloat16, {T, 2 * D});
+  HostTensor out(DType::kBFloat16, {2 * T, 1, D});
+  HostTensor out2(DType::kBFloat16, {2 * T, 1, D});
+  EXPECT_TRUE(throws_error(
+      [&] {
+        qk_norm_rope({qk.view(), f.view(), f.view(), out.view(), out2.view(), {H, D, true, false}});
+      },
+      {"layout.paired: needs an even num_heads, got num_heads = 3"}));
+}
+
+TEST(Validation, QkNormRopeOutputAliasing) {
+  RopeArgs args;
+  auto p = args.forward();
+  p.q = alias(p.qk, DType::kBFloat16, {RopeArgs::T, RopeArgs::H, RopeArgs::D});
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"q: overlaps input qk"}));
+  p = args.forward();
+  p.k = p.q;
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"q: overlaps output k"}));
+  p = args.forward();
+  p.k = alias(p.factor2, DType::kBFloat16, {RopeArgs::T, RopeArgs::H, RopeArgs::D});
+  p.k.data = static_cast<char*>(p.factor2.data) - 2;  // a partial overlap, one element in
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"k: overlaps input factor2"}));
+}
+
+TEST(Validation, QkNormRopeBackwardChecks) {
+  RopeArgs args;
+  auto p = args.backward();
+  p.grad_q.dtype = DType::kFloat32;
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope_backward(p); },
+                           {"qk_norm_rope_backward: grad_q: expected dtype bfloat16"}));
+  p = args.backward();
+  p.grad_k.strides[2] = 3;
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope_backward(p); },
+                           {"grad_k: expected its last dim contiguous"}));
+  p = args.backward();
+  p.grad_qk.sizes[1] = 2;
+  EXPECT_TRUE(
+      throws_error([&] { qk_norm_rope_backward(p); }, {"grad_qk: expected shape [4, 4, 32]"}));
+  p = args.backward();
+  p.grad_qk = alias(p.grad_q, DType::kBFloat16, {RopeArgs::T, 2 * RopeArgs::H, RopeArgs::D});
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope_backward(p); }, {"grad_qk: overlaps input grad_q"}));
+  p = args.backward();
+  p.layout.num_heads = 1;
+  EXPECT_TRUE(
+      throws_error([&] { qk_norm_rope_backward(p); }, {"qk: expected shape", "2*num_heads = 2"}));
+}
+
+TEST(Validation, QkvBackwardFp8Checks) {
+  RopeArgs args;
+  auto p = args.fp8();
+  p.grad_scale = alias(p.grad_scale, DType::kFloat32, {2});
+  EXPECT_TRUE(
+      throws_error([&] { qkv_backward_fp8(p); },
+                   {"qkv_backward_fp8: grad_scale: expected a float32 scalar of shape [] or [1]"}));
+  p = args.fp8();
+  p.grad_scale.dtype = DType::kBFloat16;
+  EXPECT_TRUE(
+      throws_error([&] { qkv_backward_fp8(p); }, {"grad_scale: expected a float32 scalar"}));
+  p = args.fp8();
+  p.grad_v.sizes[1] = 3;
+  EXPECT_TRUE(throws_error([&] { qkv_backward_fp8(p); }, {"grad_v: expected shape [4, 2, Dv]"}));
+  p = args.fp8();
+  p.grad_row.sizes[1] = RopeArgs::kQkvDim - 1;
+  EXPECT_TRUE(throws_error([&] { qkv_backward_fp8(p); },
+                           {"grad_row: expected shape [4, 160] (qkv_dim = 2*H*D + H*Dv = 160)"}));
+  p = args.fp8();
+  p.grad_t = with_strides(p.grad_t, {RopeArgs::T + 1, 1});
+  EXPECT_TRUE(
+      throws_error([&] { qkv_backward_fp8(p); }, {"grad_t: expected a row-major contiguous"}));
+  p = args.fp8();
+  p.grad_t = p.grad_row;
+  p.grad_t.sizes[0] = RopeArgs::kQkvDim;
+  p.grad_t.sizes[1] = RopeArgs::T;
+  p.grad_t.strides[0] = RopeArgs::T;
+  EXPECT_TRUE(throws_error([&] { qkv_backward_fp8(p); }, {"grad_row: overlaps output grad_t"}));
+  p = args.fp8();
+  p.qk.dtype = DType::kFloat32;  // the wide-qk CPU path is for qk_norm_rope only
+  EXPECT_TRUE(throws_error([&] { qkv_backward_fp8(p); }, {"qk: expected dtype bfloat16"}));
+  p = args.fp8();
+  p.factor1.dtype = p.factor2.dtype = DType::kFloat64;
+  EXPECT_TRUE(
+      throws_error([&] { qkv_backward_fp8(p); }, {"factor1: expected dtype bfloat16 or float32"}));
+}
+
+TEST(Validation, EmptyRopeWorkIsANoOpThatWritesNothing) {
+  const int64_t H = 2, D = 32;
+  HostTensor guard(DType::kBFloat16, {64});
+  HostTensor guard_f8(DType::kFloat8E4M3, {64});
+  const TensorView empty_qk = make_view(guard.view().data, DType::kBFloat16, kCPU, {0, 2 * H, D});
+  const TensorView empty_f = make_view(guard.view().data, DType::kBFloat16, kCPU, {0, D});
+  const TensorView empty_out = make_view(guard.view().data, DType::kBFloat16, kCPU, {0, H, D});
+  const TensorView empty_v = make_view(guard.view().data, DType::kBFloat16, kCPU, {0, H, 16});
+  HostTensor scale(DType::kFloat32, {});
+  const TensorView empty_row = make_view(guard_f8.view().data, DType::kFloat8E4M3, kCPU, {0, 160});
+  const TensorView empty_t = make_view(guard_f8.view().data, DType::kFloat8E4M3, kCPU, {160, 0});
+  const RopeLayout layout{H, D, false, false};
+  EXPECT_NO_THROW(qk_norm_rope({empty_qk, empty_f, empty_f, empty_out, empty_out, layout}));
+  EXPECT_NO_THROW(
+      qk_norm_rope_backward({empty_out, empty_out, empty_qk, empty_f, empty_f, empty_qk, layout}));
+  EXPECT_NO_THROW(qkv_backward_fp8({empty_out, empty_out, empty_v, empty_qk, empty_f, empty_f,
+                                    scale.view(), empty_row, empty_t, layout}));
+  EXPECT_TRUE(untouched(guard));
+  EXPECT_TRUE(untouched(guard_f8));
+}
+
+// ---- devices -----------------------------------------------------------------------------------
+
+TEST(Validation, TensorsOnDifferentDevicesAreRefused) {
+  RopeArgs args;
+  auto p = args.forward();
+  p.factor1 = on_device(p.factor1, kCuda0);
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); },
+                           {"qk_norm_rope: factor1: is on cuda:0, but qk is on cpu"}));
+}
+
+TEST(Validation, CudaViewsOfHostMemoryGiveAClearError) {
+  // Host pointers labelled cuda:0: a CPU-only build says it was built without CUDA; a CUDA build
+  // says there is no device, or that the pointer is not memory of that GPU. Never a crash.
+  RopeArgs args;
+  auto p = args.forward();
+  for (TensorView* view : {&p.qk, &p.factor1, &p.factor2, &p.q, &p.k})
+    *view = on_device(*view, kCuda0);
+  try {
+    qk_norm_rope(p);
+    FAIL() << "a CUDA view of host memory was accepted";
+  } catch (const Error& error) {
+    std::string message = error.what();
+    EXPECT_NE(message.find("qk_norm_rope: qk"), std::string::npos) << message;
+    std::transform(message.begin(), message.end(), message.begin(),
+                   [](unsigned char ch) { return char(std::tolower(ch)); });
+    EXPECT_NE(message.find("cuda"), std::string::npos) << message;
+  }
+  EXPECT_TRUE(untouched(args.q));
+}
+
+// ---- quantize ----------------------------------------------------------------------------------
+
+struct QuantizeArgs {
+  static constexpr int64_t B = 2, M = 5, N = 7;
+  HostTensor src{DType::kBFloat16, {M, N}};
+  HostTensor scale{DType::kFloat32, {1}};
+  HostTensor row{DType::kFloat8E4M3, {M, N}};
+  HostTensor t{DType::kFloat8E4M3, {N, M}};
+  HostTensor amax{DType::kFloat32, {}};
+  HostTensor bank_src{DType::kBFloat16, {B, M, N}};
+  HostTensor bank_scale{DType::kFloat32, {B}};
+  HostTensor bank_row{DType::kFloat8E4M3, {B, M, N}};
+  HostTensor bank_t{DType::kFloat8E4M3, {B, N, M}};
+
+  QuantizeArgs() {
+    src.set(std::vector<double>(M * N, 1.0));
+    scale.set({1.0});
+    bank_src.set(std::vector<double>(B * M * N, 1.0));
+  }
+  QuantizeDualParams dual() {
+    return {src.view(), scale.view(), row.view(), t.view(), amax.view()};
+  }
+  QuantizeWeightBankParams bank() {
+    return {bank_src.view(), bank_scale.view(), bank_row.view(), bank_t.view()};
+  }
+};
+
+TEST(Validation, ValidQuantizeCallsSucceed) {
+  QuantizeArgs args;
+  EXPECT_NO_THROW(quantize_dual_layout(args.dual()));
+  EXPECT_NO_THROW(quantize_weight_bank(args.bank()));
+}
+
+TEST(Validation, QuantizeDualChecks) {
+  QuantizeArgs args;
+  auto p = args.dual();
+  p.src.dtype = DType::kFloat32;
+  EXPECT_TRUE(throws_error([&] { quantize_dual_layout(p); },
+                           {"quantize_dual_layout: src: expected dtype bfloat16, got float32"}));
+  p = args.dual();
+  p.src.ndim = 1;
+  EXPECT_TRUE(throws_error([&] { quantize_dual_layout(p); },
+                           {"src: expected shape [M, N] or, batched, [B, M, N]"}));
+  p = args.dual();
+  p.src.strides[1] = 2;
+  EXPECT_TRUE(
+      throws_error([&] { quantize_dual_layout(p); }, {"src: expected its last dim contiguous"}));
+  p = args.dual();
+  p.scale.sizes[0] = 2;
+  EXPECT_TRUE(throws_error([&] { quantize_dual_layout(p); },
+                           {"scale: expected a float32 scalar of shape [] or [1]"}));
+  p = args.dual();
+  p.scale.dtype = DType::kFloat64;
+  EXPECT_TRUE(throws_error([&] { quantize_dual_layout(p); }, {"scale: expected a float32 scalar"}));
+  p = args.dual();
+  p.t = alias(p.t, DType::kFloat8E4M3, {QuantizeArgs::M, QuantizeArgs::N});
+  EXPECT_TRUE(throws_error([&] { quantize_dual_layout(p); },
+                           {"t: expected shape [7, 5] (src transposed)"}));
+  p = args.dual();
+  p.row.dtype = DType::kBFloat16;
+  EXPECT_TRUE(
+      throws_error([&] { quantize_dual_layout(p); }, {"row: expected dtype float8_e4m3fn"}));
+  p = args.dual();
+  p.amax = alias(p.amax, DType::kFloat32, {2});
+  EXPECT_TRUE(throws_error([&] { quantize_dual_layout(p); }, {"amax: expected a float32 scalar"}));
+  p = args.dual();
+  p.row = alias(p.src, DType::kFloat8E4M3, {QuantizeArgs::M, QuantizeArgs::N});
+  EXPECT_TRUE(throws_error([&] { quantize_dual_layout(p); }, {"row: overlaps input src"}));
+  p = args.dual();
+  p.t = alias(p.row, DType::kFloat8E4M3, {QuantizeArgs::N, QuantizeArgs::M});
+  EXPECT_TRUE(throws_error([&] { quantize_dual_layout(p); }, {"row: overlaps output t"}));
+  // Batched: one scale per entry.
+  p = args.dual();
+  p.src = args.bank_src.view();
+  p.row = args.bank_row.view();
+  p.t = args.bank_t.view();
+  p.amax = TensorView{};
+  EXPECT_TRUE(throws_error([&] { quantize_dual_layout(p); },
+                           {"scale: expected shape [2] (one per batch entry of src), got [1]"}));
+  p.scale = args.bank_scale.view();
+  args.bank_scale.set({1.0, 2.0});
+  EXPECT_NO_THROW(quantize_dual_layout(p));
+}
+
+TEST(Validation, QuantizeWeightBankChecks) {
+  QuantizeArgs args;
+  auto p = args.bank();
+  p.src = args.src.view();
+  EXPECT_TRUE(throws_error([&] { quantize_weight_bank(p); },
+                           {"quantize_weight_bank: src: expected 3 dims"}));
+  p = args.bank();
+  p.scale = alias(p.scale, DType::kFloat32, {3});
+  EXPECT_TRUE(throws_error([&] { quantize_weight_bank(p); }, {"scale: expected shape [2]"}));
+  p = args.bank();
+  p.scale = alias(p.row, DType::kFloat32, {QuantizeArgs::B});
+  EXPECT_TRUE(throws_error([&] { quantize_weight_bank(p); }, {"scale: overlaps output row"}));
+  p = args.bank();
+  p.t.sizes[1] = QuantizeArgs::M;
+  EXPECT_TRUE(throws_error([&] { quantize_weight_bank(p); }, {"t: expected shape [2, 7, 5]"}));
+}
+
+TEST(Validation, EmptyQuantizeIsANoOpThatWritesNothing) {
+  QuantizeArgs args;
+  auto p = args.dual();
+  p.src.sizes[0] = 0;
+  p.row.sizes[0] = 0;
+  p.t.sizes[1] = 0;
+  EXPECT_NO_THROW(quantize_dual_layout(p));
+  auto b = args.bank();
+  b.src.sizes[1] = 0;
+  b.row.sizes[1] = 0;
+  b.t.sizes[2] = 0;
+  EXPECT_NO_THROW(quantize_weight_bank(b));
+  for (const HostTensor* out :
+       {&args.row, &args.t, &args.amax, &args.bank_scale, &args.bank_row, &args.bank_t}) {
+    EXPECT_TRUE(untouched(*out));
+  }
+}
+
+// ---- fp8_gemm ----------------------------------------------------------------------------------
+
+struct GemmArgs {
+  static constexpr int64_t M = 4, N = 6, K = 8;
+  HostTensor a{DType::kFloat8E4M3, {M, K}};
+  HostTensor b{DType::kFloat8E4M3, {N, K}};
+  HostTensor scale_a{DType::kFloat32, {}};
+  HostTensor scale_b{DType::kFloat32, {1}};
+  HostTensor alpha{DType::kFloat32, {}};
+  HostTensor d{DType::kBFloat16, {M, N}};
+
+  GemmArgs() {
+    a.set(std::vector<double>(M * K, 1.0));
+    b.set(std::vector<double>(N * K, 1.0));
+    scale_a.set({1.0});
+    scale_b.set({1.0});
+    alpha.set({1.0});
+  }
+  Fp8GemmParams params() {
+    return {a.view(), b.view(), scale_a.view(), scale_b.view(), alpha.view(), d.view()};
+  }
+};
+
+TEST(Validation, Fp8GemmChecks) {
+  GemmArgs args;
+  EXPECT_NO_THROW(fp8_gemm(args.params()));
+  auto p = args.params();
+  p.a.dtype = DType::kBFloat16;
+  EXPECT_TRUE(throws_error([&] { fp8_gemm(p); },
+                           {"fp8_gemm: a: expected dtype float8_e4m3fn, got bfloat16"}));
+  p = args.params();
+  p.b.sizes[1] = GemmArgs::K - 1;
+  EXPECT_TRUE(throws_error([&] { fp8_gemm(p); }, {"b: expected shape [N, 8] (K from a"}));
+  p = args.params();
+  p.d.sizes[1] = GemmArgs::N + 1;
+  EXPECT_TRUE(throws_error([&] { fp8_gemm(p); }, {"d: expected shape [4, 6]"}));
+  p = args.params();
+  p.d.dtype = DType::kFloat32;
+  EXPECT_TRUE(throws_error([&] { fp8_gemm(p); }, {"d: expected dtype bfloat16"}));
+  p = args.params();
+  p.scale_a = alias(p.scale_a, DType::kFloat32, {2});
+  EXPECT_TRUE(throws_error([&] { fp8_gemm(p); },
+                           {"scale_a: expected a float32 scalar of shape [] or [1]"}));
+  p = args.params();
+  p.alpha.dtype = DType::kBFloat16;
+  EXPECT_TRUE(throws_error([&] { fp8_gemm(p); }, {"alpha: expected a float32 scalar"}));
+  p = args.params();
+  p.a.strides[0] = GemmArgs::K - 2;
+  EXPECT_TRUE(throws_error([&] { fp8_gemm(p); }, {"a: expected a row stride >= its 8 columns"}));
+  p = args.params();
+  p.b.strides[1] = 2;
+  EXPECT_TRUE(throws_error([&] { fp8_gemm(p); }, {"b: expected its last dim contiguous"}));
+  p = args.params();
+  p.d = alias(p.a, DType::kBFloat16, {GemmArgs::M, GemmArgs::N});
+  EXPECT_TRUE(throws_error([&] { fp8_gemm(p); }, {"d: overlaps input a"}));
+  p = args.params();
+  p.d = alias(p.alpha, DType::kBFloat16, {1, GemmArgs::N});
+  p.a.sizes[0] = 1;
+  EXPECT_TRUE(throws_error([&] { fp8_gemm(p); }, {"d: overlaps input alpha"}));
+  p = args.params();
+  p.alpha = TensorView{};  // optional
+  EXPECT_NO_THROW(fp8_gemm(p));
+}
+
+TEST(Validation, EmptyGemmIsANoOpThatWritesNothing) {
+  GemmArgs args;
+  auto p = args.params();
+  p.a.sizes[0] = 0;
+  p.d.sizes[0] = 0;
+  EXPECT_NO_THROW(fp8_gemm(p));
+  p = args.params();
+  p.b.sizes[0] = 0;
+  p.d.sizes[1] = 0;
+  EXPECT_NO_THROW(fp8_gemm(p));
+  EXPECT_TRUE(untouched(args.d));
+}
+
+// ---- packed projection -------------------------------------------------------------------------
+
+/// Valid packed forward/backward arguments: T=4, C=16, H=2, D=32, Dv=16 (qkv_dim 160).
+struct PackedArgs {
+  static constexpr int64_t T = 4, C = 16, H = 2, D = 32, Dv = 16;
+  static constexpr int64_t kQk = 2 * H * D, kV = H * Dv, kQkv = kQk + kV;
+  HostTensor x_f8{DType::kFloat8E4M3, {T, C}};
+  HostTensor x_f8_t{DType::kFloat8E4M3, {C, T}};
+  HostTensor weight_f8{DType::kFloat8E4M3, {kQkv, C}};
+  HostTensor weight_f8_t{DType::kFloat8E4M3, {C, kQkv}};
+  HostTensor scale{DType::kFloat32, {}};  // every scale
+  HostTensor factor1{DType::kBFloat16, {T, D}};
+  HostTensor factor2{DType::kBFloat16, {T, D}};
+  HostTensor qkv{DType::kBFloat16, {T, kQkv}};
+  HostTensor q{DType::kBFloat16, {T, H, D}};
+  HostTensor k{DType::kBFloat16, {T, H, D}};
+  HostTensor grad_q{DType::kBFloat16, {T, H, D}};
+  HostTensor grad_k{DType::kBFloat16, {T, H, D}};
+  HostTensor grad_v{DType::kBFloat16, {T, H, Dv}};
+  HostTensor qk_saved{DType::kBFloat16, {T, 2 * H, D}};
+  HostTensor qk_weight{DType::kBFloat16, {kQk, C}};
+  HostTensor v_weight{DType::kBFloat16, {kV, C}};
+  HostTensor grad_row{DType::kFloat8E4M3, {T, kQkv}};
+  HostTensor grad_t{DType::kFloat8E4M3, {kQkv, T}};
+  HostTensor partials{DType::kFloat32, {kGradScalePartials}};
+  HostTensor grad_x{DType::kBFloat16, {T, C}};
+  HostTensor grad_weight{DType::kBFloat16, {kQkv, C}};
+  HostTensor grad_qkv_scale{DType::kFloat32, {1}};
+
+  PackedArgs() {
+    for (HostTensor* input : {&x_f8, &x_f8_t, &weight_f8, &weight_f8_t, &scale, &factor1, &grad_q,
+                              &grad_k, &grad_v, &qk_saved, &qk_weight, &v_weight}) {
+      input->set(std::vector<double>(size_t(input->numel()), 1.0));
+    }
+    factor2.set(std::vector<double>(size_t(factor2.numel()), 0.0));
+  }
+  static RopeLayout layout() { return {H, D, false, false}; }
+  TensorView qk_out() {
+    return make_view(qkv.view().data, DType::kBFloat16, kCPU, {T, 2 * H, D}, {kQkv, D, 1});
+  }
+  TensorView v_out() {
+    return make_view(static_cast<uint16_t*>(qkv.view().data) + kQk, DType::kBFloat16, kCPU,
+                     {T, H, Dv}, {kQkv, Dv, 1});
+  }
+  PackedQkvForwardParams forward() {
+    return {x_f8.view(),  weight_f8.view(), scale.view(),   scale.view(),
+            scale.view(), factor1.view(),   factor2.view(), qk_out(),
+            v_out(),      q.view(),         k.view(),       layout()};
+  }
+  PackedQkvBackwardParams backward() {
+    const TensorView grad_qk_weight =
+        make_view(grad_weight.view().data, DType::kBFloat16, kCPU, {kQk, C});
+    const TensorView grad_v_weight = make_view(
+        static_cast<uint16_t*>(grad_weight.view().data) + kQk * C, DType::kBFloat16, kCPU, {kV, C});
+    return {grad_q.view(),         grad_k.view(),   grad_v.view(),   qk_saved.view(),
+            factor1.view(),        factor2.view(),  x_f8_t.view(),   weight_f8_t.view(),
+            qk_weight.view(),      v_weight.view(), scale.view(),    scale.view(),
+            scale.view(),          scale.view(),    grad_row.view(), grad_t.view(),
+            partials.view(),       grad_x.view(),   grad_qk_weight,  grad_v_weight,
+            grad_qkv_scale.view(), layout()};
+  }
+};
+
+TEST(Validation, ValidPackedCallsSucceed) {
+  PackedArgs args;
+  EXPECT_NO_THROW(packed_qkv_forward(args.forward()));
+  EXPECT_NO_THROW(packed_qkv_backward(args.backward()));
+}
+
+TEST(Validation, PackedForwardChecks) {
+  PackedArgs args;
+  auto p = args.forward();
+  p.x_f8.dtype = DType::kBFloat16;
+  EXPECT_TRUE(throws_error([&] { packed_qkv_forward(p); },
+                           {"packed_qkv_forward: x_f8: expected dtype float8_e4m3fn"}));
+  p = args.forward();
+  p.weight_f8.sizes[0] = PackedArgs::kQkv - 16;
+  EXPECT_TRUE(throws_error([&] { packed_qkv_forward(p); },
+                           {"weight_f8: expected shape [160, 16] (qkv_dim = 2*H*D + H*Dv = 160"}));
+  p = args.forward();
+  p.qk.strides[1] = PackedArgs::D + 2;
+  EXPECT_TRUE(
+      throws_error([&] { packed_qkv_forward(p); }, {"qk: expected its heads packed in each row"}));
+  p = args.forward();
+  p.v.sizes[0] = PackedArgs::T - 1;
+  EXPECT_TRUE(
+      throws_error([&] { packed_qkv_forward(p); }, {"v: expected shape [4, 2, Dv] (T from x_f8"}));
+  p = args.forward();
+  p.layout.num_heads = 4;
+  EXPECT_TRUE(
+      throws_error([&] { packed_qkv_forward(p); }, {"qk: expected shape", "2*num_heads = 8"}));
+  p = args.forward();
+  p.qkv_scale = alias(p.qkv_scale, DType::kFloat32, {2});
+  EXPECT_TRUE(
+      throws_error([&] { packed_qkv_forward(p); }, {"qkv_scale: expected a float32 scalar"}));
+  p = args.forward();
+  p.q = alias(p.x_f8, DType::kBFloat16, {PackedArgs::T, PackedArgs::H, PackedArgs::D});
+  EXPECT_TRUE(throws_error([&] { packed_qkv_forward(p); }, {"q: overlaps input x_f8"}));
+  p = args.forward();
+  p.v.strides[0] = PackedArgs::kQkv - 8;  // v's rows now run into the next row's qk
+  EXPECT_TRUE(throws_error([&] { packed_qkv_forward(p); }, {"qk: overlaps output v"}));
+}
+
+TEST(Validation, PackedForwardRefusesBeforeWritingAnything) {
+  // A bad factor table is only seen by the qk_norm_rope step; the GEMM before it must not run.
+  PackedArgs args;
+  auto p = args.forward();
+  p.factor1.sizes[1] = PackedArgs::D + 2;
+  EXPECT_TRUE(throws_error([&] { packed_qkv_forward(p); },
+                           {"packed_qkv_forward", "factor1: expected shape [4, 32]"}));
+  EXPECT_TRUE(untouched(args.qkv));
+  EXPECT_TRUE(untouched(args.q));
+}
+
+TEST(Validation, PackedBackwardChecks) {
+  PackedArgs args;
+  auto p = args.backward();
+  p.x_f8_t.sizes[1] = PackedArgs::T + 1;
+  EXPECT_TRUE(throws_error([&] { packed_qkv_backward(p); },
+                           {"packed_qkv_backward: x_f8_t: expected shape [C, 4] (T from qk)"}));
+  p = args.backward();
+  p.weight_f8_t.sizes[1] = PackedArgs::kQkv + 16;
+  EXPECT_TRUE(
+      throws_error([&] { packed_qkv_backward(p); }, {"weight_f8_t: expected shape [16, 160]"}));
+  p = args.backward();
+  p.qk_weight.sizes[0] = PackedArgs::kQk + 1;
+  EXPECT_TRUE(throws_error([&] { packed_qkv_backward(p); },
+                           {"qk_weight: expected shape [128, 16] ([2*H*D, C])"}));
+  p = args.backward();
+  p.grad_v_weight.strides[0] = PackedArgs::C + 1;
+  EXPECT_TRUE(throws_error([&] { packed_qkv_backward(p); },
+                           {"grad_v_weight: expected a row-major contiguous"}));
+  p = args.backward();
+  p.partials.sizes[0] = 8;
+  EXPECT_TRUE(throws_error([&] { packed_qkv_backward(p); }, {"partials: expected shape [264]"}));
+  p = args.backward();
+  p.grad_qkv_scale.dtype = DType::kFloat64;
+  EXPECT_TRUE(
+      throws_error([&] { packed_qkv_backward(p); }, {"grad_qkv_scale: expected a float32 scalar"}));
+  p = args.backward();
+  p.grad_x = alias(p.grad_row, DType::kBFloat16, {PackedArgs::T, PackedArgs::C});
+  EXPECT_TRUE(throws_error([&] { packed_qkv_backward(p); }, {"grad_row: overlaps output grad_x"}));
+  p = args.backward();
+  p.grad_qk_weight = alias(p.qk_weight, DType::kBFloat16, {PackedArgs::kQk, PackedArgs::C});
+  EXPECT_TRUE(
+      throws_error([&] { packed_qkv_backward(p); }, {"grad_qk_weight: overlaps input qk_weight"}));
+}
+
+TEST(Validation, PackedBackwardRefusesBeforeWritingAnything) {
+  // A bad grad_q is only seen by the qkv_backward_fp8 step's own checks.
+  PackedArgs args;
+  auto p = args.backward();
+  p.grad_q.sizes[0] = PackedArgs::T - 1;
+  EXPECT_TRUE(throws_error([&] { packed_qkv_backward(p); },
+                           {"packed_qkv_backward", "grad_q: expected shape [4, 2, 32]"}));
+  for (const HostTensor* out :
+       {&args.grad_row, &args.grad_t, &args.grad_x, &args.grad_weight, &args.grad_qkv_scale}) {
+    EXPECT_TRUE(untouched(*out));
+  }
+}
+
+TEST(Validation, EmptyPackedWorkIsANoOpThatWritesNothing) {
+  PackedArgs args;
+  auto f = args.forward();
+  f.x_f8.sizes[0] = f.qk.sizes[0] = f.v.sizes[0] = f.q.sizes[0] = f.k.sizes[0] = 0;
+  f.factor1.sizes[0] = f.factor2.sizes[0] = 0;
+  EXPECT_NO_THROW(packed_qkv_forward(f));
+  auto b = args.backward();
+  for (TensorView* view :
+       {&b.grad_q, &b.grad_k, &b.grad_v, &b.qk, &b.factor1, &b.factor2, &b.grad_row, &b.grad_x}) {
+    view->sizes[0] = 0;
+  }
+  b.x_f8_t.sizes[1] = b.grad_t.sizes[1] = 0;
+  EXPECT_NO_THROW(packed_qkv_backward(b));
+  for (const HostTensor* out : {&args.qkv, &args.q, &args.k, &args.grad_row, &args.grad_t,
+                                &args.grad_x, &args.grad_weight, &args.grad_qkv_scale}) {
+    EXPECT_TRUE(untouched(*out));
+  }
+}
+
+TEST(Validation, NullDataAndMissingArgumentsAreRefused) {
+  RopeArgs args;
+  auto p = args.forward();
+  p.qk.data = nullptr;
+  EXPECT_TRUE(
+      throws_error([&] { qk_norm_rope(p); }, {"qk: has 512 elements but a null data pointer"}));
+  p = args.forward();
+  p.k = TensorView{};
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"qk_norm_rope: k: missing"}));
+  GemmArgs gemm;
+  auto g = gemm.params();
+  g.scale_b = TensorView{};  // only alpha is optional
+  EXPECT_TRUE(throws_error([&] { fp8_gemm(g); }, {"fp8_gemm: scale_b: missing"}));
+}
+
+}  // namespace
+}  // namespace qkvfuse::test

@@ -24,7 +24,8 @@ struct RopeLayout {
 ///   factor2  same shape and dtype as factor1: sin(theta) with odd lanes negated; 0 if stationary.
 ///   q, k     outputs, qk's dtype, [T, H, D] ([2T, H/2, D] when paired), each row-major
 ///            contiguous, separate allocations that overlap nothing.
-/// D is any even width from 2 to 256 on the CPU; the CUDA backend takes even D in [32, 256].
+/// D is any even width from 2 to 256 on the CPU; the CUDA backend takes D in [32, 256], a
+/// multiple of 8 (its rows move in 16-byte chunks).
 struct QkNormRopeParams {
   TensorView qk;
   TensorView factor1;

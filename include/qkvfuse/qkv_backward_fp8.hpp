@@ -11,7 +11,8 @@ namespace qkvfuse {
 /// by grad_scale and cast to e4m3 with saturation, written row-major and transposed.
 ///
 ///   grad_q, grad_k  bf16 [T, H, D] ([2T, H/2, D] when paired), last dim contiguous
-///   grad_v          bf16 [T, H, Dv], last dim contiguous, token and head strides arbitrary
+///   grad_v          bf16 [T, H, Dv], last dim contiguous, token and head strides arbitrary;
+///                   Dv >= 1 on the CPU, a multiple of 8 in [8, 256] on CUDA
 ///   qk              bf16 [T, 2H, D], the saved pre-norm projection (as the forward)
 ///   factor1/2       as the forward
 ///   grad_scale      float32 scalar, shape [] or [1], on the same device

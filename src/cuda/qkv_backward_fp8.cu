@@ -1,1 +1,466 @@
-// placeholder: src/cuda/qkv_backward_fp8.cu
+// qkv_backward_fp8.cu: the fused backward of the packed QKV projection output into FP8, in the
+// two layouts the dgrad and wgrad GEMMs read (SPEC.md section 3), CUDA backend.
+//
+// Math, per token t and logical head h, fp32:
+//   Q and K rows: dx of the norm/rotary backward (SPEC.md section 2, as qk_norm_rope_backward.cu)
+//                 rounded to bf16, then e4m3(dx_bf16 / grad_scale) (true division, satfinite)
+//   V row:        e4m3(grad_v[t, h] / grad_scale)
+//   grad_row[t, f] and grad_t[f, t] for the features f = [Q h*D+d | K (H+h)*D+d | V 2HD+h*Dv+d].
+//
+// Design. Bytes at T = 49152, H = 6, D = Dv = 128: read grad q/k/v and qk (377 MB) and the factor
+// rows, write the two e4m3 copies (226 MB); the kernel must touch each once, coalesced.
+// - One CTA (256 threads) owns a tile of kTileTokens = 128 tokens x one logical head h: the
+//   h-th Q row, K row and V row of each token, F = 2D + Dv features. The grid runs head-fastest,
+//   so the H CTAs that read the same factor rows run together and the rows come from L2 after
+//   the first (the factors are about 4% of the bytes).
+// - Q/K rows are computed in registers by lane groups of G lanes (rope_common.cuh: 16-byte
+//   loads, shuffle row sums; the Q and K rows of a token share its factor chunks). V is an
+//   element-wise convert over the tile. Each lane's 8 e4m3 bytes of a chunk go straight to
+//   grad_row (8-byte stores, contiguous across the group: full sectors) and into a shared-memory
+//   copy of the tile, [token][feature] e4m3, 128 x roundup(F, 128) bytes (48 KB at F = 384).
+// - After one barrier the tile leaves transposed, as TransformerEngine's cast-transpose does:
+//   a thread reads a 16 token x 4 feature block (16 x 4-byte reads), transposes it in registers
+//   (8 byte-permutes per 4x4), and writes 4 feature rows of 16 tokens with 16-byte stores; the 8
+//   consecutive lanes of a feature cover its 128 tokens, so each warp store is 4 full 128-byte
+//   lines of grad_t.
+// - Shared-memory banks: the word w of tile row r lives at r*pitch + (w ^ swizzle(r)), with the
+//   pitch a multiple of 128 bytes and swizzle(r) = ((r/16 mod 8) << 2) ^ ((r mod 4) bit-reversed
+//   into bits 3-4). The transposed read (8 token blocks x 4 feature words per warp and
+//   instruction) then hits 32 distinct banks, and the 8-byte row writes of groups of 4 or 8
+//   lanes (two or four tokens per half-warp) land on disjoint banks.
+// - When T is not a multiple of 16 the rows of grad_t are not 16-byte aligned: the same blocks
+//   are written byte by byte (correct, slower; the model's T is a multiple of 128).
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <type_traits>
+
+#include "backend.hpp"
+#include "cuda/check.hpp"
+#include "cuda/device_math.cuh"
+#include "cuda/rope_common.cuh"
+#include "cuda/static_switch.hpp"
+
+namespace qkvfuse::cuda {
+namespace {
+
+using rope::FactorChunk;
+
+constexpr int kFp8Threads = 256;
+constexpr int kTileTokens = 128;             // tokens per CTA: one full 128-byte line of grad_t
+constexpr int kTokenBlock = 16;              // tokens per 16-byte grad_t store
+constexpr int kTokenBlocks = kTileTokens / kTokenBlock;
+static_assert(kTileTokens % kTokenBlock == 0 && kTokenBlocks == 8,
+              "the shared-memory swizzle spreads 8 token blocks over the 32 banks");
+static_assert(kFp8Threads % 32 == 0, "whole warps");
+
+/// Everything the fused FP8 backward kernel reads. Strides in elements (multiples of 8).
+struct QkvBackwardFp8KernelParams {
+  const __nv_bfloat16* grad_q;  ///< [T, H, D] ([2T, H/2, D] paired): (t', h', d) at
+                                ///< t'*grad_q_stride_t + h'*grad_q_stride_h + d
+  int64_t grad_q_stride_t;
+  int64_t grad_q_stride_h;
+  const __nv_bfloat16* grad_k;  ///< same shape as grad_q, its own strides
+  int64_t grad_k_stride_t;
+  int64_t grad_k_stride_h;
+  const __nv_bfloat16* grad_v;  ///< [T, H, Dv]: (t, h, d) at t*grad_v_stride_t + h*grad_v_stride_h + d
+  int64_t grad_v_stride_t;
+  int64_t grad_v_stride_h;
+  const __nv_bfloat16* qk;      ///< [T, 2H, D]: (t, h2, d) at t*qk_stride_t + h2*qk_stride_h + d
+  int64_t qk_stride_t;
+  int64_t qk_stride_h;
+  const void* factor1;          ///< [T, D] ([T, 2D] paired), bf16 or fp32 (FactorT)
+  const void* factor2;          ///< same shape and dtype
+  int64_t factor1_stride_t;
+  int64_t factor2_stride_t;
+  const float* grad_scale;      ///< fp32 scalar in device memory
+  uint8_t* grad_row;            ///< e4m3 [T, qkv_dim] row-major contiguous
+  uint8_t* grad_t;              ///< e4m3 [qkv_dim, T] row-major contiguous
+  int64_t tokens;               ///< T >= 1
+  int64_t qkv_dim;              ///< 2*H*D + H*Dv
+  int num_heads;                ///< H
+  int head_dim;                 ///< D, multiple of 8 in [32, 256]
+  int v_dim;                    ///< Dv, multiple of 8 in [8, 256]
+  int rotary_dim;               ///< key offset: dims >= rotary_dim of keys; even, in [0, D]
+  bool paired;
+  int tile_pitch;               ///< bytes per token row of the shared tile: roundup(2D + Dv, 128)
+};
+
+/// Register budget, as resident 256-thread CTAs per SM: 3 (<= 85 registers, 3 x 48 KB of tile)
+/// with one chunk per lane; wider rows hold 2C more 16-byte chunks per token (Q and K rows, g and
+/// x), so they get 2 (<= 128 registers), still with > 100 KB of loads in flight per SM.
+template <int C>
+constexpr int fp8_min_blocks() {
+  return C == 1 ? 3 : 2;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Shared-memory tile addressing
+// ------------------------------------------------------------------------------------------------
+
+/// XOR pattern of tile row r (bits 2-4 of the word index): token block r/16 in bits 2-4, r mod 4
+/// bit-reversed into bits 3-4. Bit 0 is never touched, so 8-byte pairs stay adjacent.
+__device__ __forceinline__ int tile_swizzle(int row) {
+  return (((row >> 4) & 7) << 2) ^ (((row & 1) << 4) | ((row & 2) << 2));
+}
+
+/// Byte address (offset into the tile) of word `word` of row `row`.
+__device__ __forceinline__ uint32_t tile_offset(int row, int word, int pitch) {
+  return uint32_t(row * pitch + 4 * (word ^ tile_swizzle(row)));
+}
+
+__device__ __forceinline__ void sts_u64(uint32_t addr, uint32_t lo, uint32_t hi) {
+  asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(addr), "r"(lo), "r"(hi) : "memory");
+}
+
+__device__ __forceinline__ uint32_t lds_u32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_u8(void* p, uint32_t v) {
+  asm volatile("st.global.u8 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+/// 8 fp32 -> e4m3(v / scale): the IEEE division (bit-identical to __fdiv_rn, see
+/// rope::UniformDivisor), then the saturating cast; two words, element 0 in the low byte.
+__device__ __forceinline__ void scale_to_e4m3x8(const float (&v)[8],
+                                                const rope::UniformDivisor& scale, uint32_t& lo,
+                                                uint32_t& hi) {
+  float q[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) q[i] = scale(v[i]);
+  lo = float4_to_e4m3x4(q[0], q[1], q[2], q[3]);
+  hi = float4_to_e4m3x4(q[4], q[5], q[6], q[7]);
+}
+
+// ------------------------------------------------------------------------------------------------
+// The kernel
+// ------------------------------------------------------------------------------------------------
+
+template <class Geom, bool kKeyOffset, typename FactorT>
+__global__ void __launch_bounds__(kFp8Threads, fp8_min_blocks<Geom::C>())
+    qkv_backward_fp8_kernel(const __grid_constant__ QkvBackwardFp8KernelParams p) {
+  constexpr int G = Geom::G;
+  constexpr int C = Geom::C;
+  constexpr int kGroups = kFp8Threads / G;
+  constexpr int kTokensPerGroup = kTileTokens / kGroups;
+  static_assert(kTileTokens % kGroups == 0, "lane groups must tile the token tile evenly");
+
+  extern __shared__ __align__(128) uint8_t tile[];
+  const uint32_t tile_base = uint32_t(__cvta_generic_to_shared(tile));
+
+  const int H = p.num_heads;
+  const int D = p.head_dim;
+  const int Dv = p.v_dim;
+  const int h = int(blockIdx.x % unsigned(H));
+  const int64_t t0 = int64_t(blockIdx.x / unsigned(H)) * kTileTokens;
+  const rope::UniformDivisor scale{*p.grad_scale};
+  const rope::UniformDivisor width{float(D)};
+  const int pitch = p.tile_pitch;
+
+  // ---- Phase A1: Q and K rows -------------------------------------------------------------
+  {
+    const int group = int(threadIdx.x) / G;
+    const int lane = int(threadIdx.x) % G;
+    int d0[C];
+    bool chunk_ok[C];
+    int stationary_from[C];
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      d0[c] = 8 * (c * G + lane);
+      chunk_ok[c] = d0[c] < D;
+      stationary_from[c] = kKeyOffset ? rope::stationary_start(d0[c], p.rotary_dim) : 8;
+    }
+    // Output position of head h's rows (plain (t, h); paired (2t + h/(H/2), h mod (H/2))).
+    const int half = H / 2;
+    const int sub_token = p.paired && h >= half ? 1 : 0;
+    const int out_head = h - sub_token * half;
+    const int64_t gq_token_step = p.paired ? 2 * p.grad_q_stride_t : p.grad_q_stride_t;
+    const int64_t gk_token_step = p.paired ? 2 * p.grad_k_stride_t : p.grad_k_stride_t;
+    const __nv_bfloat16* gq_base =
+        p.grad_q + sub_token * p.grad_q_stride_t + int64_t(out_head) * p.grad_q_stride_h;
+    const __nv_bfloat16* gk_base =
+        p.grad_k + sub_token * p.grad_k_stride_t + int64_t(out_head) * p.grad_k_stride_h;
+    const __nv_bfloat16* xq_base = p.qk + int64_t(h) * p.qk_stride_h;
+    const __nv_bfloat16* xk_base = p.qk + int64_t(H + h) * p.qk_stride_h;
+    const int factor_offset = p.paired ? (h & 1) * D : 0;
+    const FactorT* factor1 = static_cast<const FactorT*>(p.factor1) + factor_offset;
+    const FactorT* factor2 = static_cast<const FactorT*>(p.factor2) + factor_offset;
+    const int64_t q_feature = int64_t(h) * D;
+    const int64_t k_feature = int64_t(H + h) * D;
+
+#pragma unroll 1
+    for (int j = 0; j < kTokensPerGroup; ++j) {  // block-uniform trip count
+      const int row = group + kGroups * j;       // consecutive groups: consecutive tokens
+      const int64_t t = t0 + row;
+      const bool token_ok = t < p.tokens;
+
+      FactorChunk<FactorT> f1[C];
+      FactorChunk<FactorT> f2[C];
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+        f1[c].load(factor1 + t * p.factor1_stride_t + d0[c], token_ok && chunk_ok[c]);
+        f2[c].load(factor2 + t * p.factor2_stride_t + d0[c], token_ok && chunk_ok[c]);
+      }
+
+      // One row: the Q row (part 0) or the K row (part 1) of the token; both share the factor
+      // chunks. With one chunk per lane the loads of both rows are issued before either is
+      // computed (6 16-byte loads in flight per lane); wider rows go one row at a time.
+      struct RowLoads {
+        Vec16 g[C], x[C], g_next[C];
+      };
+      auto load_row = [&](const int part, RowLoads& r) {
+        const __nv_bfloat16* g_row =
+            part == 0 ? gq_base + t * gq_token_step : gk_base + t * gk_token_step;
+        const __nv_bfloat16* x_row = (part == 0 ? xq_base : xk_base) + t * p.qk_stride_t;
+        const bool next_ok = kKeyOffset && part == 1 && token_ok && t + 1 < p.tokens;
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+          const bool ok = token_ok && chunk_ok[c];
+          // Key offset: grad_k rows are read again as the previous token's g_next (by the
+          // neighbouring lane group, at about the same time): keep them in L1.
+          r.g[c] = ok ? (part == 1 && kKeyOffset ? rope::ld_cached(g_row + d0[c])
+                                                 : rope::ld_stream(g_row + d0[c]))
+                      : rope::zero_vec16();
+          r.x[c] = ok ? rope::ld_stream(x_row + d0[c]) : rope::zero_vec16();
+          r.g_next[c] = next_ok && chunk_ok[c] && stationary_from[c] < 8
+                            ? rope::ld_cached(g_row + gk_token_step + d0[c])
+                            : rope::zero_vec16();
+        }
+      };
+      auto emit_row = [&](const int part, const RowLoads& r) {
+        float dx[C][8];
+        rope::backward_row<G, C>(r.g, r.x, f1, f2, r.g_next, stationary_from,
+                                 kKeyOffset && part == 1, t == 0, width, dx);
+        if (!token_ok) return;
+        uint8_t* out_row = p.grad_row + t * p.qkv_dim + (part == 0 ? q_feature : k_feature);
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+          if (!chunk_ok[c]) continue;
+          // Round to bf16 first (the aten chain materialized the QK gradient in bf16).
+          float rounded[8];
+          bf16x8_to_float(float_to_bf16x8(dx[c]), rounded);
+          uint32_t lo, hi;
+          scale_to_e4m3x8(rounded, scale, lo, hi);
+          rope::st_u64(out_row + d0[c], lo, hi);
+          sts_u64(tile_base + tile_offset(row, (part * D + d0[c]) / 4, pitch), lo, hi);
+        }
+      };
+      if constexpr (C == 1) {
+        RowLoads q_row, k_row;
+        load_row(0, q_row);
+        load_row(1, k_row);
+        emit_row(0, q_row);
+        emit_row(1, k_row);
+      } else {
+        RowLoads r;
+        load_row(0, r);
+        emit_row(0, r);
+        load_row(1, r);
+        emit_row(1, r);
+      }
+    }
+  }
+
+  // ---- Phase A2: the V row, element-wise ----------------------------------------------------
+  {
+    const int chunks_per_row = Dv / 8;
+    const int tile_chunks = kTileTokens * chunks_per_row;
+    // u / chunks_per_row as a multiply-shift: exact for u < 2^12 and divisors <= 32.
+    const uint32_t magic = ((1u << 20) + uint32_t(chunks_per_row) - 1) / uint32_t(chunks_per_row);
+    const __nv_bfloat16* gv_base = p.grad_v + int64_t(h) * p.grad_v_stride_h;
+    const int64_t v_feature = 2 * int64_t(H) * D + int64_t(h) * Dv;
+    constexpr int kUnroll = 4;
+#pragma unroll 1
+    for (int base = int(threadIdx.x); base < tile_chunks; base += kFp8Threads * kUnroll) {
+      Vec16 v[kUnroll];
+      int rows[kUnroll];
+      int cols[kUnroll];
+#pragma unroll
+      for (int m = 0; m < kUnroll; ++m) {
+        const int u = base + m * kFp8Threads;
+        rows[m] = int((uint32_t(u) * magic) >> 20);
+        cols[m] = 8 * (u - rows[m] * chunks_per_row);
+        const bool ok = u < tile_chunks && t0 + rows[m] < p.tokens;
+        v[m] = ok ? rope::ld_stream(gv_base + (t0 + rows[m]) * p.grad_v_stride_t + cols[m])
+                  : rope::zero_vec16();
+      }
+#pragma unroll
+      for (int m = 0; m < kUnroll; ++m) {
+        const int u = base + m * kFp8Threads;
+        if (!(u < tile_chunks && t0 + rows[m] < p.tokens)) continue;
+        float values[8];
+        bf16x8_to_float(v[m], values);
+        uint32_t lo, hi;
+        scale_to_e4m3x8(values, scale, lo, hi);
+        rope::st_u64(p.grad_row + (t0 + rows[m]) * p.qkv_dim + v_feature + cols[m], lo, hi);
+        sts_u64(tile_base + tile_offset(rows[m], (2 * D + cols[m]) / 4, pitch), lo, hi);
+      }
+    }
+  }
+
+  __syncthreads();
+
+  // ---- Phase B: the transposed copy, 16 tokens x 4 features per thread and step ---------------
+  {
+    const int feature_words = (2 * D + Dv) / 4;
+    const int units = feature_words * kTokenBlocks;
+    const bool aligned = (p.tokens % kTokenBlock) == 0;
+#pragma unroll 1
+    for (int u = int(threadIdx.x); u < units; u += kFp8Threads) {
+      const int token_block = u % kTokenBlocks;  // consecutive lanes: consecutive token blocks
+      const int word = u / kTokenBlocks;         // 4 features 4*word .. 4*word + 3
+      const int64_t t_first = t0 + token_block * kTokenBlock;
+      if (t_first >= p.tokens) continue;
+      uint32_t in[kTokenBlock];
+#pragma unroll
+      for (int r = 0; r < kTokenBlock; ++r) {
+        in[r] = lds_u32(tile_base + tile_offset(token_block * kTokenBlock + r, word, pitch));
+      }
+      // 4x4 byte transposes: out[e].w[k] = byte e of in[4k], in[4k+1], in[4k+2], in[4k+3].
+      Vec16 out[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const uint32_t a = in[4 * k], b = in[4 * k + 1], c = in[4 * k + 2], d = in[4 * k + 3];
+        const uint32_t ab_lo = __byte_perm(a, b, 0x5140);  // a0 b0 a1 b1
+        const uint32_t ab_hi = __byte_perm(a, b, 0x7362);  // a2 b2 a3 b3
+        const uint32_t cd_lo = __byte_perm(c, d, 0x5140);
+        const uint32_t cd_hi = __byte_perm(c, d, 0x7362);
+        out[0].w[k] = __byte_perm(ab_lo, cd_lo, 0x5410);  // a0 b0 c0 d0
+        out[1].w[k] = __byte_perm(ab_lo, cd_lo, 0x7632);  // a1 b1 c1 d1
+        out[2].w[k] = __byte_perm(ab_hi, cd_hi, 0x5410);
+        out[3].w[k] = __byte_perm(ab_hi, cd_hi, 0x7632);
+      }
+      // Tile feature 4*word + e -> packed feature (parts never straddle a word: D % 8 == 0).
+      const int f = 4 * word;
+      int64_t feature;
+      if (f < D) {
+        feature = int64_t(h) * D + f;
+      } else if (f < 2 * D) {
+        feature = int64_t(H + h) * D + (f - D);
+      } else {
+        feature = 2 * int64_t(H) * D + int64_t(h) * Dv + (f - 2 * D);
+      }
+      uint8_t* dst = p.grad_t + feature * p.tokens + t_first;
+      if (aligned) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) rope::st_vec16(dst + e * p.tokens, out[e]);
+      } else {
+        const int64_t remaining = p.tokens - t_first;
+        const int count = remaining < kTokenBlock ? int(remaining) : kTokenBlock;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+#pragma unroll
+          for (int r = 0; r < kTokenBlock; ++r) {  // unrolled: out[] stays in registers
+            if (r < count) st_u8(dst + e * p.tokens + r, (out[e].w[r >> 2] >> (8 * (r & 3))) & 0xffu);
+          }
+        }
+      }
+    }
+  }
+}
+
+/// The geometry the FP8 kernel runs for a head width served by `Geom`. Three chunks per lane
+/// (D in 72..96 and 136..192) with key offset (a third row of chunks, g_next) do not fit 128
+/// registers, so those run on 16-lane groups with the missing chunks masked.
+template <class Geom, bool kKeyOffset>
+struct Fp8Geometry {
+  using type = Geom;
+};
+template <int G>
+struct Fp8Geometry<rope::RowGeometry<G, 3>, true> {
+  using type = std::conditional_t<8 * G * 3 <= 128, rope::RowGeometry<16, 1>, rope::RowGeometry<16, 2>>;
+};
+
+template <class HeadGeom, bool kKeyOffset, typename FactorT>
+void launch_fp8(const QkvBackwardFp8KernelParams& kp, cudaStream_t stream) {
+  using Geom = typename Fp8Geometry<HeadGeom, kKeyOffset>::type;
+  static_assert(Geom::kMaxWidth >= HeadGeom::kMaxWidth, "the remapped geometry must cover D");
+  constexpr auto kernel = qkv_backward_fp8_kernel<Geom, kKeyOffset, FactorT>;
+  const size_t smem = size_t(kTileTokens) * size_t(kp.tile_pitch);
+  // Above 48 KB a kernel must opt in to its dynamic shared memory, once per device.
+  if (smem > 48 * 1024) {
+    static std::array<std::atomic<int>, 64> opted_in{};
+    int device = 0;
+    QKVF_CUDA_CHECK(cudaGetDevice(&device));
+    QKVF_CHECK(device < int(opted_in.size()), "device ordinal ", device, " beyond the supported 64");
+    const int want = int(smem);
+    if (opted_in[device].load(std::memory_order_relaxed) < want) {
+      QKVF_CUDA_CHECK(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, want));
+      opted_in[device].store(want, std::memory_order_relaxed);
+    }
+  }
+  const int64_t tiles = (kp.tokens + kTileTokens - 1) / kTileTokens;
+  const int64_t blocks = tiles * kp.num_heads;
+  QKVF_CHECK(blocks <= int64_t(0x7fffffff), "qkv_backward_fp8 (CUDA): ", kp.tokens,
+             " tokens need more blocks than one launch holds");
+  kernel<<<dim3(unsigned(blocks)), dim3(kFp8Threads), smem, stream>>>(kp);
+  QKVF_CUDA_CHECK_LAUNCH("qkv_backward_fp8_kernel");
+}
+
+}  // namespace
+
+void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
+  DeviceGuard guard(params.qk.device);
+  const int64_t tokens = params.qk.size(0);
+  if (tokens == 0) return;
+  const RopeLayout& layout = params.layout;
+  const int64_t H = layout.num_heads;
+  const int64_t head_dim = params.qk.size(2);
+  const int64_t v_dim = params.grad_v.size(2);
+  const int64_t qkv_dim = 2 * H * head_dim + H * v_dim;
+  // Validated by the entry point; restated because the kernel's addressing relies on them.
+  QKVF_CHECK(v_dim % 8 == 0 && v_dim >= 8 && v_dim <= 256, "qkv_backward_fp8 (CUDA): unsupported V "
+             "width Dv = ", v_dim, "; the CUDA kernel takes Dv a multiple of 8 in [8, 256]");
+  QKVF_CHECK(params.grad_row.is_contiguous() && params.grad_t.is_contiguous(),
+             "qkv_backward_fp8 (CUDA): grad_row and grad_t must be row-major contiguous, got ",
+             params.grad_row.describe(), " and ", params.grad_t.describe());
+
+  QkvBackwardFp8KernelParams kp{};
+  kp.grad_q = static_cast<const __nv_bfloat16*>(params.grad_q.data);
+  kp.grad_q_stride_t = params.grad_q.strides[0];
+  kp.grad_q_stride_h = params.grad_q.strides[1];
+  kp.grad_k = static_cast<const __nv_bfloat16*>(params.grad_k.data);
+  kp.grad_k_stride_t = params.grad_k.strides[0];
+  kp.grad_k_stride_h = params.grad_k.strides[1];
+  kp.grad_v = static_cast<const __nv_bfloat16*>(params.grad_v.data);
+  kp.grad_v_stride_t = params.grad_v.strides[0];
+  kp.grad_v_stride_h = params.grad_v.strides[1];
+  kp.qk = static_cast<const __nv_bfloat16*>(params.qk.data);
+  kp.qk_stride_t = params.qk.strides[0];
+  kp.qk_stride_h = params.qk.strides[1];
+  kp.factor1 = params.factor1.data;
+  kp.factor2 = params.factor2.data;
+  kp.factor1_stride_t = params.factor1.strides[0];
+  kp.factor2_stride_t = params.factor2.strides[0];
+  kp.grad_scale = static_cast<const float*>(params.grad_scale.data);
+  kp.grad_row = static_cast<uint8_t*>(params.grad_row.data);
+  kp.grad_t = static_cast<uint8_t*>(params.grad_t.data);
+  kp.tokens = tokens;
+  kp.qkv_dim = qkv_dim;
+  kp.num_heads = int(H);
+  kp.head_dim = int(head_dim);
+  kp.v_dim = int(v_dim);
+  kp.rotary_dim = layout.key_offset ? int(layout.rotary_dim) : int(head_dim);
+  kp.paired = layout.paired;
+  kp.tile_pitch = int((2 * head_dim + v_dim + 127) / 128 * 128);
+
+  const cudaStream_t stream = to_cuda(params.stream);
+  rope::head_width_switch("qkv_backward_fp8", head_dim, [&](auto geometry) {
+    using Geom = decltype(geometry);
+    bool_switch(layout.key_offset, [&](auto key_offset) {
+      factor_dtype_switch("qkv_backward_fp8", params.factor1.dtype, [&](auto factor_tag) {
+        using FactorT = typename decltype(factor_tag)::type;
+        launch_fp8<Geom, decltype(key_offset)::value, FactorT>(kp, stream);
+      });
+    });
+  });
+}
+
+}  // namespace qkvfuse::cuda

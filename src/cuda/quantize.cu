@@ -1,1 +1,506 @@
-// placeholder: src/cuda/quantize.cu
+// quantize.cu: bf16 -> e4m3 in row-major and transposed layouts from one read of the source
+// (SPEC.md section 5), the CUDA backend of quantize_dual_layout and quantize_weight_bank.
+//
+// Math, per batch entry b (a plain [M, N] source is B = 1):
+//   row[b][m][n] = e4m3(src[b][m][n] / scale[b])     (true fp32 division, then RNE + satfinite)
+//   t[b][n][m]   = row[b][m][n]
+//   amax[b]      = max |src[b]|                       (NaN if any element of the entry is NaN)
+// The division is __fdiv_rn (IEEE round-to-nearest whatever the compile flags), so the result
+// matches the CPU backend's `src / scale` bit for bit; the cast is the hardware
+// cvt.rn.satfinite.e4m3x2.f32 (float2_to_e4m3x2), which the numeric tests pin to the CPU
+// conversion.
+//
+// Design: memory bound (2 bytes read, 2 bytes written per element), so one pass and full-width
+// accesses. A block of 64 threads owns a 64 x 64 tile of one entry:
+//   phase 1  8 coalesced 16-byte loads per thread (a warp instruction reads 4 whole 128-byte
+//            rows), scale + convert, amax in registers, 8 e4m3 bytes per load to shared memory;
+//   phase 2  from the 4 KB shared tile: t rows as 16-byte stores (each thread gathers a 16 x 4
+//            byte block with 16 conflict-free 32-bit reads and transposes it 4 x 4 bytes at a
+//            time with byte permutes), and row rows as 16-byte stores.
+// Small blocks keep many tiles in flight per SM (the 9216 tiles of x [49152, 768] leave a short
+// tail) and make the one __syncthreads cheap. Shared-memory banks: rows are 64 bytes (16 words),
+// so two rows share the 32 banks; at each step of phase 2 a warp reads the same 8 words from
+// each of 4 rows 16 apart, rows of one parity, which would all land in the same 8 banks. The
+// tile is stored with row r's parity flipped when bit 4 of r is set and its word index XOR 8 when
+// bit 5 is set: those four rows then fill four distinct 8-bank groups. Both swizzles keep 8- and
+// 16-byte chunks whole, so phase 1's 8-byte and phase 2's 16-byte accesses stay single
+// transactions and conflict-free (index math checked by simulation: no conflicts, exact
+// transpose).
+//
+// The fast path needs M % 16 == 0 (16-byte t stores), N % 16 == 0 (16-byte row stores), a
+// 16-byte aligned source with row and batch strides multiples of 8 elements. Anything else takes
+// a simple 32 x 32 tile kernel with element-wise accesses: correct for any M, N >= 1, slower.
+//
+// amax: each block reduces max |x| over its tile as the fp32 bit pattern (for non-negative
+// floats the unsigned order is the numeric order, +inf = 0x7f800000 is above every finite value
+// and every NaN pattern is above +inf), canonicalizes a NaN to 0x7fffffff and merges it with
+// atomicMax into the output, which is zeroed first on the stream. A max is exact and
+// order-independent, so the result is deterministic.
+//
+// Weight bank: scale[b] = amax[b] / 448 (1 when amax is 0) must exist before any element of
+// entry b can be quantized, so it takes a read-only amax pass (atomicMax into the scale buffer),
+// a B-thread finalize and then the quantize pass, all on the stream, no host round trip. The
+// quantize pass walks the entries in reverse so that it starts on the entries the amax pass read
+// last, which are the likeliest to still be in L2 (a bank of 10 x [2304, 768] is 35 MB, the H200
+// L2 50 MB). L2 cache hints make that reuse likelier: the amax pass loads with an evict_last
+// policy (keep these lines over ordinary traffic, the quantize pass's own stores included) and the
+// quantize pass loads with evict_first (last use: the lines may go as soon as they are read), so
+// no line is left with raised priority afterwards.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "backend.hpp"
+#include "cuda/check.hpp"
+#include "cuda/device_math.cuh"
+#include "qkvfuse/numeric.hpp"
+
+namespace qkvfuse::cuda {
+namespace {
+
+constexpr int kTile = 64;          // fast path: 64 x 64 elements per block
+constexpr int kTileThreads = 64;   // 2 warps
+// 16 blocks (1024 threads, 128 KB of loads in flight) per SM: caps registers at 64 per thread.
+constexpr int kTileMinBlocksPerSm = 16;
+constexpr int kSlowTile = 32;      // generic path: 32 x 32 elements, 32 x 8 threads
+constexpr int kSlowRowsPerPass = 8;
+
+static_assert(kTile * kTile / 8 == 8 * kTileThreads, "phase 1: 8 loads of 8 elements per thread");
+static_assert((kTile / 4) * (kTile / 16) == kTileThreads,
+              "phase 2: one 4 (n) x 16 (m) block of t per thread");
+
+/// Arguments of the quantize kernels. Element strides; outputs are contiguous.
+struct QuantizeArgs {
+  const uint16_t* src;        // bf16 [B, M, N], last dim contiguous
+  int64_t src_batch_stride;   // elements between entries
+  int64_t src_row_stride;     // elements between rows
+  const float* scale;         // scale of entry b at scale[b * scale_stride]
+  int64_t scale_stride;       // 0: one scale for every entry
+  uint8_t* row;               // e4m3 [B, M, N] contiguous
+  uint8_t* t;                 // e4m3 [B, N, M] contiguous
+  unsigned int* amax_bits;    // [B] fp32 bit patterns merged by atomicMax, or null
+  int64_t m, n;
+  int64_t tiles_n;            // tiles along N (blockIdx.x = tile_m * tiles_n + tile_n)
+  int batch;                  // B
+};
+
+// ---- L2 cache policies (sm_80+: createpolicy + ld.global.L2::cache_hint) -----------------------
+
+__device__ __forceinline__ uint64_t l2_evict_last_policy() {
+  uint64_t policy;
+  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+__device__ __forceinline__ uint64_t l2_evict_first_policy() {
+  uint64_t policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+/// A 16-byte global load with an L2 eviction policy. Not volatile: the source is read-only for
+/// the kernel's lifetime, so the compiler may schedule it like any load.
+__device__ __forceinline__ Vec16 load16_with_policy(const void* pointer, uint64_t policy) {
+  Vec16 v;
+  asm("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+      : "=r"(v.w[0]), "=r"(v.w[1]), "=r"(v.w[2]), "=r"(v.w[3])
+      : "l"(pointer), "l"(policy));
+  return v;
+}
+
+/// |x| as its fp32 bit pattern: non-negative, so unsigned order = numeric order (NaN on top).
+__device__ __forceinline__ unsigned int abs_bits(float x) {
+  return __float_as_uint(x) & 0x7fffffffu;
+}
+
+/// One NaN pattern for the merged result, whatever NaN payloads the data held.
+__device__ __forceinline__ unsigned int canonical_nan(unsigned int bits) {
+  return bits > 0x7f800000u ? 0x7fffffffu : bits;
+}
+
+/// Max over the block (blockDim.x multiple of 32, at most 1024 threads) into amax_bits[b];
+/// all threads must call it. `scratch` holds at least blockDim.x / 32 words.
+__device__ __forceinline__ void block_amax_merge(unsigned int local, unsigned int* scratch,
+                                                 unsigned int* target) {
+  const unsigned int warp_max = __reduce_max_sync(0xffffffffu, local);
+  const int warp = threadIdx.x / 32 + threadIdx.y * (blockDim.x / 32);
+  const int warps = (blockDim.x * blockDim.y) / 32;
+  if ((threadIdx.x & 31) == 0) scratch[warp] = warp_max;
+  __syncthreads();
+  if (threadIdx.x == 0 && threadIdx.y == 0) {
+    unsigned int block_max = 0;
+    for (int w = 0; w < warps; ++w) block_max = max(block_max, scratch[w]);
+    // Zero cannot raise the (zero-initialized) result: skip the atomic.
+    if (block_max != 0) atomicMax(target, canonical_nan(block_max));
+  }
+}
+
+// ---- fast path: 64 x 64 tiles, 16-byte accesses -------------------------------------------
+
+/// Word index of (row r, 32-bit word w) in the swizzled 64 x 16-word shared tile.
+__device__ __forceinline__ int tile_word(int r, int w) {
+  const int physical_row = r ^ ((r >> 4) & 1);
+  return physical_row * (kTile / 4) + (w ^ (((r >> 5) & 1) * 8));
+}
+
+/// Transposes a 4 x 4 block of bytes: in[i] holds bytes (c0..c3) of row i; out[j] gets bytes
+/// (r0..r3) of column j, row 0 in the low byte.
+__device__ __forceinline__ void transpose_4x4_bytes(const uint32_t (&in)[4], uint32_t (&out)[4]) {
+  // __byte_perm(x, y, s): result byte k = byte s_k of the 8-byte value {y:x} (x = bytes 0-3).
+  const uint32_t lo01 = __byte_perm(in[0], in[1], 0x5140);  // r0c0 r1c0 r0c1 r1c1
+  const uint32_t hi01 = __byte_perm(in[0], in[1], 0x7362);  // r0c2 r1c2 r0c3 r1c3
+  const uint32_t lo23 = __byte_perm(in[2], in[3], 0x5140);
+  const uint32_t hi23 = __byte_perm(in[2], in[3], 0x7362);
+  out[0] = __byte_perm(lo01, lo23, 0x5410);  // r0c0 r1c0 r2c0 r3c0
+  out[1] = __byte_perm(lo01, lo23, 0x7632);
+  out[2] = __byte_perm(hi01, hi23, 0x5410);
+  out[3] = __byte_perm(hi01, hi23, 0x7632);
+}
+
+/// kLastUse: load the source with an evict_first L2 policy (the weight bank's second pass).
+template <bool kAmax, bool kLastUse>
+__global__ void __launch_bounds__(kTileThreads, kTileMinBlocksPerSm)
+    quantize_tile_kernel(const QuantizeArgs args) {
+  __shared__ __align__(16) uint32_t tile[kTile * kTile / 4];
+  __shared__ unsigned int warp_max[kTileThreads / 32];
+
+  // Entries in reverse: after the weight bank's amax pass the last entries are the ones in L2.
+  const int b = args.batch - 1 - int(blockIdx.y);
+  // 32-bit: the launcher keeps the tile count below 2^31.
+  const unsigned int tiles_n = unsigned(args.tiles_n);
+  const int64_t m0 = int64_t(blockIdx.x / tiles_n) * kTile;
+  const int64_t n0 = int64_t(blockIdx.x % tiles_n) * kTile;
+  const int tid = threadIdx.x;
+  const uint16_t* src = args.src + b * args.src_batch_stride;
+  const float scale = args.scale[b * args.scale_stride];
+
+  // ---- phase 1: load, quantize, stage in shared memory ----
+  // Load j covers tile rows 8j..8j+7: thread tid reads row 8j + tid/8, columns 8*(tid%8)..+7.
+  Vec16 loaded[8];
+  uint64_t policy = 0;
+  if constexpr (kLastUse) policy = l2_evict_first_policy();
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int r = (j * kTileThreads + tid) >> 3;
+    const int c = ((j * kTileThreads + tid) & 7) * 8;
+    const int64_t gm = m0 + r, gn = n0 + c;
+    // N % 16 == 0: an 8-column chunk is wholly inside or wholly outside.
+    if (gm < args.m && gn < args.n) {
+      const uint16_t* pointer = src + gm * args.src_row_stride + gn;
+      if constexpr (kLastUse) {
+        loaded[j] = load16_with_policy(pointer, policy);
+      } else {
+        loaded[j] = *reinterpret_cast<const Vec16*>(pointer);
+      }
+    } else {
+      loaded[j] = Vec16{{0u, 0u, 0u, 0u}};  // zeros: no effect on amax, never stored
+    }
+  }
+  unsigned int local_max = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int r = (j * kTileThreads + tid) >> 3;
+    const int c = ((j * kTileThreads + tid) & 7) * 8;
+    float x[8];
+    bf16x8_to_float(loaded[j], x);
+    if constexpr (kAmax) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) local_max = max(local_max, abs_bits(x[e]));
+    }
+    uint2 packed;
+    packed.x = float4_to_e4m3x4(__fdiv_rn(x[0], scale), __fdiv_rn(x[1], scale),
+                                __fdiv_rn(x[2], scale), __fdiv_rn(x[3], scale));
+    packed.y = float4_to_e4m3x4(__fdiv_rn(x[4], scale), __fdiv_rn(x[5], scale),
+                                __fdiv_rn(x[6], scale), __fdiv_rn(x[7], scale));
+    *reinterpret_cast<uint2*>(&tile[tile_word(r, c / 4)]) = packed;
+  }
+  if constexpr (kAmax) {
+    block_amax_merge(local_max, warp_max, args.amax_bits + b);  // includes the __syncthreads
+  } else {
+    __syncthreads();
+  }
+
+  // ---- phase 2a: t[n][m], 4 t rows x 16 bytes per thread ----
+  // Thread (q = tid/4, mc = tid%4): columns n0+4q..+3, rows m0+16mc..+15. Per store instruction a
+  // warp writes 8 t rows x 64 contiguous bytes.
+  {
+    const int q = tid >> 2, mc = tid & 3;
+    uint32_t words[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) words[i] = tile[tile_word(16 * mc + i, q)];
+    uint32_t columns[4][4];  // [group of 4 rows][column j]
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+      const uint32_t block[4] = {words[4 * g], words[4 * g + 1], words[4 * g + 2],
+                                 words[4 * g + 3]};
+      transpose_4x4_bytes(block, columns[g]);
+    }
+    const int64_t gm = m0 + 16 * mc;
+    uint8_t* t = args.t + int64_t(b) * args.m * args.n;
+    if (gm < args.m) {  // M % 16 == 0: the 16 rows are wholly inside or outside
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int64_t gn = n0 + 4 * q + j;
+        if (gn < args.n) {
+          *reinterpret_cast<Vec16*>(t + gn * args.m + gm) =
+              Vec16{{columns[0][j], columns[1][j], columns[2][j], columns[3][j]}};
+        }
+      }
+    }
+  }
+
+  // ---- phase 2b: row[m][n], 16 bytes per store ----
+  {
+    uint8_t* row = args.row + int64_t(b) * args.m * args.n;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int f = j * kTileThreads + tid;
+      const int r = f >> 2, chunk = f & 3;
+      const int64_t gm = m0 + r, gn = n0 + 16 * chunk;
+      if (gm < args.m && gn < args.n) {
+        const Vec16 v = *reinterpret_cast<const Vec16*>(&tile[tile_word(r, 4 * chunk)]);
+        *reinterpret_cast<Vec16*>(row + gm * args.n + gn) = v;
+      }
+    }
+  }
+}
+
+// ---- generic path: any M, N, element-wise ---------------------------------------------------
+
+template <bool kAmax>
+__global__ void __launch_bounds__(kSlowTile * kSlowRowsPerPass)
+    quantize_generic_kernel(const QuantizeArgs args) {
+  __shared__ uint8_t tile[kSlowTile][kSlowTile + 1];
+  __shared__ unsigned int warp_max[kSlowTile * kSlowRowsPerPass / 32];
+
+  const int b = args.batch - 1 - int(blockIdx.y);
+  const unsigned int tiles_n = unsigned(args.tiles_n);
+  const int64_t m0 = int64_t(blockIdx.x / tiles_n) * kSlowTile;
+  const int64_t n0 = int64_t(blockIdx.x % tiles_n) * kSlowTile;
+  const uint16_t* src = args.src + b * args.src_batch_stride;
+  uint8_t* row = args.row + int64_t(b) * args.m * args.n;
+  uint8_t* t = args.t + int64_t(b) * args.m * args.n;
+  const float scale = args.scale[b * args.scale_stride];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+
+  unsigned int local_max = 0;
+  for (int i = ty; i < kSlowTile; i += kSlowRowsPerPass) {
+    const int64_t gm = m0 + i, gn = n0 + tx;
+    if (gm < args.m && gn < args.n) {
+      const float x = bf16_to_float(src[gm * args.src_row_stride + gn]);
+      if constexpr (kAmax) local_max = max(local_max, abs_bits(x));
+      const uint8_t q = uint8_t(float2_to_e4m3x2(__fdiv_rn(x, scale), 0.0f) & 0xffu);
+      row[gm * args.n + gn] = q;
+      tile[i][tx] = q;
+    }
+  }
+  if constexpr (kAmax) {
+    block_amax_merge(local_max, warp_max, args.amax_bits + b);
+  } else {
+    __syncthreads();
+  }
+  for (int i = ty; i < kSlowTile; i += kSlowRowsPerPass) {
+    const int64_t gn = n0 + i, gm = m0 + tx;
+    if (gn < args.n && gm < args.m) t[gn * args.m + gm] = tile[tx][i];
+  }
+}
+
+// ---- weight bank: amax pass and scale finalize ------------------------------------------------
+
+constexpr int kAmaxThreads = 256;
+constexpr int kAmaxUnroll = 4;  // 16-byte loads in flight per thread
+
+/// amax_bits[b] = max |src[b]| (bits), src as QuantizeArgs. grid (blocks per entry, B).
+template <bool kVector>
+__global__ void __launch_bounds__(kAmaxThreads) entry_amax_kernel(const QuantizeArgs args) {
+  __shared__ unsigned int warp_max[kAmaxThreads / 32];
+  const int b = int(blockIdx.y);
+  const uint16_t* src = args.src + b * args.src_batch_stride;
+  unsigned int local_max = 0;
+  if constexpr (kVector) {
+    // Units of 8 elements, row-major over (row, chunk): consecutive threads read consecutive
+    // 16-byte chunks of a row.
+    const int64_t chunks_per_row = args.n / 8;
+    const int64_t units = args.m * chunks_per_row;
+    const int64_t stride = int64_t(gridDim.x) * kAmaxThreads;
+    // Keep what this pass reads in L2 for the quantize pass that follows (see the header).
+    const uint64_t policy = l2_evict_last_policy();
+    for (int64_t base = int64_t(blockIdx.x) * kAmaxThreads * kAmaxUnroll + threadIdx.x;
+         base < units; base += stride * kAmaxUnroll) {
+      Vec16 v[kAmaxUnroll];
+#pragma unroll
+      for (int u = 0; u < kAmaxUnroll; ++u) {
+        const int64_t unit = base + int64_t(u) * kAmaxThreads;
+        v[u] = Vec16{{0u, 0u, 0u, 0u}};
+        if (unit < units) {
+          const int64_t r = unit / chunks_per_row, c = (unit % chunks_per_row) * 8;
+          v[u] = load16_with_policy(src + r * args.src_row_stride + c, policy);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kAmaxUnroll; ++u) {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          // Two bf16 per word; |bf16| bits shifted up are |fp32| bits.
+          local_max = max(local_max, (v[u].w[w] << 16) & 0x7fffffffu);
+          local_max = max(local_max, v[u].w[w] & 0x7fff0000u);
+        }
+      }
+    }
+  } else {
+    const int64_t count = args.m * args.n;
+    for (int64_t i = int64_t(blockIdx.x) * kAmaxThreads + threadIdx.x; i < count;
+         i += int64_t(gridDim.x) * kAmaxThreads) {
+      const int64_t r = i / args.n, c = i % args.n;
+      local_max = max(local_max, (uint32_t(src[r * args.src_row_stride + c]) << 16) & 0x7fffffffu);
+    }
+  }
+  block_amax_merge(local_max, warp_max, args.amax_bits + b);
+}
+
+/// scale[b] = amax[b] / 448, or 1 when amax[b] == 0; in place (the buffer held amax bits).
+__global__ void finalize_weight_scale_kernel(float* scale, int batch) {
+  for (int b = threadIdx.x; b < batch; b += blockDim.x) {
+    const float amax = scale[b];
+    scale[b] = amax == 0.0f ? 1.0f : __fdiv_rn(amax, E4M3::kMax);
+  }
+}
+
+// ---- host side --------------------------------------------------------------------------------
+
+/// Views of one call normalized to a batch of B entries.
+QuantizeArgs make_args(const TensorView& src, const TensorView& scale, const TensorView& row,
+                       const TensorView& t) {
+  QKVF_CHECK(src.ndim == 2 || src.ndim == 3, "quantize: src must be [M, N] or [B, M, N], got ",
+             src.describe());
+  QKVF_CHECK(src.dtype == DType::kBFloat16 && row.dtype == DType::kFloat8E4M3 &&
+                 t.dtype == DType::kFloat8E4M3 && scale.dtype == DType::kFloat32,
+             "quantize: expected bf16 src, e4m3 row and t, float32 scale");
+  const bool batched = src.ndim == 3;
+  QuantizeArgs args{};
+  args.batch = batched ? int(src.size(0)) : 1;
+  QKVF_CHECK(!batched || src.size(0) <= 65535, "quantize: at most 65535 batch entries, got ",
+             src.size(0));
+  args.m = src.size(src.ndim - 2);
+  args.n = src.size(src.ndim - 1);
+  QKVF_CHECK(args.n <= 1 || src.stride(src.ndim - 1) == 1,
+             "quantize: src's last dim must be contiguous, got ", src.describe());
+  QKVF_CHECK(row.is_contiguous() && t.is_contiguous(), "quantize: row and t must be contiguous");
+  QKVF_CHECK(row.numel() == src.numel() && t.numel() == src.numel(),
+             "quantize: row/t sizes do not match src");
+  args.src = static_cast<const uint16_t*>(src.data);
+  args.src_row_stride = src.stride(src.ndim - 2);
+  args.src_batch_stride = batched ? src.stride(0) : 0;
+  args.scale = static_cast<const float*>(scale.data);
+  args.scale_stride = batched ? (scale.ndim == 1 ? scale.stride(0) : 0) : 0;
+  args.row = static_cast<uint8_t*>(row.data);
+  args.t = static_cast<uint8_t*>(t.data);
+  return args;
+}
+
+bool fast_path_ok(const QuantizeArgs& args) {
+  const auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  return args.m % 16 == 0 && args.n % 16 == 0 && aligned16(args.src) && aligned16(args.row) &&
+         aligned16(args.t) && (args.m <= 1 || args.src_row_stride % 8 == 0) &&
+         (args.batch <= 1 || args.src_batch_stride % 8 == 0);
+}
+
+/// Launches the quantize pass (amax merged into args.amax_bits when it is set). `last_use`: the
+/// source was just read by the weight bank's amax pass (evict_first loads on the fast path).
+void launch_quantize(QuantizeArgs args, cudaStream_t stream, bool last_use) {
+  if (args.batch == 0 || args.m == 0 || args.n == 0) return;
+  const bool amax = args.amax_bits != nullptr;
+  if (fast_path_ok(args)) {
+    args.tiles_n = (args.n + kTile - 1) / kTile;
+    const int64_t tiles = args.tiles_n * ((args.m + kTile - 1) / kTile);
+    QKVF_CHECK(tiles <= 0x7fffffff, "quantize: ", tiles, " tiles exceed the grid");
+    const dim3 grid(unsigned(tiles), unsigned(args.batch));
+    if (amax) {
+      quantize_tile_kernel<true, false><<<grid, kTileThreads, 0, stream>>>(args);
+    } else if (last_use) {
+      quantize_tile_kernel<false, true><<<grid, kTileThreads, 0, stream>>>(args);
+    } else {
+      quantize_tile_kernel<false, false><<<grid, kTileThreads, 0, stream>>>(args);
+    }
+    QKVF_CUDA_CHECK_LAUNCH("quantize_tile_kernel");
+  } else {
+    args.tiles_n = (args.n + kSlowTile - 1) / kSlowTile;
+    const int64_t tiles = args.tiles_n * ((args.m + kSlowTile - 1) / kSlowTile);
+    QKVF_CHECK(tiles <= 0x7fffffff, "quantize: ", tiles, " tiles exceed the grid");
+    const dim3 grid(unsigned(tiles), unsigned(args.batch));
+    const dim3 block(kSlowTile, kSlowRowsPerPass);
+    if (amax) {
+      quantize_generic_kernel<true><<<grid, block, 0, stream>>>(args);
+    } else {
+      quantize_generic_kernel<false><<<grid, block, 0, stream>>>(args);
+    }
+    QKVF_CUDA_CHECK_LAUNCH("quantize_generic_kernel");
+  }
+}
+
+}  // namespace
+
+void quantize_dual_layout(const QuantizeDualParams& params) {
+  QuantizeArgs args = make_args(params.src, params.scale, params.row, params.t);
+  DeviceGuard guard(params.src.device);
+  const cudaStream_t stream = to_cuda(params.stream);
+  if (!is_absent(params.amax)) {
+    const TensorView& amax = params.amax;
+    QKVF_CHECK(amax.dtype == DType::kFloat32 && amax.numel() == args.batch && amax.ndim <= 1 &&
+                   (amax.ndim == 0 || amax.size(0) <= 1 || amax.stride(0) == 1),
+               "quantize_dual_layout: amax must be float32 with one contiguous element per "
+               "entry, got ", amax.describe());
+    // atomicMax merges into it: start from +0 (below every |x| pattern).
+    QKVF_CUDA_CHECK(cudaMemsetAsync(params.amax.data, 0, sizeof(float) * size_t(args.batch),
+                                    stream));
+    args.amax_bits = static_cast<unsigned int*>(params.amax.data);
+  }
+  launch_quantize(args, stream, /*last_use=*/false);
+}
+
+void quantize_weight_bank(const QuantizeWeightBankParams& params) {
+  QKVF_CHECK(params.src.ndim == 3, "quantize_weight_bank: src must be [B, M, N], got ",
+             params.src.describe());
+  QuantizeArgs args = make_args(params.src, params.scale, params.row, params.t);
+  QKVF_CHECK(params.scale.ndim == 1 && params.scale.size(0) == args.batch &&
+                 (args.batch <= 1 || params.scale.stride(0) == 1),
+             "quantize_weight_bank: scale must be a contiguous float32 [B], got ",
+             params.scale.describe());
+  DeviceGuard guard(params.src.device);
+  const cudaStream_t stream = to_cuda(params.stream);
+  if (args.batch == 0) return;
+  float* scale = static_cast<float*>(params.scale.data);
+
+  // 1. amax per entry, merged by atomicMax into the scale buffer itself (zeroed first).
+  QKVF_CUDA_CHECK(cudaMemsetAsync(scale, 0, sizeof(float) * size_t(args.batch), stream));
+  if (args.m > 0 && args.n > 0) {
+    QuantizeArgs amax_args = args;
+    amax_args.amax_bits = reinterpret_cast<unsigned int*>(scale);
+    const bool vector = args.n % 8 == 0 && reinterpret_cast<uintptr_t>(args.src) % 16 == 0 &&
+                        (args.m <= 1 || args.src_row_stride % 8 == 0) &&
+                        (args.batch <= 1 || args.src_batch_stride % 8 == 0);
+    // About 4 resident blocks per SM across all entries (one wave, each block looping over
+    // several 16 KB spans), no more blocks than the work needs.
+    const int64_t per_block = vector ? int64_t(kAmaxThreads) * kAmaxUnroll * 8 : kAmaxThreads;
+    const int64_t needed = (args.m * args.n + per_block - 1) / per_block;
+    const int64_t fill = (int64_t(multiprocessor_count()) * 4 + args.batch - 1) / args.batch;
+    const dim3 grid(unsigned(std::max<int64_t>(1, std::min(needed, fill))), unsigned(args.batch));
+    if (vector) {
+      entry_amax_kernel<true><<<grid, kAmaxThreads, 0, stream>>>(amax_args);
+    } else {
+      entry_amax_kernel<false><<<grid, kAmaxThreads, 0, stream>>>(amax_args);
+    }
+    QKVF_CUDA_CHECK_LAUNCH("entry_amax_kernel");
+  }
+  // 2. amax -> scale, in place.
+  finalize_weight_scale_kernel<<<1, 256, 0, stream>>>(scale, args.batch);
+  QKVF_CUDA_CHECK_LAUNCH("finalize_weight_scale_kernel");
+  // 3. quantize with the fresh scales (stream order makes them visible).
+  args.scale = scale;
+  args.scale_stride = 1;
+  args.amax_bits = nullptr;
+  launch_quantize(args, stream, /*last_use=*/true);
+}
+
+}  // namespace qkvfuse::cuda

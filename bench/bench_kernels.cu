@@ -1,0 +1,489 @@
+// bench_kernels.cu: timings of the three QK-norm + rotary kernels at the speedrun's shapes, through
+// the public API: the forward (qk_norm_rope), the bf16 backward (qk_norm_rope_backward) and the
+// fused FP8 backward (qkv_backward_fp8).
+//
+//   qkvfuse_bench_kernels [--csv PATH] [--tokens T] [--iters N]
+//
+// Method (STYLE.md "Benchmarks"): each case warms up, then times every iteration between its own
+// pair of CUDA events and reports the median of N >= 50. A spinning kernel holds the GPU while all
+// iterations are enqueued, so the events measure GPU time, not launch overhead. Inputs and outputs
+// rotate through at least 3 buffer sets, and through enough that one pass touches more than 3x
+// the L2, so no iteration reads what the previous one left in L2. The layouts are the model's:
+// qk is the Q/K column block of the packed [T, 2HD + H*Dv] GEMM output (paired layers: a dense
+// [T, 2H, D], their V has its own GEMM), factor tables bf16, grads dense, grad_scale = 1/448.
+//
+// Bytes: the minimum each kernel must move, each input read once and each output written once,
+// counted exactly (factor tables and the grad_scale scalar included):
+//   forward        qk 2*T*2H*D + factors 2*2*T*W + q, k 2*2*T*H*D            (W = D, 2D paired)
+//   bf16 backward  grad_q, grad_k 2*2*T*H*D + qk 2*T*2H*D + factors 2*2*T*W + grad_qk 2*T*2H*D
+//   FP8 backward   grad_q, grad_k 2*2*T*H*D + grad_v 2*T*H*Dv + qk 2*T*2H*D + factors 2*2*T*W
+//                  + grad_scale 4 + grad_row T*qkv_dim + grad_t T*qkv_dim
+// GB/s = bytes / median time; "%copy" = that against the device-to-device copy bandwidth measured
+// in the same run (cudaMemcpyAsync of a 2 GiB buffer, bytes read + written). "anchor" is the
+// reference Triton kernel's time at that shape (shared/ANCHORS.md, measured on an H200) and
+// "speedup" the anchor over this run's median, where ANCHORS.md has the shape.
+// Results: a table on stdout; with --csv, one line per case plus the device, date and commit.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "qkvfuse/qkvfuse.hpp"
+
+#ifndef QKVFUSE_GIT_COMMIT
+#define QKVFUSE_GIT_COMMIT "unknown"
+#endif
+
+namespace {
+
+using namespace qkvfuse;
+
+#define BENCH_CUDA(expr)                                                                  \
+  do {                                                                                    \
+    const cudaError_t bench_status_ = (expr);                                             \
+    if (bench_status_ != cudaSuccess) {                                                   \
+      throw std::runtime_error(std::string(#expr) + " failed: " +                         \
+                               cudaGetErrorString(bench_status_) + " [" + __FILE__ + ":" + \
+                               std::to_string(__LINE__) + "]");                           \
+    }                                                                                     \
+  } while (0)
+
+constexpr Device kDevice{DeviceType::kCUDA, 0};
+
+/// The commit the binary was configured at; QKVFUSE_COMMIT in the environment overrides it.
+const char* commit_id() {
+  const char* from_env = std::getenv("QKVFUSE_COMMIT");
+  return from_env && *from_env ? from_env : QKVFUSE_GIT_COMMIT;
+}
+
+// ---- device memory and data ---------------------------------------------------------------------
+
+struct DeviceFree {
+  void operator()(void* p) const { cudaFree(p); }
+};
+using Buffer = std::unique_ptr<void, DeviceFree>;
+
+Buffer allocate(size_t bytes) {
+  void* p = nullptr;
+  BENCH_CUDA(cudaMalloc(&p, std::max<size_t>(bytes, 16)));
+  return Buffer(p);
+}
+
+/// A roughly normal value from a hashed index (realistic bit patterns, no host round trip).
+__device__ __forceinline__ float hash_normal(uint64_t i, uint64_t seed) {
+  uint64_t x = (i + 1) * 0x9e3779b97f4a7c15ull ^ seed;
+  float sum = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    x ^= x >> 31;
+    x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 29;
+    sum += float(x >> 40) * (1.0f / 16777216.0f);
+  }
+  return (sum - 2.0f) * 1.7320508f;
+}
+
+__global__ void fill_bf16_kernel(uint16_t* out, size_t count, uint64_t seed, float sigma) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count;
+       i += size_t(gridDim.x) * blockDim.x) {
+    out[i] = float_to_bf16(sigma * hash_normal(i, seed));
+  }
+}
+
+__global__ void spin_kernel(uint64_t nanoseconds) {
+  uint64_t start = 0, now = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < nanoseconds);
+}
+
+uint64_t g_seed = 1;
+
+/// Fills on the legacy stream and waits, so the (non-blocking) benchmark stream never sees a
+/// half-filled buffer.
+void fill_bf16(void* p, size_t count, float sigma) {
+  fill_bf16_kernel<<<1024, 256>>>(static_cast<uint16_t*>(p), count, g_seed++, sigma);
+  BENCH_CUDA(cudaGetLastError());
+  BENCH_CUDA(cudaDeviceSynchronize());
+}
+
+// ---- timing -------------------------------------------------------------------------------------
+
+float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5f * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/// Median ms of fn(i) over `iters` iterations after `warmup`, each between its own events.
+float time_median(const std::function<void(int)>& fn, cudaStream_t stream, int iters,
+                  bool prequeue, int warmup = 5) {
+  for (int i = 0; i < warmup; ++i) fn(i);
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  std::vector<cudaEvent_t> start(static_cast<size_t>(iters)), stop(static_cast<size_t>(iters));
+  for (int i = 0; i < iters; ++i) {
+    BENCH_CUDA(cudaEventCreate(&start[size_t(i)]));
+    BENCH_CUDA(cudaEventCreate(&stop[size_t(i)]));
+  }
+  // ~30 us of host time per iteration covers a launch and two event records.
+  if (prequeue) spin_kernel<<<1, 1, 0, stream>>>(uint64_t(iters) * 30000ull + 200000ull);
+  for (int i = 0; i < iters; ++i) {
+    BENCH_CUDA(cudaEventRecord(start[size_t(i)], stream));
+    fn(i);
+    BENCH_CUDA(cudaEventRecord(stop[size_t(i)], stream));
+  }
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  std::vector<float> ms(static_cast<size_t>(iters));
+  for (int i = 0; i < iters; ++i) {
+    BENCH_CUDA(cudaEventElapsedTime(&ms[size_t(i)], start[size_t(i)], stop[size_t(i)]));
+    cudaEventDestroy(start[size_t(i)]);
+    cudaEventDestroy(stop[size_t(i)]);
+  }
+  return median(ms);
+}
+
+// ---- results ------------------------------------------------------------------------------------
+
+struct Row {
+  std::string kernel, mode;
+  int64_t tokens = 0, heads = 0, head_dim = 0, v_dim = 0;
+  double ms = NAN, bytes = NAN, gbps = NAN, pct_copy = NAN, anchor_ms = NAN;
+  std::string note;
+};
+
+std::vector<Row> g_rows;
+double g_copy_gbps = NAN;
+size_t g_l2_bytes = 50u << 20;
+
+std::string num(double v, const char* fmt) {
+  if (std::isnan(v)) return "-";
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), fmt, v);
+  return buf;
+}
+
+void add_row(Row row) {
+  if (!std::isnan(row.ms) && !std::isnan(row.bytes)) {
+    row.gbps = row.bytes / (row.ms * 1e-3) / 1e9;
+    row.pct_copy = 100.0 * row.gbps / g_copy_gbps;
+  }
+  const std::string shape = "T=" + std::to_string(row.tokens) + " H=" + std::to_string(row.heads) +
+                            " D=" + std::to_string(row.head_dim) +
+                            (row.v_dim ? " Dv=" + std::to_string(row.v_dim) : std::string());
+  std::printf("%-22s %-11s %-26s %9s %9s %8s %7s %9s %8s  %s\n", row.kernel.c_str(),
+              row.mode.c_str(), shape.c_str(), num(row.ms, "%.4f").c_str(),
+              num(row.bytes / 1e6, "%.1f").c_str(), num(row.gbps, "%.0f").c_str(),
+              num(row.pct_copy, "%.1f").c_str(), num(row.anchor_ms, "%.4f").c_str(),
+              num(row.anchor_ms / row.ms, "%.2fx").c_str(), row.note.c_str());
+  std::fflush(stdout);
+  g_rows.push_back(std::move(row));
+}
+
+/// Enough rotating sets (at least 3) that one pass over them exceeds 3x the L2.
+int rotation_sets(double set_bytes) {
+  return std::max(3, int(std::ceil(3.0 * double(g_l2_bytes) / set_bytes)));
+}
+
+void bench_copy(cudaStream_t stream, int iters) {
+  const size_t bytes = size_t(2) << 30;
+  Buffer src = allocate(bytes), dst = allocate(bytes);
+  BENCH_CUDA(cudaMemsetAsync(src.get(), 1, bytes, stream));
+  const float ms = time_median(
+      [&](int) {
+        BENCH_CUDA(cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice, stream));
+      },
+      stream, std::max(10, iters / 5), false, 2);
+  g_copy_gbps = 2.0 * double(bytes) / (ms * 1e-3) / 1e9;
+  std::printf("%-22s %-11s %-26s %9.4f %9.1f %8.0f %7.1f  bytes read + written\n", "copy",
+              "D2D", "2 GiB", ms, 2.0 * double(bytes) / 1e6, g_copy_gbps, 100.0);
+}
+
+// ---- the cases ----------------------------------------------------------------------------------
+
+enum class Mode { kPlain, kPaired, kKeyOffset };
+
+const char* mode_name(Mode m) {
+  switch (m) {
+    case Mode::kPlain: return "plain";
+    case Mode::kPaired: return "paired";
+    case Mode::kKeyOffset: return "key_offset";
+  }
+  return "?";
+}
+
+struct Shape {
+  int64_t tokens, heads, head_dim, v_dim;
+  Mode mode;
+
+  int64_t qk_features() const { return 2 * heads * head_dim; }
+  int64_t qkv_dim() const { return qk_features() + heads * v_dim; }
+  int64_t factor_width() const { return mode == Mode::kPaired ? 2 * head_dim : head_dim; }
+  int64_t out_tokens() const { return mode == Mode::kPaired ? 2 * tokens : tokens; }
+  int64_t out_heads() const { return mode == Mode::kPaired ? heads / 2 : heads; }
+  RopeLayout layout() const {
+    const bool shifted = mode == Mode::kKeyOffset;
+    return {heads, shifted ? head_dim / 2 : head_dim, mode == Mode::kPaired, shifted};
+  }
+  /// qk as the model has it: the Q/K columns of the packed GEMM output (paired: dense).
+  int64_t qk_row_stride() const { return mode == Mode::kPaired ? qk_features() : qkv_dim(); }
+};
+
+/// Reference Triton times (shared/ANCHORS.md) for the shapes it lists, else NaN.
+double anchor_ms(const std::string& kernel, const Shape& s) {
+  struct Anchor {
+    const char* kernel;
+    int64_t heads, head_dim;
+    Mode mode;
+    double ms;
+  };
+  static const Anchor anchors[] = {
+      {"qk_norm_rope", 6, 128, Mode::kPlain, 0.0856},
+      {"qk_norm_rope", 6, 128, Mode::kPaired, 0.0905},
+      {"qk_norm_rope", 6, 128, Mode::kKeyOffset, 0.0964},
+      {"qk_norm_rope", 12, 64, Mode::kPlain, 0.0945},
+      {"qk_norm_rope", 8, 128, Mode::kPlain, 0.1082},
+      {"qkv_backward_fp8", 6, 128, Mode::kPlain, 0.283},
+      {"qkv_backward_fp8", 6, 128, Mode::kPaired, 0.285},
+      {"qkv_backward_fp8", 6, 128, Mode::kKeyOffset, 0.332},
+      {"qkv_backward_fp8", 12, 64, Mode::kPlain, 0.265},
+      {"qkv_backward_fp8", 6, 96, Mode::kPlain, 0.213},
+  };
+  if (s.tokens != 49152 || s.v_dim != 128) return NAN;
+  for (const Anchor& a : anchors) {
+    if (kernel == a.kernel && s.heads == a.heads && s.head_dim == a.head_dim && s.mode == a.mode) {
+      return a.ms;
+    }
+  }
+  return NAN;
+}
+
+/// One rotating set of every buffer the three kernels touch.
+struct BufferSet {
+  Buffer qkv;                 // [T, qk_row_stride] bf16, qk at its start
+  Buffer factor1, factor2;    // [T, W] bf16
+  Buffer q, k;                // [outT, outH, D] bf16
+  Buffer grad_q, grad_k;      // [outT, outH, D] bf16
+  Buffer grad_v;              // [T, H, Dv] bf16
+  Buffer grad_qk;             // [T, 2H, D] bf16
+  Buffer grad_row, grad_t;    // [T, qkv_dim], [qkv_dim, T] e4m3
+  Buffer grad_scale;          // float32 scalar
+};
+
+BufferSet make_set(const Shape& s) {
+  BufferSet b;
+  const size_t qk_elems = size_t(s.tokens * s.qk_row_stride());
+  const size_t factor_elems = size_t(s.tokens * s.factor_width());
+  const size_t out_elems = size_t(s.out_tokens() * s.out_heads() * s.head_dim);
+  const size_t v_elems = size_t(s.tokens * s.heads * s.v_dim);
+  b.qkv = allocate(2 * qk_elems);
+  fill_bf16(b.qkv.get(), qk_elems, 1.0f);
+  b.factor1 = allocate(2 * factor_elems);
+  b.factor2 = allocate(2 * factor_elems);
+  fill_bf16(b.factor1.get(), factor_elems, 0.5f);
+  fill_bf16(b.factor2.get(), factor_elems, 0.5f);
+  b.q = allocate(2 * out_elems);
+  b.k = allocate(2 * out_elems);
+  b.grad_q = allocate(2 * out_elems);
+  b.grad_k = allocate(2 * out_elems);
+  fill_bf16(b.grad_q.get(), out_elems, 0.01f);
+  fill_bf16(b.grad_k.get(), out_elems, 0.01f);
+  b.grad_v = allocate(2 * v_elems);
+  fill_bf16(b.grad_v.get(), v_elems, 0.01f);
+  b.grad_qk = allocate(2 * size_t(s.tokens * s.qk_features()));
+  b.grad_row = allocate(size_t(s.tokens * s.qkv_dim()));
+  b.grad_t = allocate(size_t(s.tokens * s.qkv_dim()));
+  b.grad_scale = allocate(sizeof(float));
+  const float scale = 1.0f / 448.0f;
+  BENCH_CUDA(cudaMemcpy(b.grad_scale.get(), &scale, sizeof(float), cudaMemcpyHostToDevice));
+  return b;
+}
+
+struct Views {
+  TensorView qk, factor1, factor2, q, k, grad_q, grad_k, grad_v, grad_qk, grad_row, grad_t,
+      grad_scale;
+};
+
+Views views_of(const Shape& s, const BufferSet& b) {
+  const DType bf16 = DType::kBFloat16;
+  Views v;
+  v.qk = make_view(b.qkv.get(), bf16, kDevice, {s.tokens, 2 * s.heads, s.head_dim},
+                   {s.qk_row_stride(), s.head_dim, 1});
+  v.factor1 = make_view(b.factor1.get(), bf16, kDevice, {s.tokens, s.factor_width()});
+  v.factor2 = make_view(b.factor2.get(), bf16, kDevice, {s.tokens, s.factor_width()});
+  v.q = make_view(b.q.get(), bf16, kDevice, {s.out_tokens(), s.out_heads(), s.head_dim});
+  v.k = make_view(b.k.get(), bf16, kDevice, {s.out_tokens(), s.out_heads(), s.head_dim});
+  v.grad_q = make_view(b.grad_q.get(), bf16, kDevice, {s.out_tokens(), s.out_heads(), s.head_dim});
+  v.grad_k = make_view(b.grad_k.get(), bf16, kDevice, {s.out_tokens(), s.out_heads(), s.head_dim});
+  v.grad_v = make_view(b.grad_v.get(), bf16, kDevice, {s.tokens, s.heads, s.v_dim});
+  v.grad_qk = make_view(b.grad_qk.get(), bf16, kDevice, {s.tokens, 2 * s.heads, s.head_dim});
+  v.grad_row = make_view(b.grad_row.get(), DType::kFloat8E4M3, kDevice, {s.tokens, s.qkv_dim()});
+  v.grad_t = make_view(b.grad_t.get(), DType::kFloat8E4M3, kDevice, {s.qkv_dim(), s.tokens});
+  v.grad_scale = make_view(b.grad_scale.get(), DType::kFloat32, kDevice, {});
+  return v;
+}
+
+/// The minimum bytes of each kernel (see the file comment).
+double forward_bytes(const Shape& s) {
+  const double t = double(s.tokens), h = double(s.heads), d = double(s.head_dim);
+  return 2 * t * 2 * h * d + 2 * 2 * t * double(s.factor_width()) + 2 * 2 * t * h * d;
+}
+double backward_bytes(const Shape& s) {
+  const double t = double(s.tokens), h = double(s.heads), d = double(s.head_dim);
+  return 2 * 2 * t * h * d + 2 * t * 2 * h * d + 2 * 2 * t * double(s.factor_width()) +
+         2 * t * 2 * h * d;
+}
+double fp8_bytes(const Shape& s) {
+  const double t = double(s.tokens), h = double(s.heads), d = double(s.head_dim);
+  return 2 * 2 * t * h * d + 2 * t * h * double(s.v_dim) + 2 * t * 2 * h * d +
+         2 * 2 * t * double(s.factor_width()) + 4 + 2 * t * double(s.qkv_dim());
+}
+
+void bench_shape(const Shape& s, cudaStream_t stream, int iters) {
+  const double set_bytes = fp8_bytes(s) + forward_bytes(s) + backward_bytes(s);
+  const int sets = rotation_sets(set_bytes / 3);
+  std::vector<BufferSet> buffers;
+  std::vector<Views> views;
+  for (int i = 0; i < sets; ++i) {
+    buffers.push_back(make_set(s));
+    views.push_back(views_of(s, buffers.back()));
+  }
+  const std::string note = std::to_string(sets) + " rotating sets";
+  auto measure = [&](const char* kernel, double bytes, const std::function<void(const Views&)>& op) {
+    Row row;
+    row.kernel = kernel;
+    row.mode = mode_name(s.mode);
+    row.tokens = s.tokens;
+    row.heads = s.heads;
+    row.head_dim = s.head_dim;
+    row.v_dim = std::string(kernel) == "qkv_backward_fp8" ? s.v_dim : 0;
+    row.bytes = bytes;
+    row.anchor_ms = anchor_ms(kernel, s);
+    row.note = note;
+    try {
+      row.ms = time_median([&](int i) { op(views[size_t(i % sets)]); }, stream, iters, true);
+    } catch (const std::exception& e) {
+      row.note = std::string("FAILED: ") + e.what();
+    }
+    add_row(row);
+  };
+  const Stream api_stream = stream;
+  measure("qk_norm_rope", forward_bytes(s), [&](const Views& v) {
+    qk_norm_rope({v.qk, v.factor1, v.factor2, v.q, v.k, s.layout(), api_stream});
+  });
+  measure("qk_norm_rope_backward", backward_bytes(s), [&](const Views& v) {
+    qk_norm_rope_backward(
+        {v.grad_q, v.grad_k, v.qk, v.factor1, v.factor2, v.grad_qk, s.layout(), api_stream});
+  });
+  measure("qkv_backward_fp8", fp8_bytes(s), [&](const Views& v) {
+    QkvBackwardFp8Params p;
+    p.grad_q = v.grad_q;
+    p.grad_k = v.grad_k;
+    p.grad_v = v.grad_v;
+    p.qk = v.qk;
+    p.factor1 = v.factor1;
+    p.factor2 = v.factor2;
+    p.grad_scale = v.grad_scale;
+    p.grad_row = v.grad_row;
+    p.grad_t = v.grad_t;
+    p.layout = s.layout();
+    p.stream = api_stream;
+    qkv_backward_fp8(p);
+  });
+}
+
+void write_csv(const std::string& path, const cudaDeviceProp& prop) {
+  FILE* f = std::fopen(path.c_str(), "w");
+  if (!f) {
+    std::fprintf(stderr, "cannot write %s\n", path.c_str());
+    return;
+  }
+  const std::time_t now = std::time(nullptr);
+  char date[64];
+  std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  std::fprintf(f, "# qkvfuse_bench_kernels\n# device: %s (%d SMs)\n# date: %s\n# commit: %s\n",
+               prop.name, prop.multiProcessorCount, date, commit_id());
+  std::fprintf(f, "# copy bandwidth: %.1f GB/s\n", g_copy_gbps);
+  std::fprintf(f,
+               "kernel,mode,tokens,heads,head_dim,v_dim,ms,bytes,gbps,pct_copy,anchor_ms,"
+               "speedup_vs_anchor,note\n");
+  for (const Row& r : g_rows) {
+    std::string note = r.note;
+    std::replace(note.begin(), note.end(), ',', ';');
+    std::fprintf(f, "%s,%s,%lld,%lld,%lld,%lld,%s,%.0f,%s,%s,%s,%s,%s\n", r.kernel.c_str(),
+                 r.mode.c_str(), (long long)r.tokens, (long long)r.heads, (long long)r.head_dim,
+                 (long long)r.v_dim, num(r.ms, "%.5f").c_str(), r.bytes,
+                 num(r.gbps, "%.1f").c_str(), num(r.pct_copy, "%.2f").c_str(),
+                 num(r.anchor_ms, "%.4f").c_str(), num(r.anchor_ms / r.ms, "%.3f").c_str(),
+                 note.c_str());
+  }
+  std::fclose(f);
+}
+
+int run(int argc, char** argv) {
+  std::string csv;
+  int64_t tokens = 49152;
+  int iters = 100;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--csv" && i + 1 < argc) {
+      csv = argv[++i];
+    } else if (arg == "--tokens" && i + 1 < argc) {
+      tokens = std::atoll(argv[++i]);
+    } else if (arg == "--iters" && i + 1 < argc) {
+      iters = std::max(50, std::atoi(argv[++i]));
+    } else {
+      std::fprintf(stderr, "usage: %s [--csv PATH] [--tokens T] [--iters N (>= 50)]\n", argv[0]);
+      return 2;
+    }
+  }
+  cudaDeviceProp prop{};
+  BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
+  g_l2_bytes = size_t(prop.l2CacheSize);
+  std::printf("device: %s, %d SMs, L2 %zu MiB; commit %s; T = %lld; median of %d\n", prop.name,
+              prop.multiProcessorCount, g_l2_bytes >> 20, commit_id(), (long long)tokens, iters);
+  std::printf("%-22s %-11s %-26s %9s %9s %8s %7s %9s %8s  %s\n", "kernel", "mode", "shape", "ms",
+              "MB", "GB/s", "%copy", "anchor ms", "speedup", "note");
+  cudaStream_t stream = nullptr;
+  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  bench_copy(stream, iters);
+
+  const Mode modes[] = {Mode::kPlain, Mode::kPaired, Mode::kKeyOffset};
+  struct Config {
+    int64_t heads, head_dim;
+  };
+  // The speedrun's layers (C = 768: H=6 at D=128/96, H=12 at D=64) and a C = 1024 one (H=8).
+  for (const Config c : {Config{6, 128}, Config{12, 64}, Config{6, 96}, Config{8, 128}}) {
+    for (Mode mode : modes) {
+      try {
+        bench_shape({tokens, c.heads, c.head_dim, 128, mode}, stream, iters);
+      } catch (const std::exception& e) {
+        std::printf("H=%lld D=%lld %s: FAILED: %s\n", (long long)c.heads, (long long)c.head_dim,
+                    mode_name(mode), e.what());
+      }
+    }
+  }
+  cudaStreamDestroy(stream);
+  if (!csv.empty()) write_csv(csv, prop);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "qkvfuse_bench_kernels: %s\n", e.what());
+    return 1;
+  }
+}

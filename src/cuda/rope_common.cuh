@@ -1,0 +1,375 @@
+// rope_common.cuh: device code shared by the three QK-norm + rotary kernels (forward, bf16
+// backward, fused FP8 backward). Internal.
+//
+// Row geometry. A row (one input head of one token: D bf16 values, D a multiple of 8) is split
+// into D/8 chunks of 8 elements, 16 bytes of bf16: one LDG.128 / STG.128 each. A lane group of G
+// consecutive lanes (G = 4, 8 or 16, a power of two dividing 32) owns a row; lane l of the group
+// holds chunks l, l + G, ..., l + (C-1)G, so that for every chunk slot the G lanes touch G*16
+// contiguous bytes (full 32-byte sectors, coalesced). The row sums (sum x^2 and sum dn*n) are a
+// per-lane partial over 8*C values followed by a log2(G)-step xor-shuffle butterfly inside the
+// group; every lane ends with the same bits (a + b == b + a in IEEE arithmetic), so the result is
+// deterministic and identical across the group. Widths that are not 8*G*C exactly use the next
+// larger geometry with the missing chunks masked (loads return 0, stores are skipped).
+//
+// Rounding. The CPU backend is the contract: the element-wise formulas of SPEC.md are evaluated
+// with explicitly rounded fp32 operations (__fmul_rn / __fadd_rn / __fdiv_rn / __fsqrt_rn, and
+// UniformDivisor, which is __fdiv_rn bit for bit), in the CPU's order, so nvcc's FMA contraction
+// and any fast-math flag cannot change them; the only difference from the CPU is the order of the
+// fp32 row sums (sum x^2 and sum dn*n).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+
+#include "cuda/check.hpp"
+#include "cuda/device_math.cuh"
+#include "cuda/static_switch.hpp"
+#include "qkvfuse/error.hpp"
+#include "qkvfuse/numeric.hpp"
+
+namespace qkvfuse::cuda::rope {
+
+// ------------------------------------------------------------------------------------------------
+// Row geometry and the head-width switch
+// ------------------------------------------------------------------------------------------------
+
+/// G lanes per row, C 16-byte chunks per lane: rows up to 8*G*C elements.
+template <int G_, int C_>
+struct RowGeometry {
+  static constexpr int G = G_;
+  static constexpr int C = C_;
+  static constexpr int kMaxWidth = 8 * G * C;
+  static_assert(G == 4 || G == 8 || G == 16,
+                "a lane group is 4, 8 or 16 lanes: a power of two, so that the xor-shuffle "
+                "reduction stays inside the group and groups tile a warp");
+  static_assert(C >= 1 && C <= 4, "1 to 4 chunks of 8 elements per lane (registers)");
+};
+
+inline constexpr int kMinHeadWidth = 32;
+inline constexpr int kMaxHeadWidth = 256;
+
+/// Calls f(RowGeometry<G, C>{}) for the geometry serving head width D. The real widths get exact
+/// geometries (64: 8 lanes x 1 chunk; 96: 4 lanes x 3 chunks; 128: 16 x 1; 256: 16 x 2; 32:
+/// 4 x 1); every other multiple of 8 in [32, 256] runs on the next larger one, masked. Widths
+/// that are not a multiple of 8 are refused: rows and strides of 8 elements are what makes every
+/// access a 16-byte vector (the validator guarantees 16-byte aligned strides on CUDA tensors).
+template <typename F>
+void head_width_switch(const char* op, int64_t D, F&& f) {
+  QKVF_CHECK(D % 8 == 0 && D >= kMinHeadWidth && D <= kMaxHeadWidth, op,
+             " (CUDA): unsupported head width D = ", D,
+             "; the CUDA kernels take D a multiple of 8 in [32, 256] (16-byte vector rows)");
+  switch (D / 8) {
+    case 4: f(RowGeometry<4, 1>{}); break;                                  // 32
+    case 5: case 6: case 7: case 8: f(RowGeometry<8, 1>{}); break;          // 40 .. 64
+    case 9: case 10: case 11: case 12: f(RowGeometry<4, 3>{}); break;       // 72 .. 96
+    case 13: case 14: case 15: case 16: f(RowGeometry<16, 1>{}); break;     // 104 .. 128
+    case 17: case 18: case 19: case 20: case 21: case 22: case 23: case 24:
+      f(RowGeometry<8, 3>{}); break;                                        // 136 .. 192
+    case 25: case 26: case 27: case 28: case 29: case 30: case 31: case 32:
+      f(RowGeometry<16, 2>{}); break;                                       // 200 .. 256
+    default:
+      QKVF_FAIL(op, " (CUDA): no kernel for head width D = ", D);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Global memory access: 16-byte vectors
+// ------------------------------------------------------------------------------------------------
+
+/// Read-once stream (the kernel never reads it again): bypass L1 allocation so that the lines
+/// other warps do reuse (factor rows, neighbouring grads) stay resident. The inputs are never
+/// written during a launch (outputs overlap no input), so the non-coherent path is valid.
+__device__ __forceinline__ Vec16 ld_stream(const void* p) {
+  Vec16 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.w[0]), "=r"(v.w[1]), "=r"(v.w[2]), "=r"(v.w[3])
+      : "l"(p));
+  return v;
+}
+
+/// Data read by several warps of the SM close in time (factor rows of a token, which all its
+/// heads use; a key grad that is the next token's neighbour): cached in L1.
+__device__ __forceinline__ Vec16 ld_cached(const void* p) {
+  Vec16 v;
+  asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.w[0]), "=r"(v.w[1]), "=r"(v.w[2]), "=r"(v.w[3])
+      : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void st_vec16(void* p, const Vec16& v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.w[0]), "r"(v.w[1]),
+               "r"(v.w[2]), "r"(v.w[3])
+               : "memory");
+}
+
+__device__ __forceinline__ void st_u32(void* p, uint32_t v) {
+  asm volatile("st.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_u64(void* p, uint32_t lo, uint32_t hi) {
+  asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(lo), "r"(hi) : "memory");
+}
+
+__device__ __forceinline__ Vec16 zero_vec16() {
+  Vec16 v;
+  v.w[0] = v.w[1] = v.w[2] = v.w[3] = 0u;
+  return v;
+}
+
+/// Stores the 32-bit words w of a bf16 chunk whose element pair (2w, 2w+1) lies in [lo, hi)
+/// (element indices inside the chunk; lo and hi even, pairs are never split because rotary_dim
+/// is even). A whole chunk goes as one 16-byte store.
+__device__ __forceinline__ void st_chunk_range(__nv_bfloat16* p, const Vec16& v, int lo, int hi) {
+  if (lo <= 0 && hi >= 8) {
+    st_vec16(p, v);
+    return;
+  }
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    if (2 * w >= lo && 2 * w + 2 <= hi) st_u32(p + 2 * w, v.w[w]);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Rotary factor chunks: 8 consecutive columns of factor1 or factor2, bf16 or fp32
+// ------------------------------------------------------------------------------------------------
+
+template <typename FactorT>
+struct FactorChunk;
+
+template <>
+struct FactorChunk<__nv_bfloat16> {
+  Vec16 raw;
+  __device__ __forceinline__ void load(const __nv_bfloat16* p, bool valid) {
+    raw = valid ? ld_cached(p) : zero_vec16();
+  }
+  /// Element i (0..7) as fp32: bf16 is the high half of an fp32, a shift or a mask.
+  __device__ __forceinline__ float operator[](int i) const {
+    return (i & 1) ? __uint_as_float(raw.w[i >> 1] & 0xffff0000u)
+                   : __uint_as_float(raw.w[i >> 1] << 16);
+  }
+};
+
+template <>
+struct FactorChunk<float> {
+  Vec16 raw[2];
+  __device__ __forceinline__ void load(const float* p, bool valid) {
+    raw[0] = valid ? ld_cached(p) : zero_vec16();
+    raw[1] = valid ? ld_cached(p + 4) : zero_vec16();
+  }
+  __device__ __forceinline__ float operator[](int i) const {
+    return __uint_as_float(raw[i >> 2].w[i & 3]);
+  }
+};
+
+// ------------------------------------------------------------------------------------------------
+// Division by a value shared by many divisions (the grad scale, the row width)
+// ------------------------------------------------------------------------------------------------
+
+/// a / b correctly rounded (IEEE division, bit-identical to __fdiv_rn), for one b and many a.
+///
+/// __fdiv_rn(a, b) compiles to MUFU.RCP r0 = ~1/b; r1 = fma(r0, fma(-b, r0, 1), r0);
+/// q0 = a * r1; q1 = fma(r1, fma(-b, q0, a), q0), plus an FCHK test that sends operands of
+/// extreme exponents (denormals, zero, inf/NaN, quotients near over/underflow) to a slow exact
+/// path. Here r1 is computed once per b (the same instructions, so the same bits) and each
+/// division costs three FMAs; operands outside [2^-40, 2^40] (zeros included, whose sign the
+/// fast path could lose), far inside every FCHK limit, take __fdiv_rn itself. The results are
+/// therefore those of __fdiv_rn for every input: 3 instead of ~10 instructions per element.
+struct UniformDivisor {
+  float divisor;
+  float reciprocal;  ///< r1 above
+  bool fast;         ///< divisor inside [2^-40, 2^40]
+
+  __device__ __forceinline__ explicit UniformDivisor(float b) : divisor(b) {
+    float r0;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(b));
+    reciprocal = __fmaf_rn(r0, __fmaf_rn(-b, r0, 1.0f), r0);
+    const float magnitude = fabsf(b);
+    fast = magnitude >= 0x1p-40f && magnitude <= 0x1p40f;
+  }
+
+  __device__ __forceinline__ float operator()(float a) const {
+    const float magnitude = fabsf(a);
+    if (fast && magnitude >= 0x1p-40f && magnitude <= 0x1p40f) {
+      const float q0 = __fmul_rn(a, reciprocal);
+      return __fmaf_rn(reciprocal, __fmaf_rn(-divisor, q0, a), q0);
+    }
+    return __fdiv_rn(a, divisor);
+  }
+};
+
+// ------------------------------------------------------------------------------------------------
+// Row math
+// ------------------------------------------------------------------------------------------------
+
+/// Sum over the G lanes of a lane group (aligned, consecutive lanes). Must be reached by all 32
+/// lanes of the warp (full mask): the kernels keep their loops warp-uniform and mask work
+/// instead of branching around it.
+template <int G>
+__device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+  for (int offset = G / 2; offset > 0; offset >>= 1) {
+    v += __shfl_xor_sync(0xffffffffu, v, offset);
+  }
+  return v;
+}
+
+/// rstd = 1 / sqrt(sum(x*x) / D + eps) of a row held as bf16 chunks, true fp32 division and
+/// square root. The fp32 values are re-derived from the bf16 bits where they are needed (a shift
+/// or a mask), so no fp32 copy of the row stays live across the shuffles.
+template <int G, int C>
+__device__ __forceinline__ float row_rstd(const Vec16 (&x_raw)[C], const UniformDivisor& width) {
+  float partial = 0.0f;
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    float x[8];
+    bf16x8_to_float(x_raw[c], x);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) partial = fmaf(x[i], x[i], partial);
+  }
+  const float sum = group_sum<G>(partial);
+  return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(width(sum), kRmsNormEps)));
+}
+
+/// Forward of one chunk: n = x * rstd, y[d] = f1[d] * n[d] + f2[d] * n[d ^ 1], both as bf16.
+template <typename FactorT>
+__device__ __forceinline__ void forward_chunk(const Vec16& x_raw, float rstd,
+                                              const FactorChunk<FactorT>& f1,
+                                              const FactorChunk<FactorT>& f2, Vec16& y_out,
+                                              Vec16* n_out) {
+  float x[8];
+  bf16x8_to_float(x_raw, x);
+  float n[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) n[i] = __fmul_rn(x[i], rstd);
+  float y[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    y[i] = __fadd_rn(__fmul_rn(f1[i], n[i]), __fmul_rn(f2[i], n[i ^ 1]));
+  }
+  y_out = float_to_bf16x8(y);
+  if (n_out != nullptr) *n_out = float_to_bf16x8(n);
+}
+
+/// Backward of one row (SPEC.md section 2):
+///   dn[d] = f1[d] * g[d] + f2[d ^ 1] * g[d ^ 1]
+///   key offset key rows, d >= rotary_dim: dn[d] = g_next[d] + (t == 0 ? g[d] : 0)
+///   dx    = rstd * (dn - n * (sum(dn * n) / D))
+/// `stationary_from` is, per chunk, the first element index (0..8) at or beyond rotary_dim;
+/// those elements take the key-offset path when `shift_row` (a key row under key offset), and
+/// only they read `g_next`.
+template <int G, int C, typename FactorT>
+__device__ __forceinline__ void backward_row(const Vec16 (&g_raw)[C], const Vec16 (&x_raw)[C],
+                                             const FactorChunk<FactorT> (&f1)[C],
+                                             const FactorChunk<FactorT> (&f2)[C],
+                                             const Vec16 (&g_next_raw)[C],
+                                             const int (&stationary_from)[C], bool shift_row,
+                                             bool first_token, const UniformDivisor& width,
+                                             float (&dx)[C][8]) {
+  // One chunk per lane: keep n (8 registers); wider rows recompute it from the bf16 bits.
+  constexpr bool kKeepN = C == 1;
+  const float rstd = row_rstd<G, C>(x_raw, width);
+  float kept_n[kKeepN ? C : 1][8];
+  float partial = 0.0f;
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    float x[8];
+    float g[8];
+    float g_next[8];
+    bf16x8_to_float(x_raw[c], x);
+    bf16x8_to_float(g_raw[c], g);
+    bf16x8_to_float(g_next_raw[c], g_next);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float n = __fmul_rn(x[i], rstd);
+      if constexpr (kKeepN) kept_n[c][i] = n;
+      const float rotated = __fadd_rn(__fmul_rn(f1[c][i], g[i]), __fmul_rn(f2[c][i ^ 1], g[i ^ 1]));
+      const float shifted = __fadd_rn(g_next[i], first_token ? g[i] : 0.0f);
+      dx[c][i] = shift_row && i >= stationary_from[c] ? shifted : rotated;  // dn for now
+      partial = fmaf(dx[c][i], n, partial);
+    }
+  }
+  const float correction = width(group_sum<G>(partial));
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    float x[8];
+    bf16x8_to_float(x_raw[c], x);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float n = kKeepN ? kept_n[kKeepN ? c : 0][i] : __fmul_rn(x[i], rstd);
+      dx[c][i] = __fmul_rn(rstd, __fsub_rn(dx[c][i], __fmul_rn(n, correction)));
+    }
+  }
+}
+
+/// Element index inside the chunk starting at d0 from which dims are stationary (>= rotary_dim),
+/// clamped to [0, 8]: 8 means the whole chunk rotates.
+__device__ __forceinline__ int stationary_start(int d0, int rotary_dim) {
+  return min(8, max(0, rotary_dim - d0));
+}
+
+// ------------------------------------------------------------------------------------------------
+// Work decomposition of the row kernels (forward and bf16 backward), host side
+// ------------------------------------------------------------------------------------------------
+
+/// Threads per block of the row kernels: 4 warps (small blocks: fine-grained occupancy).
+inline constexpr int kRowThreads = 128;
+
+/// The 2H input heads of a token are split into `row_sets` sets {s, s + NS, s + 2NS, ...}, NS
+/// even, so a set holds heads of one parity: under paired placement they all read the same half
+/// of the factor row. One lane group (a "stream") owns one set of one range of consecutive
+/// tokens and walks the range in order: the factor chunks of a token are loaded once per set
+/// and shared by its rows, and the key-offset forward carries the previous token's normalized
+/// keys in registers. Streams of one range are adjacent lane groups, so their factor loads are
+/// one coalesced request. The grid is one wave of resident blocks (persistent): every stream
+/// walks the same number of tokens, so the wave ends together.
+struct RowWork {
+  int row_sets = 2;               ///< NS
+  int rows_per_set = 1;           ///< ceil(2H / NS), at most the kernel's rows per lane group
+  int64_t num_ranges = 1;         ///< token ranges
+  int64_t tokens_per_range = 1;   ///< L: tokens walked by each stream (the last range may be short)
+  int64_t blocks = 1;             ///< grid size
+};
+
+inline RowWork plan_row_work(int64_t tokens, int64_t heads2, int rows_per_group, int group_lanes,
+                             int resident_blocks_per_sm, int multiprocessors) {
+  RowWork work;
+  int64_t sets = (heads2 + rows_per_group - 1) / rows_per_group;
+  sets = sets < 2 ? 2 : sets + (sets & 1);
+  work.row_sets = int(sets);
+  work.rows_per_set = int((heads2 + sets - 1) / sets);
+  const int64_t groups_per_block = kRowThreads / group_lanes;
+  const int64_t capacity = int64_t(resident_blocks_per_sm < 1 ? 1 : resident_blocks_per_sm) *
+                           multiprocessors * groups_per_block;
+  int64_t ranges = capacity / sets;
+  if (ranges < 1) ranges = 1;
+  work.tokens_per_range = (tokens + ranges - 1) / ranges;
+  work.num_ranges = (tokens + work.tokens_per_range - 1) / work.tokens_per_range;
+  work.blocks = (work.num_ranges * sets + groups_per_block - 1) / groups_per_block;
+  return work;
+}
+
+/// Resident blocks per multiprocessor of `kKernel` at `threads` threads and `smem` bytes of
+/// dynamic shared memory, cached per device (one query per kernel instantiation and device).
+template <auto kKernel>
+int resident_blocks_per_sm(int threads, size_t smem) {
+  static std::array<std::atomic<int>, 64> cache{};
+  int device = 0;
+  QKVF_CUDA_CHECK(cudaGetDevice(&device));
+  QKVF_CHECK(device < int(cache.size()), "device ordinal ", device, " beyond the supported 64");
+  int blocks = cache[device].load(std::memory_order_relaxed);
+  if (blocks == 0) {
+    QKVF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, threads, smem));
+    QKVF_CHECK(blocks > 0, "kernel cannot be resident with ", threads, " threads and ", smem,
+               " bytes of shared memory");
+    cache[device].store(blocks, std::memory_order_relaxed);
+  }
+  return blocks;
+}
+
+}  // namespace qkvfuse::cuda::rope

@@ -1,0 +1,132 @@
+// validate.hpp: the argument checks every public entry point runs before it touches memory.
+// Internal.
+//
+// Each public op builds a Checker named after itself and checks dtype, device, shape, strides,
+// alignment and overlap of every argument; a failure throws qkvfuse::Error whose message reads
+//   "<op>: <argument>: expected <what>, got <what it got>"
+// so the caller learns which argument is wrong and why. The backends then assume valid inputs
+// (backend.hpp).
+//
+// Alignment on CUDA: a kernel reads a row of a tensor (its last dimension) with the widest
+// vectors that tile it, up to 16 bytes. So a CUDA tensor's data pointer and every stride but the
+// last must be multiples of the row's vector width: the largest power of two <= 16 that divides
+// the row's byte width (16 for a 128-wide bf16 row, 4 for a 34-wide one). The CPU backend needs
+// only natural element alignment.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "qkvfuse/fp8_gemm.hpp"
+#include "qkvfuse/qk_norm_rope.hpp"
+#include "qkvfuse/qkv_backward_fp8.hpp"
+#include "qkvfuse/tensor.hpp"
+
+namespace qkvfuse::validate {
+
+/// A tensor argument and the name messages call it by.
+/// An absent optional argument (is_absent) is skipped by the checks that take lists.
+struct Arg {
+  const TensorView& view;
+  const char* name;
+  bool optional = false;
+};
+
+/// One dimension of an expected shape: a fixed size, or any size, printed as its label ("T").
+struct Dim {
+  Dim(int64_t fixed) : size(fixed) {}  // NOLINT: implicit, so shapes read {Dim::any("T"), 12, 128}
+  static Dim any(const char* label) {
+    Dim dim(-1);
+    dim.label = label;
+    return dim;
+  }
+  int64_t size;
+  const char* label = nullptr;
+};
+
+/// `first` followed by `second` (Arg holds a reference, so vectors of it grow by push_back only).
+std::vector<Arg> concat(const std::vector<Arg>& first, const std::vector<Arg>& second);
+
+/// The shapes of the rope ops (SPEC.md section 1), derived from qk and the layout.
+struct RopeShape {
+  int64_t tokens;        ///< T
+  int64_t heads;         ///< H (qk holds 2H input heads)
+  int64_t head_dim;      ///< D
+  int64_t out_tokens;    ///< T, or 2T when paired
+  int64_t out_heads;     ///< H, or H/2 when paired
+  int64_t factor_width;  ///< D, or 2D when paired
+};
+
+/// The checks of one op; every message starts with the op's name.
+class Checker {
+ public:
+  explicit Checker(std::string op) : op_(std::move(op)) {}
+  const std::string& op() const { return op_; }
+
+  /// Every required argument is present, and all present ones (absent optional ones are
+  /// skipped) live on one device, which is returned. Non-empty tensors must have data; on CUDA
+  /// the runtime confirms each pointer is memory of that device (a clear error, not a crash, for
+  /// host pointers or a CPU-only build). An empty call (no arguments) runs on the CPU.
+  Device same_device(const std::vector<Arg>& args) const;
+
+  void dtype(const TensorView& view, const char* name, DType expected) const;
+  void dtype_in(const TensorView& view, const char* name,
+                std::initializer_list<DType> allowed) const;
+  /// Exact shape; `why` explains derived sizes, e.g. "(2*num_heads = 12 heads)".
+  void shape(const TensorView& view, const char* name, std::initializer_list<Dim> expected,
+             const std::string& why = {}) const;
+  void ndim(const TensorView& view, const char* name, int expected) const;
+  void last_dim_contiguous(const TensorView& view, const char* name) const;
+  /// Row-major with no padding.
+  void contiguous(const TensorView& view, const char* name) const;
+  /// A 2-D row-major matrix: last dim contiguous, rows not overlapping (row stride >= columns).
+  void row_major(const TensorView& view, const char* name) const;
+  /// A float32 scalar: shape [] or [1].
+  void scalar_f32(const TensorView& view, const char* name) const;
+  /// Natural element alignment everywhere; on CUDA the row-vector alignment described above.
+  void aligned(const TensorView& view, const char* name, Device device) const;
+  /// No output shares a byte with another output or with any input.
+  void no_overlap(const std::vector<Arg>& outputs, const std::vector<Arg>& inputs) const;
+
+  /// Layout flags against D (qk's last dim) on `device`: num_heads >= 1, D even and in [2, 256]
+  /// (CPU) or [32, 256] (CUDA); with key_offset rotary_dim even in [0, D]; paired needs H even;
+  /// paired and key_offset exclude each other.
+  void rope_layout(const RopeLayout& layout, int64_t head_dim, Device device) const;
+
+ private:
+  std::string op_;
+};
+
+/// The inputs shared by the three rope ops: qk [T, 2H, D] (bfloat16; float32 and float64 too on
+/// the CPU when `wide_qk_on_cpu`), last dim contiguous; the layout; factor1/factor2 [T, D or 2D]
+/// of one dtype in {bfloat16, float32} (or qk's own dtype on the CPU), last dim contiguous.
+/// Returns the shapes.
+RopeShape rope_inputs(const Checker& check, const TensorView& qk, const TensorView& factor1,
+                      const TensorView& factor2, const RopeLayout& layout, Device device,
+                      bool wide_qk_on_cpu);
+
+/// A pair in the forward's output layout ([T, H, D], or [2T, H/2, D] when paired) of `dtype`:
+/// the outputs q, k (`contiguous`) or the gradients grad_q, grad_k (last dim contiguous only).
+void rope_output_pair(const Checker& check, Arg first, Arg second, const RopeShape& shape,
+                      DType dtype, Device device, bool contiguous);
+
+// Whole-op validators, defined next to each entry point (src/<op>.cpp). packed_qkv.cpp runs them
+// on every step before launching any, so a bad argument never leaves half-written outputs. Each
+// returns the device the op runs on; `op` prefixes the messages.
+Device validate_qk_norm_rope(const QkNormRopeParams& params, const std::string& op);
+Device validate_qkv_backward_fp8(const QkvBackwardFp8Params& params, const std::string& op);
+Device validate_fp8_gemm(const Fp8GemmParams& params, const std::string& op);
+
+/// Byte range [first, last) a view spans (empty for numel() == 0): the overlap test's unit.
+struct ByteRange {
+  uintptr_t first = 0;
+  uintptr_t last = 0;
+};
+ByteRange byte_range(const TensorView& view);
+/// False only when the two views provably share no byte (see validate.cpp for the test).
+bool may_overlap(const TensorView& a, const TensorView& b);
+
+}  // namespace qkvfuse::validate

@@ -1,0 +1,163 @@
+"""packed_fp8_qkv, the autograd op, against a float64 model of SPEC.md section 6
+(reference.packed_forward / packed_backward), and its drop-in argument order."""
+import importlib.util
+import inspect
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import qkvfuse
+from conftest import (DEVICES, assert_bf16_close, opcheck, poison_allocator, rel_error,
+                      requires_cuda)
+from packed_problem import LAYOUTS, Problem
+
+BF16 = torch.bfloat16
+
+# The reference PackedFP8QKV's arguments, in order (SPEC.md section 6).
+REFERENCE_ARGUMENTS = [
+    "x", "qk_weight", "v_weight", "weight_f8", "weight_f8_t", "weight_scale", "qkv_scale",
+    "x_scale", "grad_scale", "factor1", "factor2", "num_heads", "paired", "key_offset",
+    "rotary_dim", "x_f8", "x_f8_t",
+]
+
+
+def test_argument_order_is_the_reference_order():
+    parameters = list(inspect.signature(qkvfuse.packed_fp8_qkv).parameters)
+    assert parameters == REFERENCE_ARGUMENTS
+    forward = list(inspect.signature(qkvfuse.PackedFP8QKV.forward).parameters)
+    assert forward == ["ctx"] + REFERENCE_ARGUMENTS
+
+
+def test_argument_order_matches_the_seed_file():
+    seed = reference_module()
+    if seed is None:
+        pytest.skip("reference implementation not found (set QKVFUSE_REFERENCE to its path)")
+    forward = list(inspect.signature(seed.PackedFP8QKVFunction.forward).parameters)
+    assert forward == ["ctx"] + REFERENCE_ARGUMENTS
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_forward_and_gradients_match_model(device, name):
+    p = Problem(LAYOUTS[name], device)
+    poison_allocator(device, 4 * p.tokens * 2 * p.heads * p.qk_dim)
+    q, k, v = qkvfuse.packed_fp8_qkv(*p.arguments())
+    q_ref, k_ref, v_ref, qk_ref = p.model_forward()
+    assert q.shape == q_ref.shape and k.shape == k_ref.shape and v.shape == v_ref.shape
+    # The op's GEMM (fp32 accumulation) and the model's (float64) may round a qk element to
+    # neighbouring bf16 values; after the norm that is at most about one more bf16 ulp.
+    assert_bf16_close(q, q_ref, ulps=4)
+    assert_bf16_close(k, k_ref, ulps=4)
+    assert_bf16_close(v, v_ref, ulps=2)
+    # Paired layers get a dense v; plain ones a strided view of the one GEMM output.
+    assert v.is_contiguous() == p.paired
+    assert v.stride(-1) == 1
+
+    grad_q, grad_k, grad_v = (torch.randn_like(t) for t in (q, k, v))
+    grads = torch.autograd.grad((q, k, v), (p.x, p.qk_weight, p.v_weight, p.qkv_scale),
+                                (grad_q, grad_k, grad_v))
+    expected = p.model_backward(grad_q, grad_k, grad_v, qk_ref)
+    # bf16 results carry one rounding (rel. error ~2^-9); grad_qkv_scale is an fp32 sum.
+    tolerances = {"x": 5e-3, "qk_weight": 5e-3, "v_weight": 5e-3, "qkv_scale": 1e-4}
+    for grad, want, (what, tolerance) in zip(grads, expected, tolerances.items()):
+        assert grad.dtype == (torch.float32 if what == "qkv_scale" else BF16), what
+        assert grad.shape == want.shape, what
+        assert rel_error(grad, want) < tolerance, (what, rel_error(grad, want))
+
+
+def test_gradients_only_for_x_weights_and_qkv_scale():
+    p = Problem(LAYOUTS["plain"], "cpu")
+    args = list(p.arguments())
+    w = p.cache[0]
+    args[3:6] = [w.weight_f8, w.weight_f8_t, w.weight_scale.clone().requires_grad_()]
+    q, k, v = qkvfuse.packed_fp8_qkv(*args)
+    (q.float().sum() + k.float().sum() + v.float().sum()).backward()
+    assert args[5].grad is None
+    assert all(t.grad is not None for t in (p.x, p.qk_weight, p.v_weight, p.qkv_scale))
+
+
+def test_x_may_have_any_shape_of_t_by_c():
+    p = Problem(LAYOUTS["plain"], "cpu")
+    x3 = p.x.detach().view(1, *p.x.shape).requires_grad_()
+    args = list(p.arguments())
+    args[0] = x3
+    q, _, _ = qkvfuse.packed_fp8_qkv(*args)
+    q.float().sum().backward()
+    assert x3.grad.shape == x3.shape
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["plain", "paired"])
+def test_opcheck(device, name):
+    p = Problem(LAYOUTS[name], device)
+    w = p.cache[0]
+    forward_args = (p.x_f8, w.weight_f8, p.x_scale, w.weight_scale, p.qkv_scale.detach(),
+                    p.factor1, p.factor2, p.heads, p.qk_dim, p.v_dim, p.rotary_dim, p.paired,
+                    p.key_offset)
+    opcheck(torch.ops.qkvfuse.packed_qkv_forward.default, forward_args)
+    q, k, qkv = torch.ops.qkvfuse.packed_qkv_forward(*forward_args)
+    qk, v = qkvfuse._layout.qkv_views(qkv, p.tokens, p.heads, p.qk_dim, p.v_dim, p.paired)
+    opcheck(torch.ops.qkvfuse.packed_qkv_backward.default,
+            (torch.randn_like(q), torch.randn_like(k), torch.randn_like(v), qk, p.factor1,
+             p.factor2, p.x_f8_t, w.weight_f8_t, p.qk_weight.detach(), p.v_weight.detach(),
+             p.x_scale, w.weight_scale, p.qkv_scale.detach(), p.grad_scale, p.heads,
+             p.rotary_dim, p.paired, p.key_offset))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_errors_name_the_argument(device):
+    p = Problem(LAYOUTS["plain"], device)
+    args = list(p.arguments())
+    bad_x = list(args)
+    bad_x[15] = p.x.detach()  # bf16 where e4m3 x_f8 belongs
+    with pytest.raises(RuntimeError, match="x_f8"):
+        qkvfuse.packed_fp8_qkv(*bad_x)
+    bad_weight = list(args)
+    bad_weight[3] = args[3][:-16]
+    with pytest.raises(RuntimeError, match="weight_f8"):
+        qkvfuse.packed_fp8_qkv(*bad_weight)
+    bad_factor = list(args)
+    bad_factor[9] = args[9][:-1]
+    with pytest.raises(RuntimeError, match="factor1"):
+        qkvfuse.packed_fp8_qkv(*bad_factor)
+
+
+def reference_module():
+    """The seed reference (Python + Triton), if it can be found and imported: QKVFUSE_REFERENCE,
+    else shared/seed next to the repository."""
+    path = os.environ.get("QKVFUSE_REFERENCE")
+    if not path:
+        seeds = sorted((Path(__file__).resolve().parents[3] / "shared" / "seed").glob("*.txt"))
+        path = str(seeds[0]) if seeds else None
+    if not path:
+        return None
+    loader = importlib.machinery.SourceFileLoader("qkvfuse_reference", path)
+    spec = importlib.util.spec_from_loader("qkvfuse_reference", loader)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        loader.exec_module(module)
+    except ImportError:
+        return None
+    return module
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", ["plain", "paired", "key_offset"])
+def test_matches_reference_implementation_on_cuda(name):
+    seed = reference_module()
+    if seed is None:
+        pytest.skip("reference implementation not found (set QKVFUSE_REFERENCE to its path)")
+    p = Problem(LAYOUTS[name], "cuda")
+    outputs = qkvfuse.packed_fp8_qkv(*p.arguments())
+    expected = seed.PackedFP8QKV(*p.arguments())
+    # Two GEMM implementations may round a qk element to neighbouring bf16 values (see above).
+    for out, want in zip(outputs, expected):
+        assert_bf16_close(out, want, ulps=4)
+    grads_out = [torch.randn_like(t) for t in outputs]
+    inputs = (p.x, p.qk_weight, p.v_weight, p.qkv_scale)
+    ours = torch.autograd.grad(outputs, inputs, grads_out)
+    theirs = torch.autograd.grad(expected, inputs, grads_out)
+    for a, b in zip(ours, theirs):
+        assert rel_error(a, b) < 1e-2

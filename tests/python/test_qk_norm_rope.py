@@ -1,0 +1,144 @@
+"""qkvfuse.qk_norm_rope and its backward against the plain PyTorch chain (reference.py)."""
+import pytest
+import torch
+
+import qkvfuse
+import reference as ref
+from conftest import DEVICES, assert_bf16_close, poison_allocator, requires_cuda
+
+BF16 = torch.bfloat16
+
+# (tokens, num_heads, qk_dim, rotary_dim, paired, key_offset); D >= 32 runs on CUDA too.
+LAYOUTS = {
+    "plain": (33, 2, 32, 32, False, False),
+    "paired": (17, 4, 32, 32, True, False),
+    "key_offset": (19, 2, 64, 32, False, True),
+}
+CPU_ONLY_LAYOUTS = {
+    "odd_plain": (7, 3, 8, 8, False, False),
+    "one_token_key_offset": (1, 1, 6, 2, False, True),
+    "narrow_paired": (3, 2, 2, 2, True, False),
+}
+
+
+def make_inputs(layout, device, factor_dtype=torch.float32, token_padding=8):
+    """qk [T, 2H, D] bf16 as a column slice of a wider buffer (a GEMM output's Q/K columns), and
+    the rotary tables ([T, 2D] when paired)."""
+    tokens, heads, dim, rotary_dim, paired, _ = layout
+    wide = torch.randn(tokens, 2 * heads * dim + token_padding, device=device).to(BF16)
+    qk = wide[:, : 2 * heads * dim].view(tokens, 2 * heads, dim)
+    width = 2 * dim if paired else dim
+    factor1, factor2 = ref.rotary_factors(tokens, width, rotary_dim, factor_dtype, device)
+    return qk, factor1, factor2
+
+
+def call_args(layout):
+    _, heads, _, rotary_dim, paired, key_offset = layout
+    return heads, rotary_dim, paired, key_offset
+
+
+def layouts_on(device):
+    return {**LAYOUTS, **(CPU_ONLY_LAYOUTS if device == "cpu" else {})}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("factor_dtype", [torch.float32, BF16])
+def test_forward_matches_chain(device, factor_dtype):
+    for name, layout in layouts_on(device).items():
+        qk, factor1, factor2 = make_inputs(layout, device, factor_dtype)
+        tokens, heads, dim = qk.shape[0], layout[1], layout[2]
+        poison_allocator(device, 2 * qk.numel(), 2 * qk.numel())
+        q, k = qkvfuse.qk_norm_rope(qk, factor1, factor2, *call_args(layout))
+        q_ref, k_ref = ref.qk_norm_rope(qk, factor1, factor2, *call_args(layout))
+        expected = (2 * tokens, heads // 2, dim) if layout[4] else (tokens, heads, dim)
+        assert q.shape == k.shape == expected, name
+        assert q.dtype == k.dtype == BF16 and q.is_contiguous() and k.is_contiguous()
+        assert_bf16_close(q, q_ref)
+        assert_bf16_close(k, k_ref)
+
+
+def test_rotary_dim_defaults_to_head_width():
+    qk, factor1, factor2 = make_inputs(LAYOUTS["plain"], "cpu")
+    default = qkvfuse.qk_norm_rope(qk, factor1, factor2, 2)
+    explicit = qkvfuse.qk_norm_rope(qk, factor1, factor2, 2, 32, False, False)
+    for a, b in zip(default, explicit):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_matches_chain(device):
+    for name, layout in layouts_on(device).items():
+        qk, factor1, factor2 = make_inputs(layout, device)
+        qk = qk.detach().requires_grad_()
+        q, k = qkvfuse.qk_norm_rope(qk, factor1, factor2, *call_args(layout))
+        grad_q, grad_k = torch.randn_like(q), torch.randn_like(k)
+        # A transposed-then-transposed-back gradient: arbitrary token/head strides.
+        grad_q = grad_q.transpose(0, 1).contiguous().transpose(0, 1)
+        (grad_qk,) = torch.autograd.grad((q, k), (qk,), (grad_q, grad_k))
+        expected = ref.qk_norm_rope_grad(grad_q, grad_k, qk.detach(), factor1, factor2,
+                                         *call_args(layout))
+        assert grad_qk.dtype == BF16, name
+        assert_bf16_close(grad_qk, expected)
+
+
+def test_backward_accepts_broadcast_gradients():
+    # .sum() hands the backward an expanded (stride 0) gradient; it must still match.
+    qk, factor1, factor2 = make_inputs(LAYOUTS["plain"], "cpu")
+    qk = qk.detach().requires_grad_()
+    q, k = qkvfuse.qk_norm_rope(qk, factor1, factor2, 2)
+    (q.sum() + 2 * k.sum()).backward()
+    expected = ref.qk_norm_rope_grad(torch.ones_like(q), 2 * torch.ones_like(k), qk.detach(),
+                                     factor1, factor2, 2, 32, False, False)
+    assert_bf16_close(qk.grad, expected)
+
+
+@pytest.mark.parametrize("name", ["plain", "paired", "key_offset"])
+def test_gradcheck_float64(name):
+    _, heads, _, _, paired, key_offset = LAYOUTS[name]
+    layout = (4, heads, 8, 4, paired, key_offset)
+    qk, factor1, factor2 = make_inputs(layout, "cpu", torch.float64)
+    qk = qk.double().detach().requires_grad_()
+
+    def fn(x):
+        return qkvfuse.qk_norm_rope(x, factor1, factor2, *call_args(layout))
+
+    assert torch.autograd.gradcheck(fn, (qk,))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_opcheck(device, name):
+    layout = LAYOUTS[name]
+    qk, factor1, factor2 = make_inputs(layout, device)
+    torch.library.opcheck(torch.ops.qkvfuse.qk_norm_rope.default,
+                          (qk.detach().requires_grad_(), factor1, factor2, *call_args(layout)))
+    q, k = qkvfuse.qk_norm_rope(qk, factor1, factor2, *call_args(layout))
+    torch.library.opcheck(torch.ops.qkvfuse.qk_norm_rope_backward.default,
+                          (torch.randn_like(q), torch.randn_like(k), qk, factor1, factor2,
+                           *call_args(layout)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_errors_name_the_argument(device):
+    qk, factor1, factor2 = make_inputs(LAYOUTS["plain"], device)
+    with pytest.raises(RuntimeError, match="qk_norm_rope: qk: .*Half"):
+        qkvfuse.qk_norm_rope(qk.half(), factor1, factor2, 2)
+    with pytest.raises(RuntimeError, match="qk_norm_rope: factor1"):
+        qkvfuse.qk_norm_rope(qk, factor1[:, :16], factor2, 2)
+    with pytest.raises(RuntimeError, match="qk_norm_rope: qk"):
+        qkvfuse.qk_norm_rope(qk.transpose(0, 2).contiguous().transpose(0, 2), factor1, factor2, 2)
+    with pytest.raises(RuntimeError, match="qk_norm_rope: qk"):
+        qkvfuse.qk_norm_rope(qk, factor1, factor2, 3)
+    with pytest.raises(RuntimeError, match="qk_norm_rope: qk: expected 3 dims"):
+        qkvfuse.qk_norm_rope(qk.flatten(1), factor1, factor2, 2)
+    with pytest.raises(RuntimeError, match="qk_norm_rope: factor2: expected at most 4 dims"):
+        qkvfuse.qk_norm_rope(qk, factor1, factor2.view(1, 1, 1, *factor2.shape), 2)
+    with pytest.raises(RuntimeError, match="qk_norm_rope: num_heads: expected >= 1"):
+        qkvfuse.qk_norm_rope(qk, factor1, factor2, 0)
+
+
+@requires_cuda
+def test_errors_on_mixed_devices():
+    qk, factor1, factor2 = make_inputs(LAYOUTS["plain"], "cuda")
+    with pytest.raises(RuntimeError, match="qk_norm_rope: factor1"):
+        qkvfuse.qk_norm_rope(qk, factor1.cpu(), factor2, 2)

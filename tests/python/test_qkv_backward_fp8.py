@@ -1,0 +1,93 @@
+"""qkv_backward_fp8: the fused norm/rotary + V gradient into e4m3, in both layouts, against the
+plain PyTorch chain's float64 gradient (reference.qkv_grad_row)."""
+import pytest
+import torch
+
+import qkvfuse
+import reference as ref
+from conftest import DEVICES, assert_e4m3_close, opcheck, poison_allocator, raw_bytes
+
+BF16 = torch.bfloat16
+
+# (tokens, num_heads, qk_dim, v_dim, rotary_dim, paired, key_offset)
+LAYOUTS = {
+    "plain": (32, 2, 32, 32, 32, False, False),
+    "paired": (16, 4, 32, 48, 32, True, False),
+    "key_offset": (48, 2, 64, 32, 32, False, True),
+}
+CPU_ONLY_LAYOUTS = {"odd": (7, 3, 8, 6, 8, False, False)}
+
+
+def make_inputs(layout, device):
+    tokens, heads, dim, v_dim, rotary_dim, paired, key_offset = layout
+    qk = torch.randn(tokens, 2 * heads, dim, device=device).to(BF16)
+    width = 2 * dim if paired else dim
+    factor1, factor2 = ref.rotary_factors(tokens, width, rotary_dim, BF16, device)
+    out_shape = (2 * tokens, heads // 2, dim) if paired else (tokens, heads, dim)
+    grad_q = torch.randn(out_shape, device=device).to(BF16)
+    grad_k = torch.randn(out_shape, device=device).to(BF16)
+    # grad_v as a strided view (a column slice), as attention backward may hand it over.
+    grad_v = torch.randn(tokens, heads * v_dim + 8, device=device).to(BF16)
+    grad_v = grad_v[:, : heads * v_dim].view(tokens, heads, v_dim)
+    # A scale that puts the largest gradient near 200 in e4m3 units: normal values, no saturation.
+    dx = ref.qk_norm_rope_grad(grad_q, grad_k, qk, factor1, factor2, heads, rotary_dim, paired,
+                               key_offset)
+    largest = max(dx.abs().max().item(), grad_v.float().abs().max().item())
+    grad_scale = torch.tensor(largest / 200, device=device)
+    return (grad_q, grad_k, grad_v, qk, factor1, factor2, grad_scale,
+            heads, rotary_dim, paired, key_offset)
+
+
+def layouts_on(device):
+    return {**LAYOUTS, **(CPU_ONLY_LAYOUTS if device == "cpu" else {})}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_matches_chain(device):
+    for name, layout in layouts_on(device).items():
+        args = make_inputs(layout, device)
+        tokens, heads, dim, v_dim = layout[:4]
+        qkv_dim = 2 * heads * dim + heads * v_dim
+        poison_allocator(device, tokens * qkv_dim, tokens * qkv_dim)
+        grad_row, grad_t = qkvfuse.qkv_backward_fp8(*args)
+        assert grad_row.shape == (tokens, qkv_dim) and grad_t.shape == (qkv_dim, tokens), name
+        assert grad_row.is_contiguous() and grad_t.is_contiguous()
+        assert_e4m3_close(grad_row, ref.qkv_grad_row(*args))
+        assert torch.equal(grad_t.view(torch.uint8), grad_row.view(torch.uint8).T)
+        # V features are a plain quantize: bit-exact.
+        v_part = grad_row[:, 2 * heads * dim :]
+        assert torch.equal(raw_bytes(v_part), raw_bytes(ref.quantize(args[2].reshape(tokens, -1),
+                                                                     args[6])))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_deterministic(device):
+    args = make_inputs(LAYOUTS["key_offset"], device)
+    first = qkvfuse.qkv_backward_fp8(*args)
+    second = qkvfuse.qkv_backward_fp8(*args)
+    assert all(torch.equal(raw_bytes(a), raw_bytes(b)) for a, b in zip(first, second))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_opcheck(device, name):
+    opcheck(torch.ops.qkvfuse.qkv_backward_fp8.default, make_inputs(LAYOUTS[name], device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_errors_name_the_argument(device):
+    args = list(make_inputs(LAYOUTS["plain"], device))
+
+    def call_with(index, value):
+        return qkvfuse.qkv_backward_fp8(*args[:index], value, *args[index + 1 :])
+
+    with pytest.raises(RuntimeError, match="qkv_backward_fp8: grad_scale"):
+        call_with(6, args[6].double())
+    with pytest.raises(RuntimeError, match="qkv_backward_fp8: grad_scale"):
+        call_with(6, torch.ones(2, device=device))
+    with pytest.raises(RuntimeError, match="qkv_backward_fp8: grad_v"):
+        call_with(2, args[2].float())
+    with pytest.raises(RuntimeError, match="qkv_backward_fp8: grad_q"):
+        call_with(0, args[0][:-1])
+    with pytest.raises(RuntimeError, match="qkv_backward_fp8: qk"):
+        call_with(3, args[3].float())

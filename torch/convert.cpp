@@ -1,0 +1,69 @@
+// convert.cpp: torch::Tensor -> qkvfuse::TensorView, and torch's current CUDA stream.
+#include "convert.hpp"
+
+#include "qkvfuse/error.hpp"
+
+#if QKVFUSE_TORCH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace qkvfuse::torch_binding {
+namespace {
+
+bool to_dtype(at::ScalarType type, DType* dtype) {
+  switch (type) {
+    case at::kBFloat16: *dtype = DType::kBFloat16; return true;
+    case at::kFloat: *dtype = DType::kFloat32; return true;
+    case at::kDouble: *dtype = DType::kFloat64; return true;
+    case at::kFloat8_e4m3fn: *dtype = DType::kFloat8E4M3; return true;
+    default: return false;
+  }
+}
+
+}  // namespace
+
+TensorView OpArgs::view(const at::Tensor& tensor, const char* name) const {
+  TensorView view;
+  QKVF_CHECK(to_dtype(tensor.scalar_type(), &view.dtype), op_, ": ", name,
+             ": expected dtype bfloat16, float32, float64 or float8_e4m3fn, got ",
+             c10::toString(tensor.scalar_type()));
+  QKVF_CHECK(tensor.dim() <= kMaxDims, op_, ": ", name, ": expected at most ", kMaxDims,
+             " dims, got shape ", tensor.sizes());
+  const at::Device device = tensor.device();
+  QKVF_CHECK(device.is_cpu() || device.is_cuda(), op_, ": ", name,
+             ": expected a cpu or cuda tensor, got one on ", device.str());
+  // A CUDA tensor always carries its ordinal (index() is -1 only for a bare "cuda" spec).
+  view.device = device.is_cuda() ? Device{DeviceType::kCUDA, device.index()} : Device{};
+  view.data = tensor.data_ptr();
+  view.ndim = int(tensor.dim());
+  for (int d = 0; d < view.ndim; ++d) {
+    view.sizes[d] = tensor.size(d);
+    view.strides[d] = tensor.stride(d);
+  }
+  return view;
+}
+
+TensorView OpArgs::optional_view(const std::optional<at::Tensor>& tensor, const char* name) const {
+  return tensor.has_value() ? view(*tensor, name) : TensorView{};
+}
+
+void OpArgs::expect_dims(const at::Tensor& tensor, int64_t ndim, const char* name,
+                         const char* layout) const {
+  QKVF_CHECK(tensor.dim() == ndim, op_, ": ", name, ": expected ", ndim, " dims ", layout,
+             ", got shape ", tensor.sizes());
+}
+
+void OpArgs::expect_positive(int64_t value, const char* name) const {
+  QKVF_CHECK(value >= 1, op_, ": ", name, ": expected >= 1, got ", value);
+}
+
+Stream current_stream(const at::Tensor& tensor) {
+#if QKVFUSE_TORCH_CUDA
+  if (tensor.is_cuda()) return c10::cuda::getCurrentCUDAStream(tensor.device().index()).stream();
+#else
+  (void)tensor;
+#endif
+  return nullptr;
+}
+
+}  // namespace qkvfuse::torch_binding
