@@ -60,8 +60,13 @@ if has python; then
   start=$SECONDS
   python3 -m pip install -q --no-build-isolation --no-deps . >"$LOG/pip.log" 2>&1
   note "pip install: rc=$?"
-  (cd tests/python && python3 -m pytest -q -ra -x . >"$LOG/pytest.log" 2>&1)
-  note "pytest: rc=$? $(tail -1 "$LOG/pytest.log") in $((SECONDS - start)) s"
+  # One pytest process per file: a crash in one file is reported and the others still run.
+  for file in tests/python/test_*.py; do
+    name=$(basename "$file" .py)
+    (cd tests/python && python3 -m pytest -q -ra "$name.py" >"$LOG/pytest_$name.log" 2>&1)
+    note "pytest $name: rc=$? $(tail -1 "$LOG/pytest_$name.log")"
+  done
+  note "pytest: $((SECONDS - start)) s"
 fi
 
 if has bench; then
