@@ -2,8 +2,8 @@
 # One call on the GPU machine: build (C++ + CUDA + PyTorch extension), run the GPU tests, the
 # sanitizers and the benchmarks, and print a short table last. Logs and result files go to $OUT.
 #
-#   scripts/device_run.sh [stage ...]     stages: build test sanitize python bench (default: all
-#                                         but sanitize)
+#   scripts/device_run.sh [stage ...]     stages: build test sanitize fuzz python train bench
+#                                         (default: build test python bench)
 # Needs, carried next to the tree (git-ignored): .gtest/ (GoogleTest sources; the GPU machine has
 # no network) and .seed/reference_triton.py (the reference implementation, for side-by-side runs).
 set -uo pipefail
@@ -67,6 +67,15 @@ if has python; then
     note "pytest $name: rc=$? $(tail -1 "$LOG/pytest_$name.log")"
   done
   note "pytest: $((SECONDS - start)) s"
+fi
+
+if has train; then
+  start=$SECONDS
+  python3 examples/train_gpt.py --steps "${QKVFUSE_TRAIN_STEPS:-2000}" --out "$LOG/train" \
+    >"$LOG/train.log" 2>&1
+  note "train: rc=$? in $((SECONDS - start)) s"
+  grep -E "final validation|ratio" "$LOG/train.log" | tee -a "$summary"
+  cp "$LOG"/train/loss.csv "$LOG"/train/loss.png "$OUT"/ 2>/dev/null
 fi
 
 if has bench; then

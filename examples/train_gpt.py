@@ -1,0 +1,385 @@
+"""Train a small GPT twice, with the attention input through qkvfuse.packed_fp8_qkv and through a
+plain bf16 PyTorch chain, and compare the loss curves and step times.
+
+The data is the Python standard library's own source, byte level (every machine with Python has it:
+no download). The model mixes what the speedrun mixes: Q/K head widths 64, 96 and 128 with V width
+128, one paired-head layer and one key-offset layer (rotary_dim = D/2). In the qkvfuse variant each
+block quantizes its attention input once (x_f8, x_f8_t), and the packed e4m3 weights of every layer
+are refreshed in one call after each optimizer step (PackedWeightCache).
+
+    python examples/train_gpt.py --steps 2000 --out runs/gpt            # one GPU, both variants
+    torchrun --nproc-per-node 2 examples/train_gpt.py --steps 2000 ...   # DDP over NCCL
+    python examples/train_gpt.py --device cpu --steps 3 --tiny           # smoke test on the CPU
+
+Writes OUT/loss.csv (step, variant, train and validation loss, ms/step) and OUT/loss.png.
+"""
+import argparse
+import csv
+import math
+import os
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import qkvfuse
+
+BF16 = torch.bfloat16
+EPS = torch.finfo(torch.float32).eps
+X_SCALE = 8 / 448      # the speedrun's static activation scale
+GRAD_SCALE = 1 / 448   # and gradient scale
+
+
+# ---- data -----------------------------------------------------------------------------------
+
+def stdlib_bytes(limit: int) -> torch.Tensor:
+    """The standard library's .py sources, concatenated, as a uint8 tensor (at most `limit`)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "test" in path.parts or "site-packages" in path.parts:
+            continue
+        data = path.read_bytes()
+        chunks.append(data)
+        total += len(data)
+        if total >= limit:
+            break
+    return torch.frombuffer(bytearray(b"".join(chunks)[:limit]), dtype=torch.uint8)
+
+
+class Batches:
+    """Random windows of `seq_len + 1` bytes; each rank draws its own stream."""
+
+    def __init__(self, data: torch.Tensor, batch: int, seq_len: int, seed: int, device):
+        self.data, self.batch, self.seq_len, self.device = data, batch, seq_len, device
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def next(self):
+        starts = torch.randint(0, len(self.data) - self.seq_len - 1, (self.batch,),
+                               generator=self.generator)
+        windows = torch.stack([self.data[s:s + self.seq_len + 1] for s in starts]).long()
+        windows = windows.to(self.device, non_blocking=True)
+        return windows[:, :-1], windows[:, 1:]
+
+
+# ---- rotary tables --------------------------------------------------------------------------
+
+def rotary_tables(seq_len, batch, width, rotary_dim, device):
+    """Interleaved rotary factors for `batch` packed sequences: factor1 = cos, factor2 = sin with
+    odd lanes negated; dims >= rotary_dim (within each width-wide row) stationary (1, 0)."""
+    position = torch.arange(seq_len, dtype=torch.float64).repeat(batch)[:, None]
+    lane = torch.arange(width)
+    pair = (lane % rotary_dim) // 2 if rotary_dim else lane * 0
+    freq = (1 / 1024) ** (2 * pair.double() / max(rotary_dim, 1))
+    angle = position * freq
+    factor1 = torch.cos(angle)
+    factor2 = torch.sin(angle) * torch.where(lane % 2 == 1, -1.0, 1.0)
+    stationary = lane >= rotary_dim
+    factor1[:, stationary], factor2[:, stationary] = 1.0, 0.0
+    return factor1.to(device, BF16), factor2.to(device, BF16)
+
+
+# ---- the attention input: qkvfuse and its bf16 twin ---------------------------------------------
+
+@dataclass
+class LayerSpec:
+    qk_dim: int
+    mode: str = "plain"  # plain | paired | key_offset
+
+    @property
+    def paired(self):
+        return self.mode == "paired"
+
+    @property
+    def key_offset(self):
+        return self.mode == "key_offset"
+
+    @property
+    def rotary_dim(self):
+        return self.qk_dim // 2 if self.key_offset else self.qk_dim
+
+
+def bf16_norm_rope(qk, factor1, factor2, heads, spec):
+    """SPEC.md section 1 as a plain PyTorch chain (the reference the FP8 path is compared with)."""
+    tokens, _, dim = qk.shape
+    normed = F.rms_norm(qk.float(), (dim,), eps=EPS)
+    out = []
+    for part in (normed[:, :heads], normed[:, heads:]):
+        n = part.reshape(tokens, heads // 2, 2 * dim) if spec.paired else part
+        swapped = n.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+        y = factor1.float()[:, None] * n + factor2.float()[:, None] * swapped
+        out.append(y)
+    q, k = out
+    if spec.key_offset:
+        # Key offset: a key's stationary dims (d >= rotary_dim) come from the normalized, unrotated
+        # key of token t-1; token 0 keeps its own.
+        shifted = torch.cat((k[:1], normed[:-1, heads:]), dim=0)
+        k = torch.cat((k[..., :spec.rotary_dim], shifted[..., spec.rotary_dim:]), dim=-1)
+    if spec.paired:
+        q, k = q.reshape(2 * tokens, heads // 2, dim), k.reshape(2 * tokens, heads // 2, dim)
+    return q.to(BF16), k.to(BF16)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, heads, v_dim, spec: LayerSpec, fp8: bool):
+        super().__init__()
+        self.heads, self.v_dim, self.spec, self.fp8 = heads, v_dim, spec, fp8
+        std = dim ** -0.5
+        self.qk_weight = nn.Parameter(torch.randn(2 * heads * spec.qk_dim, dim) * std)
+        self.v_weight = nn.Parameter(torch.randn(heads * v_dim, dim) * std)
+        self.qkv_scale = nn.Parameter(torch.tensor(1.0))
+        self.proj = nn.Linear(heads * v_dim, dim, bias=False)
+        nn.init.zeros_(self.proj.weight)
+        self.cache = None  # PackedWeight, set by the model's weight cache
+        self.register_buffer("x_scale", torch.tensor(X_SCALE), persistent=False)
+        self.register_buffer("grad_scale", torch.tensor(GRAD_SCALE), persistent=False)
+
+    def forward(self, x, x_q, factors, batch, seq_len):
+        """x: the block's normalized input [T, C] bf16; x_q: its (x_f8, x_f8_t) quantization."""
+        heads, spec = self.heads, self.spec
+        factor1, factor2 = factors
+        if self.fp8:
+            w = self.cache
+            q, k, v = qkvfuse.packed_fp8_qkv(
+                x, self.qk_weight.to(BF16), self.v_weight.to(BF16), w.weight_f8, w.weight_f8_t,
+                w.weight_scale, self.qkv_scale, self.x_scale, self.grad_scale, factor1, factor2, heads,
+                spec.paired, spec.key_offset, spec.rotary_dim, *x_q)
+        else:
+            weight = torch.cat((self.qk_weight, self.v_weight)).to(BF16)
+            qkv = F.linear(x, weight) * self.qkv_scale.to(BF16)
+            qk = qkv[:, :2 * heads * spec.qk_dim].view(-1, 2 * heads, spec.qk_dim)
+            v = qkv[:, 2 * heads * spec.qk_dim:].reshape(-1, heads, self.v_dim)
+            q, k = bf16_norm_rope(qk, factor1, factor2, heads, spec)
+        # Paired layers see 2T positions of H/2 heads; the rest T positions of H heads.
+        width = 2 if spec.paired else 1
+        shape = (batch, width * seq_len, heads // width)
+        q = q.reshape(*shape, spec.qk_dim).transpose(1, 2)
+        k = k.reshape(*shape, spec.qk_dim).transpose(1, 2)
+        v = v.reshape(*shape, self.v_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).reshape(batch * seq_len, heads * self.v_dim)
+        return self.proj(y)
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads, v_dim, spec, fp8):
+        super().__init__()
+        self.attn = Attention(dim, heads, v_dim, spec, fp8)
+        self.fc = nn.Linear(dim, 4 * dim, bias=False)
+        self.out = nn.Linear(4 * dim, dim, bias=False)
+        nn.init.zeros_(self.out.weight)
+
+    def forward(self, x, factors, batch, seq_len):
+        h = F.rms_norm(x, (x.shape[-1],)).to(BF16)
+        # The block's activation quantize: done once, shared by whatever reads h in this block.
+        x_q = qkvfuse.quantize_dual_layout(h.detach(), self.attn.x_scale) if self.attn.fp8 else None
+        x = x + self.attn(h, x_q, factors, batch, seq_len)
+        h = F.rms_norm(x, (x.shape[-1],)).to(BF16)
+        return x + self.out(F.relu(self.fc(h)).square())
+
+
+class GPT(nn.Module):
+    def __init__(self, dim, heads, v_dim, specs, fp8):
+        super().__init__()
+        self.embed = nn.Embedding(256, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, v_dim, s, fp8) for s in specs)
+        self.head = nn.Linear(dim, 256, bias=False)
+        self.fp8 = fp8
+        self.weight_cache = None
+
+    def refresh_weight_cache(self):
+        """After every optimizer step: re-quantize every layer's packed [Wq; Wk; Wv] in one call."""
+        if not self.fp8:
+            return
+        if self.weight_cache is None:
+            self.weight_cache = qkvfuse.PackedWeightCache(
+                [(b.attn.qk_weight, b.attn.v_weight) for b in self.blocks])
+        else:
+            self.weight_cache.refresh()
+        for i, block in enumerate(self.blocks):
+            block.attn.cache = self.weight_cache[i]
+
+    def forward(self, idx, targets, tables):
+        batch, seq_len = idx.shape
+        x = self.embed(idx).reshape(batch * seq_len, -1)
+        for block in self.blocks:
+            x = block(x, tables[block.attn.spec.qk_dim, block.attn.spec.mode], batch, seq_len)
+        logits = self.head(F.rms_norm(x, (x.shape[-1],)).to(BF16)).float()
+        return F.cross_entropy(logits, targets.reshape(-1))
+
+
+# ---- training -------------------------------------------------------------------------------
+
+def make_tables(specs, heads, batch, seq_len, device):
+    tables = {}
+    for spec in specs:
+        width = 2 * spec.qk_dim if spec.paired else spec.qk_dim
+        rotary = 2 * spec.rotary_dim if spec.paired else spec.rotary_dim
+        tables[spec.qk_dim, spec.mode] = rotary_tables(seq_len, batch, width, rotary, device)
+    return tables
+
+
+def train(variant, args, data, device, rank, world):
+    fp8 = variant == "qkvfuse fp8"
+    torch.manual_seed(args.seed)  # the same initial weights for both variants
+    specs = args.specs
+    model = GPT(args.dim, args.heads, args.v_dim, specs, fp8).to(device)
+    ddp = world > 1
+    module = model
+    if ddp:
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
+    optimizer = torch.optim.AdamW(module.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                                  weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / 100) * (0.1 + 0.9 * (1 - s / args.steps)))
+    split = int(0.9 * len(data))
+    train_batches = Batches(data[:split], args.batch, args.seq_len, args.seed + 1 + rank, device)
+    val_batches = Batches(data[split:], args.batch, args.seq_len, args.seed + 10_000, device)
+    tables = make_tables(specs, args.heads, args.batch, args.seq_len, device)
+    module.refresh_weight_cache()
+    rows, step_ms, last_val = [], [], float("nan")
+    progress = range(args.steps)
+    try:
+        from tqdm import tqdm
+        if rank == 0:
+            progress = tqdm(progress, desc=variant, file=sys.stdout, mininterval=2)
+    except ImportError:
+        pass
+    timer = time.perf_counter()
+    for step in progress:
+        idx, targets = train_batches.next()
+        with torch.autocast(device.type, dtype=BF16):
+            loss = model(idx, targets, tables)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        module.refresh_weight_cache()
+        if step % args.log_every == 0 or step == args.steps - 1:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            now = time.perf_counter()
+            ms = (now - timer) * 1e3 / (args.log_every if step else 1)
+            timer = now
+            if step >= args.log_every:  # the first interval holds compilation and warm-up
+                step_ms.append(ms)
+            if step % args.val_every == 0 or step == args.steps - 1:
+                last_val = evaluate(model, val_batches, tables, args, device)
+            tokens_s = args.batch * args.seq_len * world / (ms / 1e3)
+            rows.append((step, variant, loss.item(), last_val, ms))
+            if hasattr(progress, "set_postfix"):
+                progress.set_postfix(loss=f"{loss.item():.3f}", val=f"{last_val:.3f}",
+                                     tok_s=f"{tokens_s:,.0f}")
+    checksum = sum(p.detach().double().sum().item() for p in module.parameters())
+    return rows, (sorted(step_ms)[len(step_ms) // 2] if step_ms else float("nan")), checksum
+
+
+@torch.no_grad()
+def evaluate(model, batches, tables, args, device):
+    losses = []
+    for _ in range(args.val_batches):
+        idx, targets = batches.next()
+        with torch.autocast(device.type, dtype=BF16):
+            losses.append(model(idx, targets, tables).item())
+    return sum(losses) / len(losses)
+
+
+def write_outputs(out, rows, summary):
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "loss.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["step", "variant", "train_loss", "val_loss", "ms_per_step"])
+        writer.writerows(rows)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot written")
+        return
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for variant in dict.fromkeys(r[1] for r in rows):
+        steps = [r[0] for r in rows if r[1] == variant]
+        ax.plot(steps, [r[2] for r in rows if r[1] == variant], alpha=0.5, label=f"{variant} train")
+        ax.plot(steps, [r[3] for r in rows if r[1] == variant], label=f"{variant} val")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/byte)")
+    ax.set_title(summary)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=120)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step per rank")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--dim", type=int, default=384)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--v-dim", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=25)
+    parser.add_argument("--val-every", type=int, default=250)
+    parser.add_argument("--val-batches", type=int, default=8)
+    parser.add_argument("--variants", default="qkvfuse fp8,bf16 chain")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="a few-second CPU smoke configuration")
+    parser.add_argument("--out", default="runs/train_gpt")
+    args = parser.parse_args()
+    args.specs = [LayerSpec(64), LayerSpec(64, "paired"), LayerSpec(96, "key_offset"),
+                  LayerSpec(128)]
+    if args.tiny:
+        args.batch, args.seq_len, args.dim, args.heads, args.v_dim = 2, 16, 64, 2, 32
+        args.specs = [LayerSpec(32), LayerSpec(32, "paired"), LayerSpec(32, "key_offset")]
+        args.log_every, args.val_every, args.val_batches = 1, 1, 1
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1:
+        dist.init_process_group("nccl")
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device(args.device)
+    data = stdlib_bytes(64 << 20)
+    if rank == 0:
+        print(f"data: {len(data) / 1e6:.1f} MB of Python stdlib source; {world} rank(s); "
+              f"{args.batch * args.seq_len * world} tokens per step")
+    rows, summaries = [], []
+    for variant in args.variants.split(","):
+        variant_rows, median_ms, checksum = train(variant, args, data, device, rank, world)
+        rows += variant_rows
+        final_val = variant_rows[-1][3]
+        summaries.append((variant, final_val, median_ms))
+        if world > 1:
+            sums = [None] * world
+            dist.all_gather_object(sums, checksum)
+            if rank == 0:
+                same = all(s == sums[0] for s in sums)
+                print(f"{variant}: parameter checksums per rank {sums}: "
+                      f"{'identical' if same else 'DIFFERENT'}")
+    if rank == 0:
+        for variant, final_val, median_ms in summaries:
+            print(f"{variant:>12}: final validation loss {final_val:.4f}, "
+                  f"median step {median_ms:.2f} ms")
+        if len(summaries) == 2:
+            (_, fp8_val, fp8_ms), (_, ref_val, ref_ms) = summaries
+            print(f"validation loss ratio fp8/bf16 = {fp8_val / ref_val:.4f} "
+                  f"({100 * abs(fp8_val / ref_val - 1):.2f} % apart); step time ratio "
+                  f"{fp8_ms / ref_ms:.3f}")
+        summary = ", ".join(f"{v}: val {l:.3f}, {ms:.1f} ms/step" for v, l, ms in summaries)
+        write_outputs(Path(args.out), rows, summary)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
