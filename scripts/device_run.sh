@@ -47,13 +47,25 @@ if has test; then
 fi
 
 if has sanitize; then
+  # memcheck over the GPU tests; the four tools over a small sweep of the fuzz harness (racecheck
+  # and initcheck are slow: small shapes). Each run is time-boxed; a timeout is reported as such.
   start=$SECONDS
+  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    $build/tests/qkvfuse_tests --gtest_filter='Cuda*' --gtest_brief=1 >"$LOG/sanitize_memcheck_tests.log" 2>&1
+  note "compute-sanitizer memcheck (GPU tests): rc=$? $(grep -E 'ERROR SUMMARY' "$LOG/sanitize_memcheck_tests.log" | tail -1)"
   for tool in memcheck racecheck synccheck initcheck; do
-    compute-sanitizer --tool $tool --error-exitcode 9 \
-      $build/tests/qkvfuse_tests --gtest_filter='Cuda*:*Gpu*' --gtest_brief=1 >"$LOG/sanitize_$tool.log" 2>&1
-    note "compute-sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY' "$LOG/sanitize_$tool.log" | tail -1)"
+    timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 \
+      $build/tests/fuzz/qkvfuse_fuzz --cases 150 --seed 7 --max-tokens 200 >"$LOG/sanitize_$tool.log" 2>&1
+    note "compute-sanitizer $tool (150 fuzz cases, seed 7): rc=$? $(grep -E 'ERROR SUMMARY' "$LOG/sanitize_$tool.log" | tail -1)"
   done
   note "sanitize: $((SECONDS - start)) s"
+fi
+
+if has fuzz; then
+  start=$SECONDS
+  seed=${QKVFUSE_FUZZ_SEED:-$RANDOM}
+  $build/tests/fuzz/qkvfuse_fuzz --cases "${QKVFUSE_FUZZ_CASES:-10000}" --seed "$seed" >"$LOG/fuzz.log" 2>&1
+  note "fuzz: rc=$? seed $seed: $(grep -E '^fuzz:' "$LOG/fuzz.log" | tail -1) in $((SECONDS - start)) s"
 fi
 
 if has python; then

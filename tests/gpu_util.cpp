@@ -39,12 +39,16 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
   }
   return *this;
 }
+// Poison and uploads finish before returning: the ops under test run on non-blocking streams,
+// which do not wait for the legacy default stream that cudaMemset and pageable copies use.
 void DeviceBuffer::fill_byte(uint8_t value) {
   if (bytes_) QKVF_CUDA_CHECK(cudaMemset(data_, value, bytes_));
+  QKVF_CUDA_CHECK(cudaDeviceSynchronize());
 }
 void DeviceBuffer::upload(const void* host, size_t bytes) {
   QKVF_CHECK(bytes <= bytes_, "upload of ", bytes, " bytes into a buffer of ", bytes_);
   if (bytes) QKVF_CUDA_CHECK(cudaMemcpy(data_, host, bytes, cudaMemcpyHostToDevice));
+  QKVF_CUDA_CHECK(cudaDeviceSynchronize());
 }
 void DeviceBuffer::download(void* host, size_t bytes) const {
   QKVF_CHECK(bytes <= bytes_, "download of ", bytes, " bytes from a buffer of ", bytes_);

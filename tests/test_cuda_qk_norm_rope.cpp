@@ -223,6 +223,11 @@ ForwardResult run_forward_gpu(const RopeCase& c, const DeviceView& qk, const Dev
                               const DeviceView& f2, const Stream& stream) {
   DeviceView q = device_output({c.out_tokens(), c.out_heads(), c.head_dim});
   DeviceView k = device_output({c.out_tokens(), c.out_heads(), c.head_dim});
+  // The poison (and the inputs) were written by cudaMemcpy / cudaMemset on the legacy default
+  // stream, which a cudaStreamNonBlocking stream does not wait for, and a pageable-memory
+  // cudaMemcpy may return before its DMA lands: without this the kernel can race the poison
+  // and outputs it wrote can be overwritten by NaN afterwards.
+  synchronize();
   QkNormRopeParams params{qk.view, f1.view, f2.view, q.view, k.view, c.layout(), stream.get()};
   qk_norm_rope(params);
   stream.sync();
@@ -365,6 +370,11 @@ std::vector<uint16_t> run_backward_gpu(const RopeCase& c, const DeviceView& grad
                                        const DeviceView& f1, const DeviceView& f2,
                                        const Stream& stream) {
   DeviceView grad_qk = device_output({c.tokens, 2 * c.heads, c.head_dim});
+  // The poison (and the inputs) were written by cudaMemcpy / cudaMemset on the legacy default
+  // stream, which a cudaStreamNonBlocking stream does not wait for, and a pageable-memory
+  // cudaMemcpy may return before its DMA lands: without this the kernel can race the poison
+  // and outputs it wrote can be overwritten by NaN afterwards.
+  synchronize();
   QkNormRopeBackwardParams params{grad_q.view, grad_k.view, qk.view,    f1.view,
                                   f2.view,     grad_qk.view, c.layout(), stream.get()};
   qk_norm_rope_backward(params);

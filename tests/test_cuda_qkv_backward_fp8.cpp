@@ -228,6 +228,11 @@ Fp8Result run_gpu(const Fp8Case& c, const DeviceInputs& in, const Stream& stream
   DeviceBuffer t(size_t(c.tokens * c.qkv_dim()));
   row.fill_byte(kPoisonE4M3);
   t.fill_byte(kPoisonE4M3);
+  // The poison (and the inputs) were written by cudaMemcpy / cudaMemset on the legacy default
+  // stream, which a cudaStreamNonBlocking stream does not wait for, and a pageable-memory
+  // cudaMemcpy may return before its DMA lands: without this the kernel can race the poison
+  // and outputs it wrote can be overwritten by NaN afterwards.
+  synchronize();
   QkvBackwardFp8Params params;
   params.grad_q = in.grad_q.view;
   params.grad_k = in.grad_k.view;

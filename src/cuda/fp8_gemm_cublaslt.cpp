@@ -23,25 +23,49 @@
 //   - M, N, K multiples of 16 (the public validator in src/fp8_gemm.cpp refuses anything else
 //     before we get here; the checks below repeat it because they cost nothing).
 //
-// Pointer mode. FP8 matmuls accept CUBLASLT_POINTER_MODE_DEVICE (TransformerEngine runs its
-// grouped FP8 GEMMs and TensorRT-LLM its FP8 GEMMs that way), so alpha is read from device memory:
-// the caller's alpha tensor when given, else a per-device 1.0f; beta points at a per-device 0.0f
-// (cublaslt_scalars.cu). Device mode always, whether or not alpha is given, means one descriptor
-// configuration, one cached heuristic per shape, no host read of any scale (no sync, graph-safe).
-// Fallback, should a cuBLASLt build refuse device mode for a shape (its heuristic returns an error
-// or no algorithm): host mode with alpha = 1, beta = 0, and the caller's alpha folded into a's
-// scale by a one-thread kernel writing a scalar slot at the head of the per-device workspace
-// (same stream, so it is ordered before the GEMM). Which mode a shape got is cached with it.
+// Pointer mode and scales: what torch._scaled_mm does. CUBLASLT_POINTER_MODE_HOST with alpha = 1.0f
+// and beta = 0.0f in host memory (captured by value at the call, so graph-safe); the per-tensor
+// scales go in through A_SCALE_POINTER / B_SCALE_POINTER, device fp32 scalars. A device alpha
+// (the packed op's qkv_scale) cannot be host alpha without a sync, so it is folded on the stream:
+// a one-thread kernel writes combined = (scale_a * scale_b) * alpha (the CPU backend's order) and
+// 1.0f into two 128-byte aligned slots at the head of the stream's workspace, and cuBLASLt gets
+// B_SCALE = combined, A_SCALE = 1 (products with 1 are exact). Caller scales that are not 16-byte
+// aligned are staged the same way (alpha absent: combined = scale_a * scale_b, one product, the
+// same rounding cuBLASLt applies to the two scales). With no alpha and aligned scales there is
+// no extra kernel: the caller's pointers go straight to cuBLASLt.
 //
-// Resources. One cuBLASLt handle and one 32 MiB workspace per device (what TransformerEngine
-// uses on Hopper), created on first use on that device (indexed by the tensors' device, never
-// assuming device 0) and kept for the life of the process: destroying them from a static
-// destructor would race the CUDA runtime's own teardown at exit. The workspace is shared by all
-// streams of the device: GEMMs issued concurrently on different streams of one device must not
-// overlap in time (the library's ops run on the one stream they are given). The heuristic result
-// is cached per (device, M, N, K, lda, ldb, ldd, fast_accum, pointer alignment). Split-K
-// algorithms are restricted to fp32 partial sums (see query_heuristic), so the result is rounded
-// to bf16 exactly once (reruns are checked bit for bit by tests/test_cuda_fp8_gemm.cpp).
+// Why not CUBLASLT_POINTER_MODE_DEVICE (the first H200 run used it for everything): cublasLtMatmul
+// returned CUBLAS_STATUS_NOT_SUPPORTED, after the heuristic had returned an algorithm, for every
+// call whose scalars were packed in one small buffer (tests/test_cuda_fp8_gemm.cpp passes
+// {scale_a, scale_b, alpha} as s, s + 1, s + 2: the A scale 4-byte and alpha 8-byte aligned)
+// while the packed op and the benchmark, whose scalars are separate allocations, ran the same
+// shapes, modes and fast_accum settings without an error. The heuristic never sees the scalar
+// pointers; the launch-time check does. Host mode plus scales in slots we align ourselves takes
+// both suspects (device alpha/beta, scalar alignment) out of the picture. As a last line of
+// defence a launch refused with NOT_SUPPORTED is retried with the heuristic's next algorithms
+// (and with staged scales), and the algorithm that ran is remembered for the shape.
+//
+// Resources. One cuBLASLt handle per device, created on first use there (indexed by the tensors'
+// device, never assuming device 0). One workspace per (device, stream): 256 bytes of scale slots,
+// then 32 MiB for cuBLASLt (what TransformerEngine and PyTorch use on Hopper), allocated on the
+// first GEMM issued on that stream. Per stream because split-K reductions and the scale slots are
+// written by the kernels: GEMMs running concurrently on two streams of one device must not share
+// them, and GEMMs on one stream are serialized by the stream, so one workspace per stream is
+// exactly enough (PyTorch keys its cuBLAS workspaces by (handle, stream) for the same reason). A
+// CUDA graph captured on a stream keeps that stream's workspace address: replaying it
+// concurrently with other work on the capture stream would share it (as with PyTorch). Handles
+// and workspaces live for the life of the process: destroying them from a static destructor would
+// race the CUDA runtime's own teardown at exit.
+//
+// Heuristic. Asked for one algorithm with only MAX_WORKSPACE_BYTES (and the pointer alignments)
+// set, as torch._scaled_mm asks, so both get the same kernel. No REDUCTION_SCHEME_MASK: the old
+// COMPUTE_TYPE-only mask kept split-K partial sums in fp32 (one bf16 rounding), but it can
+// exclude the kernel the heuristic ranks first, and the long-K wgrad ([3072, 768], K = 49152:
+// few output tiles for 132 SMs, where split-K pays) and the dgrad at D = 128 ran 5% slower than
+// torch._scaled_mm with it. The in-place / output-type schemes add one bf16 rounding per split
+// (deterministic: INPLACE serializes the splits with counters); the tests' bounds and the packed
+// op's tolerances allow it. QKVFUSE_FP8_GEMM_FP32_SPLITK=1 in the environment restores the mask.
+// The result is cached per (device, M, N, K, lda, ldb, ldd, fast_accum, pointer alignment).
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
@@ -49,9 +73,12 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <cstdlib>
 #include <functional>
 #include <mutex>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include "backend.hpp"
 #include "cuda/check.hpp"
@@ -70,11 +97,15 @@
 namespace qkvfuse::cuda {
 namespace {
 
-constexpr size_t kWorkspaceBytes = size_t(32) << 20;
-// The head of the workspace allocation holds the folded-alpha scalar of the host-mode fallback;
-// cuBLASLt gets the rest, which keeps its 256-byte alignment.
+constexpr size_t kWorkspaceBytes = size_t(32) << 20;  // cuBLASLt's part
+// The head of each stream's workspace allocation: the staged scales. cuBLASLt's part follows at
+// +256, which keeps the allocation's 256-byte alignment.
 constexpr size_t kScalarSlotBytes = 256;
+constexpr size_t kCombinedScaleOffset = 0;  // bytes: combined scale (fp32)
+constexpr size_t kOneScaleOffset = 128;     // bytes: 1.0f
 constexpr int kMaxDevices = 64;
+// Algorithms kept per shape for the retry after a launch-time NOT_SUPPORTED (asked for only then).
+constexpr int kFallbackAlgos = 8;
 
 // ---- RAII wrappers for the cuBLASLt descriptors ------------------------------------------------
 
@@ -141,16 +172,11 @@ class MatmulPreference {
   cublasLtMatmulPreference_t preference_ = nullptr;
 };
 
-// ---- per-device handle and workspace ------------------------------------------------------------
+// ---- per-device handle, per-(device, stream) workspace -----------------------------------------
 
-struct DeviceContext {
-  cublasLtHandle_t handle = nullptr;
-  char* workspace = nullptr;  ///< kScalarSlotBytes scalar slot, then cuBLASLt's workspace
-};
-
-/// Allocates with the calling thread's stream-capture mode relaxed: a first GEMM on a device may
-/// happen while some stream of the process is being captured into a CUDA graph, and in the
-/// default (global) capture mode cudaMalloc is refused then. The allocation is not a stream
+/// Allocates with the calling thread's stream-capture mode relaxed: a first GEMM on a device or
+/// stream may happen while some stream of the process is being captured into a CUDA graph, and in
+/// the default (global) capture mode cudaMalloc is refused then. The allocation is not a stream
 /// operation, so relaxing the check is safe.
 void* capture_safe_malloc(size_t bytes) {
   cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
@@ -164,26 +190,56 @@ void* capture_safe_malloc(size_t bytes) {
   return pointer;
 }
 
-/// The device's context, created on first use. The caller has made `device` current.
-const DeviceContext& context_for(int device) {
+/// The device's cuBLASLt handle, created on first use. The caller has made `device` current.
+cublasLtHandle_t handle_for(int device) {
   QKVF_CHECK(device >= 0 && device < kMaxDevices, "fp8_gemm: device ordinal ", device,
              " beyond the supported ", kMaxDevices);
   static std::array<std::once_flag, kMaxDevices> once;
-  static std::array<DeviceContext, kMaxDevices> contexts;
-  // call_once publishes the context to every thread that passes it; if creation throws, the
-  // flag stays unset and the next call retries.
+  static std::array<cublasLtHandle_t, kMaxDevices> handles{};
+  // call_once publishes the handle to every thread that passes it; if creation throws, the flag
+  // stays unset and the next call retries.
   std::call_once(once[device], [device] {
-    DeviceContext context;
-    QKVF_CUBLASLT_CHECK(cublasLtCreate(&context.handle), "cublasLtCreate");
-    try {
-      context.workspace = static_cast<char*>(capture_safe_malloc(kWorkspaceBytes));
-    } catch (...) {
-      cublasLtDestroy(context.handle);
-      throw;
-    }
-    contexts[device] = context;
+    cublasLtHandle_t handle = nullptr;
+    QKVF_CUBLASLT_CHECK(cublasLtCreate(&handle), "cublasLtCreate");
+    handles[device] = handle;
   });
-  return contexts[device];
+  return handles[device];
+}
+
+struct StreamKey {
+  int device;
+  cudaStream_t stream;
+  bool operator==(const StreamKey& other) const {
+    return device == other.device && stream == other.stream;
+  }
+};
+
+struct StreamKeyHash {
+  size_t operator()(const StreamKey& key) const {
+    return std::hash<const void*>{}(static_cast<const void*>(key.stream)) ^
+           (size_t(key.device) * 0x9e3779b97f4a7c15ull);
+  }
+};
+
+/// The workspace of (device, stream): kScalarSlotBytes of scale slots, then kWorkspaceBytes for
+/// cuBLASLt. Allocated on first use (the caller has made `device` current), kept for the process.
+/// The map is guarded by a mutex: callers on any thread, any stream. A stream handle value that is
+/// destroyed and reused by a new stream gets the old stream's workspace, which is fine: the GEMMs
+/// of a destroyed stream are ordered before its destruction completes only from the host's view,
+/// so callers must not destroy a stream with GEMMs pending and reuse the handle at once (the same
+/// contract as any per-stream cache, PyTorch's included).
+char* workspace_for(int device, cudaStream_t stream) {
+  static std::mutex mutex;
+  static std::unordered_map<StreamKey, char*, StreamKeyHash> workspaces;
+  const StreamKey key{device, stream};
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto found = workspaces.find(key);
+  if (found != workspaces.end()) return found->second;
+  // Allocated under the lock: a first use per stream is rare, and no two threads may allocate
+  // for the same key.
+  char* workspace = static_cast<char*>(capture_safe_malloc(kScalarSlotBytes + kWorkspaceBytes));
+  workspaces.emplace(key, workspace);
+  return workspace;
 }
 
 // ---- heuristic cache ---------------------------------------------------------------------------
@@ -193,12 +249,14 @@ struct PlanKey {
   int64_t m, n, k;  // in the row-major (caller's) naming
   int64_t lda, ldb, ldd;
   bool fast_accum;
-  int alignment;  // bytes: the smallest power-of-two alignment of a, b and d (capped at 256)
+  bool fp32_splitk;  // REDUCTION_SCHEME_MASK = COMPUTE_TYPE (QKVFUSE_FP8_GEMM_FP32_SPLITK=1)
+  int alignment;     // bytes: the smallest power-of-two alignment of a, b and d (capped at 256)
 
   bool operator==(const PlanKey& other) const {
     return device == other.device && m == other.m && n == other.n && k == other.k &&
            lda == other.lda && ldb == other.ldb && ldd == other.ldd &&
-           fast_accum == other.fast_accum && alignment == other.alignment;
+           fast_accum == other.fast_accum && fp32_splitk == other.fp32_splitk &&
+           alignment == other.alignment;
   }
 };
 
@@ -214,14 +272,15 @@ struct PlanKeyHash {
     mix(key.ldb);
     mix(key.ldd);
     mix(key.device);
-    mix(int64_t(key.fast_accum) | (int64_t(key.alignment) << 1));
+    mix(int64_t(key.fast_accum) | (int64_t(key.fp32_splitk) << 1) |
+        (int64_t(key.alignment) << 2));
     return hash;
   }
 };
 
 struct Plan {
-  cublasLtMatmulAlgo_t algo;
-  bool device_pointer_mode;  ///< false: the host-mode fallback with alpha folded into a scale
+  cublasLtMatmulAlgo_t algo;  ///< the algorithm that runs this shape
+  bool stage_scales = false;  ///< a launch with the caller's own scale pointers was refused
 };
 
 std::mutex g_plan_mutex;
@@ -234,6 +293,14 @@ int pointer_alignment(const void* pointer) {
   return alignment;
 }
 
+bool fp32_splitk_requested() {
+  static const bool requested = [] {
+    const char* value = std::getenv("QKVFUSE_FP8_GEMM_FP32_SPLITK");
+    return value != nullptr && value[0] != '\0' && value[0] != '0';
+  }();
+  return requested;
+}
+
 /// Everything of one cublasLtMatmul call except the algorithm.
 struct Operation {
   MatmulDesc desc;
@@ -241,8 +308,7 @@ struct Operation {
   MatrixLayout b_layout;  // cuBLASLt's B: our a
   MatrixLayout d_layout;  // C and D: our d
 
-  Operation(const PlanKey& key, bool device_pointer_mode, const void* scale_of_b,
-            const void* scale_of_a)
+  Operation(const PlanKey& key, const void* scale_of_b, const void* scale_of_a)
       : a_layout(CUDA_R_8F_E4M3, uint64_t(key.k), uint64_t(key.n), key.ldb),
         b_layout(CUDA_R_8F_E4M3, uint64_t(key.k), uint64_t(key.m), key.lda),
         d_layout(CUDA_R_16BF, uint64_t(key.n), uint64_t(key.m), key.ldd) {
@@ -250,8 +316,8 @@ struct Operation {
     const int32_t transb = CUBLAS_OP_N;
     desc.set(CUBLASLT_MATMUL_DESC_TRANSA, transa, "set TRANSA");
     desc.set(CUBLASLT_MATMUL_DESC_TRANSB, transb, "set TRANSB");
-    const int32_t pointer_mode =
-        device_pointer_mode ? CUBLASLT_POINTER_MODE_DEVICE : CUBLASLT_POINTER_MODE_HOST;
+    // Host mode is cuBLASLt's default; set explicitly because the whole design rests on it.
+    const int32_t pointer_mode = CUBLASLT_POINTER_MODE_HOST;
     desc.set(CUBLASLT_MATMUL_DESC_POINTER_MODE, pointer_mode, "set POINTER_MODE");
     // Always set explicitly: the default (0, off) is cuBLASLt's choice today, not a contract.
     const int8_t fast_accum = key.fast_accum ? 1 : 0;
@@ -261,67 +327,46 @@ struct Operation {
   }
 };
 
-/// Asks cuBLASLt's heuristic for the best algorithm: CUBLAS_STATUS_SUCCESS with *algo set, or the
-/// reason there is none (NOT_SUPPORTED when the heuristic returned no algorithm).
-cublasStatus_t query_heuristic(const DeviceContext& context, const PlanKey& key,
-                               bool device_pointer_mode, const void* scale_of_b,
-                               const void* scale_of_a, cublasLtMatmulAlgo_t* algo) {
-  Operation op(key, device_pointer_mode, scale_of_b, scale_of_a);
+/// Asks cuBLASLt's heuristic for up to `wanted` algorithms, best first. Throws when there is none.
+std::vector<cublasLtMatmulAlgo_t> query_heuristic(cublasLtHandle_t handle, const PlanKey& key,
+                                                  const Operation& op, int wanted) {
   MatmulPreference preference;
-  const uint64_t workspace_bytes = kWorkspaceBytes - kScalarSlotBytes;
+  const uint64_t workspace_bytes = kWorkspaceBytes;
   preference.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, workspace_bytes, "set MAX_WORKSPACE");
-  // Split-K partial sums only in fp32: the INPLACE and OUTPUT_TYPE schemes reduce through the bf16
-  // output type, which would round the result more than once (the contract is one rounding).
-  // Unsplit algorithms have no reduction and are not filtered by the mask.
-  const uint32_t reduction_mask = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
-  preference.set(CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, reduction_mask,
-                 "set REDUCTION_SCHEME_MASK");
+  if (key.fp32_splitk) {
+    // Split-K partial sums only in fp32 (one bf16 rounding); see the header.
+    const uint32_t reduction_mask = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    preference.set(CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, reduction_mask,
+                   "set REDUCTION_SCHEME_MASK");
+  }
+  // The actual pointer alignments: 256 (cuBLASLt's default, what torch leaves) for fresh
+  // allocations; smaller for sliced operands, which excludes algorithms that need more.
   const uint32_t alignment = uint32_t(key.alignment);
   preference.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment, "set MIN_ALIGNMENT_A");
   preference.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment, "set MIN_ALIGNMENT_B");
   preference.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment, "set MIN_ALIGNMENT_C");
   preference.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment, "set MIN_ALIGNMENT_D");
 
-  cublasLtMatmulHeuristicResult_t result{};
+  std::vector<cublasLtMatmulHeuristicResult_t> results(static_cast<size_t>(wanted));
   int returned = 0;
   const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
-      context.handle, op.desc.get(), op.a_layout.get(), op.b_layout.get(), op.d_layout.get(),
-      op.d_layout.get(), preference.get(), 1, &result, &returned);
-  if (status != CUBLAS_STATUS_SUCCESS) return status;
-  if (returned == 0) return CUBLAS_STATUS_NOT_SUPPORTED;
-  if (result.state != CUBLAS_STATUS_SUCCESS) return result.state;
-  *algo = result.algo;
-  return CUBLAS_STATUS_SUCCESS;
-}
-
-Plan find_plan(const DeviceContext& context, const PlanKey& key, const void* scale_of_b,
-               const void* scale_of_a) {
-  {
-    std::lock_guard<std::mutex> lock(g_plan_mutex);
-    const auto found = g_plans.find(key);
-    if (found != g_plans.end()) return found->second;
+      handle, op.desc.get(), op.a_layout.get(), op.b_layout.get(), op.d_layout.get(),
+      op.d_layout.get(), preference.get(), wanted, results.data(), &returned);
+  QKVF_CHECK(status == CUBLAS_STATUS_SUCCESS && returned > 0,
+             "fp8_gemm: cuBLASLt has no FP8 algorithm for M=", key.m, " N=", key.n, " K=", key.k,
+             " lda=", key.lda, " ldb=", key.ldb, " ldd=", key.ldd, " fast_accum=", key.fast_accum,
+             " alignment=", key.alignment, " bytes (heuristic: ", cublasLtGetStatusName(status),
+             ", ", returned, " algorithms)");
+  std::vector<cublasLtMatmulAlgo_t> algos;
+  for (int i = 0; i < returned; ++i) {
+    if (results[size_t(i)].state == CUBLAS_STATUS_SUCCESS &&
+        results[size_t(i)].workspaceSize <= kWorkspaceBytes) {
+      algos.push_back(results[size_t(i)].algo);
+    }
   }
-  // Query outside the lock (it takes tens of microseconds); a racing thread computes the same
-  // plan and the first insertion wins.
-  // Device pointer mode first; any refusal there (no algorithm, or a mode this cuBLASLt does not
-  // take for FP8) falls back to host mode with alpha folded into a scale.
-  Plan plan{};
-  plan.device_pointer_mode = true;
-  const cublasStatus_t device_status =
-      query_heuristic(context, key, true, scale_of_b, scale_of_a, &plan.algo);
-  if (device_status != CUBLAS_STATUS_SUCCESS) {
-    plan.device_pointer_mode = false;
-    const cublasStatus_t host_status =
-        query_heuristic(context, key, false, scale_of_b, scale_of_a, &plan.algo);
-    QKVF_CHECK(host_status == CUBLAS_STATUS_SUCCESS,
-               "fp8_gemm: cuBLASLt has no FP8 algorithm for M=", key.m, " N=", key.n, " K=",
-               key.k, " lda=", key.lda, " ldb=", key.ldb, " ldd=", key.ldd,
-               " fast_accum=", key.fast_accum, " alignment=", key.alignment,
-               " bytes (heuristic: device pointer mode ", cublasLtGetStatusName(device_status),
-               ", host pointer mode ", cublasLtGetStatusName(host_status), ")");
-  }
-  std::lock_guard<std::mutex> lock(g_plan_mutex);
-  return g_plans.emplace(key, plan).first->second;
+  QKVF_CHECK(!algos.empty(), "fp8_gemm: cuBLASLt's heuristic returned no usable algorithm for M=",
+             key.m, " N=", key.n, " K=", key.k);
+  return algos;
 }
 
 void check_scalar(const TensorView& view, const char* name) {
@@ -379,8 +424,11 @@ void fp8_gemm(const Fp8GemmParams& params) {
 
   int device = 0;
   QKVF_CUDA_CHECK(cudaGetDevice(&device));
-  const DeviceContext& context = context_for(device);
-  const float* one_zero = device_one_zero();
+  const cublasLtHandle_t handle = handle_for(device);
+  char* const workspace = workspace_for(device, stream);
+  float* const combined_slot = reinterpret_cast<float*>(workspace + kCombinedScaleOffset);
+  float* const one_slot = reinterpret_cast<float*>(workspace + kOneScaleOffset);
+  void* const lt_workspace = workspace + kScalarSlotBytes;
 
   PlanKey key{};
   key.device = device;
@@ -391,38 +439,90 @@ void fp8_gemm(const Fp8GemmParams& params) {
   key.ldb = ldb;
   key.ldd = ldd;
   key.fast_accum = params.fast_accum;
+  key.fp32_splitk = fp32_splitk_requested();
   key.alignment = std::min({pointer_alignment(a.data), pointer_alignment(b.data),
                             pointer_alignment(d.data)});
 
-  const void* scale_of_a = params.scale_a.data;
-  const void* scale_of_b = params.scale_b.data;
-  const Plan plan = find_plan(context, key, scale_of_b, scale_of_a);
+  const float* const scale_a = static_cast<const float*>(params.scale_a.data);
+  const float* const scale_b = static_cast<const float*>(params.scale_b.data);
+  const float* const alpha = has_alpha ? static_cast<const float*>(params.alpha.data) : nullptr;
+  const auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
 
-  const void* alpha = nullptr;
-  const void* beta = nullptr;
-  static const float kHostOne = 1.0f, kHostZero = 0.0f;
-  if (plan.device_pointer_mode) {
-    alpha = has_alpha ? params.alpha.data : static_cast<const void*>(one_zero);
-    beta = one_zero + 1;
-  } else {
-    alpha = &kHostOne;
-    beta = &kHostZero;
-    if (has_alpha) {
-      // Fallback: fold alpha into a's scale in the scalar slot (stream-ordered before the GEMM).
-      float* folded = reinterpret_cast<float*>(context.workspace);
-      launch_multiply_scalars(static_cast<const float*>(params.scale_a.data),
-                              static_cast<const float*>(params.alpha.data), folded, stream);
-      scale_of_a = folded;
+  Plan plan{};
+  bool cached = false;
+  {
+    std::lock_guard<std::mutex> lock(g_plan_mutex);
+    const auto found = g_plans.find(key);
+    if (found != g_plans.end()) {
+      plan = found->second;
+      cached = true;
     }
   }
 
-  Operation op(key, plan.device_pointer_mode, scale_of_b, scale_of_a);
-  QKVF_CUBLASLT_CHECK(
-      cublasLtMatmul(context.handle, op.desc.get(), alpha, b.data, op.a_layout.get(), a.data,
-                     op.b_layout.get(), beta, d.data, op.d_layout.get(), d.data,
-                     op.d_layout.get(), &plan.algo, context.workspace + kScalarSlotBytes,
-                     kWorkspaceBytes - kScalarSlotBytes, stream),
-      "cublasLtMatmul");
+  // Host pointer mode: cuBLASLt copies these at the call (graph capture bakes them in).
+  static const float kHostOne = 1.0f, kHostZero = 0.0f;
+  bool staged = false;
+  // Scale pointers for cuBLASLt's A (our b) and B (our a); stages on demand, once per call.
+  const auto scale_pointers = [&](bool stage) -> std::pair<const void*, const void*> {
+    if (!stage) return {scale_b, scale_a};
+    if (!staged) {
+      launch_fold_scales(scale_a, scale_b, alpha, combined_slot, one_slot, stream);
+      staged = true;
+    }
+    return {one_slot, combined_slot};
+  };
+  const auto launch = [&](const Operation& op, const cublasLtMatmulAlgo_t& algo) {
+    return cublasLtMatmul(handle, op.desc.get(), &kHostOne, b.data, op.a_layout.get(), a.data,
+                          op.b_layout.get(), &kHostZero, d.data, op.d_layout.get(), d.data,
+                          op.d_layout.get(), &algo, lt_workspace, kWorkspaceBytes, stream);
+  };
+
+  bool stage = has_alpha || !aligned16(scale_a) || !aligned16(scale_b) || plan.stage_scales;
+  auto [scale_of_b, scale_of_a] = scale_pointers(stage);
+  Operation op(key, scale_of_b, scale_of_a);
+  if (!cached) {
+    // Query outside the lock (tens of microseconds); a racing thread computes the same plan.
+    plan.algo = query_heuristic(handle, key, op, 1).front();
+  }
+  cublasStatus_t status = launch(op, plan.algo);
+  if (status == CUBLAS_STATUS_SUCCESS) {
+    if (!cached) {
+      std::lock_guard<std::mutex> lock(g_plan_mutex);
+      g_plans.emplace(key, plan);
+    }
+    return;
+  }
+  const cublasStatus_t first_status = status;
+  // Refused at launch although the heuristic offered the algorithm (the first H200 run's failure
+  // mode). A refused launch enqueues nothing, so trying again is safe: the heuristic's next
+  // algorithms, with the caller's scales and then with staged ones.
+  if (status == CUBLAS_STATUS_NOT_SUPPORTED) {
+    const std::vector<bool> attempts = stage ? std::vector<bool>{true}
+                                             : std::vector<bool>{false, true};
+    for (const bool stage_now : attempts) {
+      auto [sb, sa] = scale_pointers(stage_now);
+      Operation retry(key, sb, sa);
+      for (const cublasLtMatmulAlgo_t& algo : query_heuristic(handle, key, retry, kFallbackAlgos)) {
+        status = launch(retry, algo);
+        if (status == CUBLAS_STATUS_SUCCESS) {
+          plan.algo = algo;
+          plan.stage_scales = stage_now;
+          std::lock_guard<std::mutex> lock(g_plan_mutex);
+          g_plans[key] = plan;
+          return;
+        }
+        if (status != CUBLAS_STATUS_NOT_SUPPORTED) break;
+      }
+      if (status != CUBLAS_STATUS_NOT_SUPPORTED) break;
+    }
+  }
+  QKVF_CHECK(false, "cuBLASLt: cublasLtMatmul failed: ", cublasLtGetStatusName(first_status), " (",
+             cublasLtGetStatusString(first_status), "); retries: ",
+             cublasLtGetStatusName(status), " for M=", m, " N=", n, " K=", k, " lda=", lda,
+             " ldb=", ldb, " ldd=", ldd, " fast_accum=", params.fast_accum, " alpha=", has_alpha,
+             " alignment a/b/d=", pointer_alignment(a.data), "/", pointer_alignment(b.data), "/",
+             pointer_alignment(d.data), " scale_a/scale_b alignment=", pointer_alignment(scale_a),
+             "/", pointer_alignment(scale_b), " staged scales=", staged);
 }
 
 }  // namespace qkvfuse::cuda

@@ -11,13 +11,13 @@
 //   dx     = rstd * (dn - n * (sum(dn * n) / D))          -> grad_qk[t, h2] in bf16
 //
 // Design: the same streaming layout as the forward (qk_norm_rope.cu, rope_common.cuh): a lane
-// group of G lanes per row, 16-byte vectors, a group owns K heads of one token (the factor
-// chunks are loaded once for them) and walks a contiguous token range, persistent one-wave
-// grid. Bytes: read grad_q, grad_k, qk and the factor rows once, write grad_qk once. Under key
-// offset a key row also needs the stationary dims of g at t+1: that is the row the same group
-// reads for the next token of its walk, so the extra read is served by L1/L2 (it was just
-// fetched or is about to be), not HBM; only the last token of a range reaches into the next
-// range's first token.
+// group of G lanes per row, 16-byte vectors; a lane group owns one unit, K heads of one token
+// (the factor chunks are loaded once for them), issues all of the unit's loads (g and x of each
+// row, the factor chunks) before any math, and exits: one group per unit, no persistent walk.
+// Bytes: read grad_q, grad_k, qk and the factor rows once, write grad_qk once. Under key offset
+// a key row also needs the stationary dims of g at t+1: the row the neighbouring unit (same set,
+// next token, a group of the same or the next block, running at about the same time) reads as
+// its own g, so the extra read is an L1/L2 hit, not HBM traffic.
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
@@ -57,9 +57,8 @@ struct QkNormRopeBackwardKernelParams {
   int head_dim;                 ///< D, multiple of 8 in [32, 256]
   int rotary_dim;               ///< key offset: dims >= rotary_dim of keys; even, in [0, D]
   bool paired;
-  int row_sets;                 ///< NS (rope::RowWork)
-  int64_t num_ranges;
-  int64_t tokens_per_range;
+  int row_sets;                 ///< NS (rope::RowWork): unit u = t * NS + s
+  int64_t units;                ///< T * NS
 };
 
 /// Rows per lane group: each row needs g and x (two chunks per lane per chunk slot).
@@ -68,15 +67,14 @@ constexpr int backward_rows_per_group() {
   return C == 1 ? 2 : 1;
 }
 
-/// Register budget as resident 128-thread blocks per SM (see qk_norm_rope.cu), chosen so that
-/// ptxas spills nothing: 7 (<= 72 registers) for the plain bf16-factor kernel of one chunk per
-/// lane, fewer for the key-offset g_next chunks, fp32 factors and wider rows.
+/// Register budget as resident 128-thread blocks per SM, chosen so that ptxas spills nothing:
+/// 8 (<= 64 registers) for the plain bf16-factor kernel of one chunk per lane, fewer for the
+/// key-offset g_next chunks, fp32 factors and wider rows.
 template <int C, bool kKeyOffset, typename FactorT>
 constexpr int backward_min_blocks() {
   constexpr bool kWideFactors = sizeof(FactorT) == 4;
-  if constexpr (C == 1) return kKeyOffset && kWideFactors ? 5 : (kKeyOffset || kWideFactors ? 6 : 7);
-  if constexpr (C == 2) return kWideFactors || kKeyOffset ? 4 : 5;
-  return kKeyOffset ? 3 : 4;
+  if constexpr (C == 1) return kKeyOffset && kWideFactors ? 5 : (kKeyOffset || kWideFactors ? 6 : 8);
+  return kWideFactors || kKeyOffset ? 4 : 5;
 }
 
 template <class Geom, int K, bool kKeyOffset, typename FactorT>
@@ -88,11 +86,11 @@ __global__ void __launch_bounds__(kRowThreads, backward_min_blocks<Geom::C, kKey
   static_assert(K >= 1 && K * C <= 4, "rows per lane group: keep the loads in registers");
 
   const int lane = int(threadIdx.x) % G;
-  const int64_t stream = int64_t(blockIdx.x) * (kRowThreads / G) + threadIdx.x / G;
-  const int64_t range = stream / p.row_sets;
-  const int set = int(stream - range * p.row_sets);
-  const int64_t t_begin = range * p.tokens_per_range;
-  const int64_t t_end = range < p.num_ranges ? min(t_begin + p.tokens_per_range, p.tokens) : t_begin;
+  const int64_t unit = int64_t(blockIdx.x) * (kRowThreads / G) + threadIdx.x / G;
+  const int64_t t = unit / p.row_sets;
+  const int set = int(unit - t * p.row_sets);
+  // Groups past the last unit load and store nothing but still execute every shuffle.
+  const bool token_ok = unit < p.units;
   const int H = p.num_heads;
   const int D = p.head_dim;
   const rope::UniformDivisor width{float(D)};
@@ -108,77 +106,66 @@ __global__ void __launch_bounds__(kRowThreads, backward_min_blocks<Geom::C, kKey
   }
 
   const int64_t qk_row_step = int64_t(p.row_sets) * p.qk_stride_h;
-  const __nv_bfloat16* qk_set = p.qk + int64_t(set) * p.qk_stride_h;
+  const __nv_bfloat16* qk_token = p.qk + t * p.qk_stride_t + int64_t(set) * p.qk_stride_h;
   const int factor_offset = p.paired ? (set & 1) * D : 0;
   const FactorT* factor1 = static_cast<const FactorT*>(p.factor1) + factor_offset;
   const FactorT* factor2 = static_cast<const FactorT*>(p.factor2) + factor_offset;
   const int half = H / 2;
 
-  // Where the forward wrote row (t, head2 = set + NS*k): g_base[k] + t * g_stride_t[k].
-  const __nv_bfloat16* g_base[K];
-  int64_t g_stride_t[K];
+  // ---- loads: g and x of every row of the set, g_next of key rows, the factor chunks ----
+  Vec16 g_raw[K][C];
+  Vec16 x_raw[K][C];
+  Vec16 g_next_raw[K][C];
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     const int head2 = set + p.row_sets * k;
+    const bool row_ok = token_ok && head2 < 2 * H;
+    // Where the forward wrote row (t, head2): plain (t, h); paired (2t + h / (H/2), h mod (H/2)).
     const bool is_key = head2 >= H;
     const int h = is_key ? head2 - H : head2;
     const int64_t stride_t = is_key ? p.grad_k_stride_t : p.grad_q_stride_t;
     const int64_t stride_h = is_key ? p.grad_k_stride_h : p.grad_q_stride_h;
-    const int sub_token = p.paired && h >= half ? 1 : 0;  // paired: token 2t + h / (H/2)
-    g_base[k] = (is_key ? p.grad_k : p.grad_q) + sub_token * stride_t +
-                int64_t(h - sub_token * half) * stride_h;
-    g_stride_t[k] = p.paired ? 2 * stride_t : stride_t;
-  }
-
-  for (int64_t i = 0; i < p.tokens_per_range; ++i) {  // warp-uniform trip count
-    const int64_t t = t_begin + i;
-    const bool token_ok = t < t_end;
-
-    // ---- loads: g and x of every row of the set, g_next of key rows, the factor chunks ----
-    Vec16 g_raw[K][C];
-    Vec16 x_raw[K][C];
-    Vec16 g_next_raw[K][C];
-    const __nv_bfloat16* qk_token = qk_set + t * p.qk_stride_t;
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int head2 = set + p.row_sets * k;
-      const bool row_ok = token_ok && head2 < 2 * H;
-      const __nv_bfloat16* g_row = g_base[k] + t * g_stride_t[k];
-      // Key offset: g at t+1 of the same key head, for the stationary dims.
-      const bool next_ok = kKeyOffset && row_ok && head2 >= H && t + 1 < p.tokens;
-      const __nv_bfloat16* g_next_row = g_row + p.grad_k_stride_t;
-#pragma unroll
-      for (int c = 0; c < C; ++c) {
-        const bool ok = row_ok && chunk_ok[c];
-        g_raw[k][c] = ok ? rope::ld_cached(g_row + d0[c]) : rope::zero_vec16();
-        x_raw[k][c] = ok ? rope::ld_stream(qk_token + k * qk_row_step + d0[c]) : rope::zero_vec16();
-        g_next_raw[k][c] = next_ok && chunk_ok[c] && stationary_from[c] < 8
-                               ? rope::ld_cached(g_next_row + d0[c])
-                               : rope::zero_vec16();
-      }
-    }
-    FactorChunk<FactorT> f1[C];
-    FactorChunk<FactorT> f2[C];
+    const int sub_token = p.paired && h >= half ? 1 : 0;
+    const int64_t out_token = p.paired ? 2 * t + sub_token : t;
+    const __nv_bfloat16* g_row = (is_key ? p.grad_k : p.grad_q) + out_token * stride_t +
+                                 int64_t(h - sub_token * half) * stride_h;
+    // Key offset: g at t+1 of the same key head, for the stationary dims.
+    const bool next_ok = kKeyOffset && row_ok && is_key && t + 1 < p.tokens;
+    const __nv_bfloat16* g_next_row = g_row + p.grad_k_stride_t;
 #pragma unroll
     for (int c = 0; c < C; ++c) {
-      f1[c].load(factor1 + t * p.factor1_stride_t + d0[c], token_ok && chunk_ok[c]);
-      f2[c].load(factor2 + t * p.factor2_stride_t + d0[c], token_ok && chunk_ok[c]);
+      const bool ok = row_ok && chunk_ok[c];
+      // Key offset: key grads are read twice (as g here, as g_next by the unit of t-1): cached.
+      g_raw[k][c] = ok ? (kKeyOffset && is_key ? rope::ld_cached(g_row + d0[c])
+                                               : rope::ld_stream(g_row + d0[c]))
+                       : rope::zero_vec16();
+      x_raw[k][c] = ok ? rope::ld_stream(qk_token + k * qk_row_step + d0[c]) : rope::zero_vec16();
+      g_next_raw[k][c] = next_ok && chunk_ok[c] && stationary_from[c] < 8
+                             ? rope::ld_cached(g_next_row + d0[c])
+                             : rope::zero_vec16();
     }
+  }
+  FactorChunk<FactorT> f1[C];
+  FactorChunk<FactorT> f2[C];
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    f1[c].load(factor1 + t * p.factor1_stride_t + d0[c], token_ok && chunk_ok[c]);
+    f2[c].load(factor2 + t * p.factor2_stride_t + d0[c], token_ok && chunk_ok[c]);
+  }
 
-    // ---- per row: dx, store ----
+  // ---- per row: dx, store ----
 #pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int head2 = set + p.row_sets * k;
-      const bool shift_row = kKeyOffset && head2 >= H;
-      float dx[C][8];
-      rope::backward_row<G, C>(g_raw[k], x_raw[k], f1, f2, g_next_raw[k],
-                               stationary_from, shift_row, t == 0, width, dx);
-      if (!(token_ok && head2 < 2 * H)) continue;
-      __nv_bfloat16* out = p.grad_qk + (t * 2 * H + head2) * int64_t(D);
+  for (int k = 0; k < K; ++k) {
+    const int head2 = set + p.row_sets * k;
+    const bool shift_row = kKeyOffset && head2 >= H;
+    float dx[C][8];
+    rope::backward_row<G, C>(g_raw[k], x_raw[k], f1, f2, g_next_raw[k], stationary_from,
+                             shift_row, t == 0, width, dx);  // all lanes: shuffles
+    if (!(token_ok && head2 < 2 * H)) continue;
+    __nv_bfloat16* out = p.grad_qk + (t * 2 * H + head2) * int64_t(D);
 #pragma unroll
-      for (int c = 0; c < C; ++c) {
-        if (chunk_ok[c]) rope::st_vec16(out + d0[c], float_to_bf16x8(dx[c]));
-      }
+    for (int c = 0; c < C; ++c) {
+      if (chunk_ok[c]) rope::st_vec16(out + d0[c], float_to_bf16x8(dx[c]));
     }
   }
 }
@@ -187,12 +174,10 @@ template <class Geom, bool kKeyOffset, typename FactorT>
 void launch_backward(QkNormRopeBackwardKernelParams kp, cudaStream_t stream) {
   constexpr int K = backward_rows_per_group<Geom::C>();
   constexpr auto kernel = qk_norm_rope_backward_kernel<Geom, K, kKeyOffset, FactorT>;
-  const rope::RowWork work = rope::plan_row_work(
-      kp.tokens, 2 * int64_t(kp.num_heads), K, Geom::G,
-      rope::resident_blocks_per_sm<kernel>(kRowThreads, 0), multiprocessor_count());
+  const rope::RowWork work =
+      rope::plan_row_work(kp.tokens, 2 * int64_t(kp.num_heads), K, Geom::G);
   kp.row_sets = work.row_sets;
-  kp.num_ranges = work.num_ranges;
-  kp.tokens_per_range = work.tokens_per_range;
+  kp.units = work.units;
   kernel<<<dim3(unsigned(work.blocks)), dim3(kRowThreads), 0, stream>>>(kp);
   QKVF_CUDA_CHECK_LAUNCH("qk_norm_rope_backward_kernel");
 }

@@ -36,7 +36,6 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
-#include <type_traits>
 
 #include "backend.hpp"
 #include "cuda/check.hpp"
@@ -89,12 +88,16 @@ struct QkvBackwardFp8KernelParams {
   int tile_pitch;               ///< bytes per token row of the shared tile: roundup(2D + Dv, 128)
 };
 
-/// Register budget, as resident 256-thread CTAs per SM: 3 (<= 85 registers, 3 x 48 KB of tile)
-/// with one chunk per lane; wider rows hold 2C more 16-byte chunks per token (Q and K rows, g and
-/// x), so they get 2 (<= 128 registers), still with > 100 KB of loads in flight per SM.
-template <int C>
+/// Register budget, as resident 256-thread CTAs per SM, chosen so that ptxas spills nothing: 4
+/// (<= 64 registers; 4 x 48 KB of tile fit the 227 KB of shared memory) with one chunk per lane
+/// and bf16 factors, so that 32 warps per SM keep their loads in flight and the CTAs' phases
+/// (loads, transposed stores) overlap; fp32 factor chunks take 8 more registers (3: <= 80);
+/// wider rows hold 2C more 16-byte chunks per token (Q and K rows, g and x), so they get 2
+/// (<= 128 registers).
+template <int C, typename FactorT>
 constexpr int fp8_min_blocks() {
-  return C == 1 ? 3 : 2;
+  if constexpr (C == 1) return sizeof(FactorT) == 2 ? 4 : 3;
+  return 2;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -143,7 +146,7 @@ __device__ __forceinline__ void scale_to_e4m3x8(const float (&v)[8],
 // ------------------------------------------------------------------------------------------------
 
 template <class Geom, bool kKeyOffset, typename FactorT>
-__global__ void __launch_bounds__(kFp8Threads, fp8_min_blocks<Geom::C>())
+__global__ void __launch_bounds__(kFp8Threads, fp8_min_blocks<Geom::C, FactorT>())
     qkv_backward_fp8_kernel(const __grid_constant__ QkvBackwardFp8KernelParams p) {
   constexpr int G = Geom::G;
   constexpr int C = Geom::C;
@@ -365,37 +368,41 @@ __global__ void __launch_bounds__(kFp8Threads, fp8_min_blocks<Geom::C>())
   }
 }
 
-/// The geometry the FP8 kernel runs for a head width served by `Geom`. Three chunks per lane
-/// (D in 72..96 and 136..192) with key offset (a third row of chunks, g_next) do not fit 128
-/// registers, so those run on 16-lane groups with the missing chunks masked.
-template <class Geom, bool kKeyOffset>
-struct Fp8Geometry {
-  using type = Geom;
-};
-template <int G>
-struct Fp8Geometry<rope::RowGeometry<G, 3>, true> {
-  using type = std::conditional_t<8 * G * 3 <= 128, rope::RowGeometry<16, 1>, rope::RowGeometry<16, 2>>;
-};
+/// Largest dynamic shared memory any launch of the kernel can ask for: a tile of the widest
+/// features, 2*256 + 256 bytes per token.
+constexpr size_t kMaxTileBytes = size_t(kTileTokens) * ((2 * 256 + 256 + 127) / 128 * 128);
 
-template <class HeadGeom, bool kKeyOffset, typename FactorT>
+/// Opts `kKernel` in to kMaxTileBytes of dynamic shared memory and the largest shared-memory
+/// carveout, once per kernel instantiation and device (the attributes belong to the function on
+/// the current device). The limit is set once
+/// to the maximum any launch needs rather than to each launch's size: a cache keyed by the
+/// launcher (several launchers share a kernel) or a limit lowered by a smaller launch let a
+/// later, larger launch fail with cudaErrorInvalidValue. The limit does not change occupancy,
+/// which follows the bytes a launch actually asks for.
+template <auto kKernel>
+void opt_in_max_shared_memory() {
+  static std::array<std::atomic<bool>, 64> opted_in{};
+  int device = 0;
+  QKVF_CUDA_CHECK(cudaGetDevice(&device));
+  QKVF_CHECK(device < int(opted_in.size()), "device ordinal ", device, " beyond the supported 64");
+  if (!opted_in[device].load(std::memory_order_acquire)) {
+    QKVF_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         int(kMaxTileBytes)));
+    // The largest shared-memory carveout: 4 CTAs of 48 KB (fp8_min_blocks) need 196 KB of it.
+    QKVF_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                         int(cudaSharedmemCarveoutMaxShared)));
+    opted_in[device].store(true, std::memory_order_release);
+  }
+}
+
+template <class Geom, bool kKeyOffset, typename FactorT>
 void launch_fp8(const QkvBackwardFp8KernelParams& kp, cudaStream_t stream) {
-  using Geom = typename Fp8Geometry<HeadGeom, kKeyOffset>::type;
-  static_assert(Geom::kMaxWidth >= HeadGeom::kMaxWidth, "the remapped geometry must cover D");
   constexpr auto kernel = qkv_backward_fp8_kernel<Geom, kKeyOffset, FactorT>;
   const size_t smem = size_t(kTileTokens) * size_t(kp.tile_pitch);
-  // Above 48 KB a kernel must opt in to its dynamic shared memory, once per device.
-  if (smem > 48 * 1024) {
-    static std::array<std::atomic<int>, 64> opted_in{};
-    int device = 0;
-    QKVF_CUDA_CHECK(cudaGetDevice(&device));
-    QKVF_CHECK(device < int(opted_in.size()), "device ordinal ", device, " beyond the supported 64");
-    const int want = int(smem);
-    if (opted_in[device].load(std::memory_order_relaxed) < want) {
-      QKVF_CUDA_CHECK(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, want));
-      opted_in[device].store(want, std::memory_order_relaxed);
-    }
-  }
+  QKVF_CHECK(smem <= kMaxTileBytes, "qkv_backward_fp8 (CUDA): tile of ", smem, " bytes");
+  // Above 48 KB a kernel must opt in to its dynamic shared memory; done for every kernel so that
+  // the carveout preference applies at 48 KB too.
+  opt_in_max_shared_memory<kernel>();
   const int64_t tiles = (kp.tokens + kTileTokens - 1) / kTileTokens;
   const int64_t blocks = tiles * kp.num_heads;
   QKVF_CHECK(blocks <= int64_t(0x7fffffff), "qkv_backward_fp8 (CUDA): ", kp.tokens,

@@ -9,7 +9,10 @@
 // per-lane partial over 8*C values followed by a log2(G)-step xor-shuffle butterfly inside the
 // group; every lane ends with the same bits (a + b == b + a in IEEE arithmetic), so the result is
 // deterministic and identical across the group. Widths that are not 8*G*C exactly use the next
-// larger geometry with the missing chunks masked (loads return 0, stores are skipped).
+// larger geometry with the missing chunks masked (loads return 0, stores are skipped): D = 96 runs
+// on 16 lanes x 1 chunk with 12 lanes active, which keeps 16 lanes' worth of loads per row and
+// shares each factor chunk among K rows (4 lanes x 3 chunks would spend two factor loads per row
+// chunk and give a row only 4 lanes).
 //
 // Rounding. The CPU backend is the contract: the element-wise formulas of SPEC.md are evaluated
 // with explicitly rounded fp32 operations (__fmul_rn / __fadd_rn / __fdiv_rn / __fsqrt_rn, and
@@ -21,8 +24,6 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
-#include <array>
-#include <atomic>
 #include <cstdint>
 
 #include "cuda/check.hpp"
@@ -52,10 +53,10 @@ struct RowGeometry {
 inline constexpr int kMinHeadWidth = 32;
 inline constexpr int kMaxHeadWidth = 256;
 
-/// Calls f(RowGeometry<G, C>{}) for the geometry serving head width D. The real widths get exact
-/// geometries (64: 8 lanes x 1 chunk; 96: 4 lanes x 3 chunks; 128: 16 x 1; 256: 16 x 2; 32:
-/// 4 x 1); every other multiple of 8 in [32, 256] runs on the next larger one, masked. Widths
-/// that are not a multiple of 8 are refused: rows and strides of 8 elements are what makes every
+/// Calls f(RowGeometry<G, C>{}) for the geometry serving head width D. Exact geometries for 32
+/// (4 lanes x 1 chunk), 64 (8 x 1), 128 (16 x 1) and 256 (16 x 2); every other multiple of 8 in
+/// [32, 256] runs on the next larger one, masked (96: 16 x 1 with 12 lanes active). Widths that
+/// are not a multiple of 8 are refused: rows and strides of 8 elements are what makes every
 /// access a 16-byte vector (the validator guarantees 16-byte aligned strides on CUDA tensors).
 template <typename F>
 void head_width_switch(const char* op, int64_t D, F&& f) {
@@ -65,12 +66,11 @@ void head_width_switch(const char* op, int64_t D, F&& f) {
   switch (D / 8) {
     case 4: f(RowGeometry<4, 1>{}); break;                                  // 32
     case 5: case 6: case 7: case 8: f(RowGeometry<8, 1>{}); break;          // 40 .. 64
-    case 9: case 10: case 11: case 12: f(RowGeometry<4, 3>{}); break;       // 72 .. 96
-    case 13: case 14: case 15: case 16: f(RowGeometry<16, 1>{}); break;     // 104 .. 128
+    case 9: case 10: case 11: case 12: case 13: case 14: case 15: case 16:
+      f(RowGeometry<16, 1>{}); break;                                       // 72 .. 128
     case 17: case 18: case 19: case 20: case 21: case 22: case 23: case 24:
-      f(RowGeometry<8, 3>{}); break;                                        // 136 .. 192
     case 25: case 26: case 27: case 28: case 29: case 30: case 31: case 32:
-      f(RowGeometry<16, 2>{}); break;                                       // 200 .. 256
+      f(RowGeometry<16, 2>{}); break;                                       // 136 .. 256
     default:
       QKVF_FAIL(op, " (CUDA): no kernel for head width D = ", D);
   }
@@ -322,54 +322,30 @@ inline constexpr int kRowThreads = 128;
 
 /// The 2H input heads of a token are split into `row_sets` sets {s, s + NS, s + 2NS, ...}, NS
 /// even, so a set holds heads of one parity: under paired placement they all read the same half
-/// of the factor row. One lane group (a "stream") owns one set of one range of consecutive
-/// tokens and walks the range in order: the factor chunks of a token are loaded once per set
-/// and shared by its rows, and the key-offset forward carries the previous token's normalized
-/// keys in registers. Streams of one range are adjacent lane groups, so their factor loads are
-/// one coalesced request. The grid is one wave of resident blocks (persistent): every stream
-/// walks the same number of tokens, so the wave ends together.
+/// of the factor row. A work unit is one set of one token; unit u = t * NS + s is owned by one
+/// lane group, which issues every load of the unit (its K rows and the token's factor chunks)
+/// before any math, computes, stores and is done. The grid is simply one lane group per unit
+/// (no persistence, no token walk): at the model's sizes that is ~10^5 warps, the block
+/// scheduler keeps every SM full, nothing waits on a serial chain of loads, and the tail is one
+/// short block. Units are token-major, so the NS groups that share a token's factor row are
+/// adjacent (one coalesced request, then L1 hits).
 struct RowWork {
-  int row_sets = 2;               ///< NS
-  int rows_per_set = 1;           ///< ceil(2H / NS), at most the kernel's rows per lane group
-  int64_t num_ranges = 1;         ///< token ranges
-  int64_t tokens_per_range = 1;   ///< L: tokens walked by each stream (the last range may be short)
-  int64_t blocks = 1;             ///< grid size
+  int row_sets = 2;      ///< NS
+  int64_t units = 1;     ///< T * NS
+  int64_t blocks = 1;    ///< grid size: ceil(units / groups per block)
 };
 
-inline RowWork plan_row_work(int64_t tokens, int64_t heads2, int rows_per_group, int group_lanes,
-                             int resident_blocks_per_sm, int multiprocessors) {
+inline RowWork plan_row_work(int64_t tokens, int64_t heads2, int rows_per_group, int group_lanes) {
   RowWork work;
-  int64_t sets = (heads2 + rows_per_group - 1) / rows_per_group;
+  int64_t sets = (heads2 + rows_per_group - 1) / rows_per_group;  // NS * K >= 2H: every head
   sets = sets < 2 ? 2 : sets + (sets & 1);
   work.row_sets = int(sets);
-  work.rows_per_set = int((heads2 + sets - 1) / sets);
+  work.units = tokens * sets;
   const int64_t groups_per_block = kRowThreads / group_lanes;
-  const int64_t capacity = int64_t(resident_blocks_per_sm < 1 ? 1 : resident_blocks_per_sm) *
-                           multiprocessors * groups_per_block;
-  int64_t ranges = capacity / sets;
-  if (ranges < 1) ranges = 1;
-  work.tokens_per_range = (tokens + ranges - 1) / ranges;
-  work.num_ranges = (tokens + work.tokens_per_range - 1) / work.tokens_per_range;
-  work.blocks = (work.num_ranges * sets + groups_per_block - 1) / groups_per_block;
+  work.blocks = (work.units + groups_per_block - 1) / groups_per_block;
+  QKVF_CHECK(work.blocks <= int64_t(0x7fffffff), "qk_norm_rope (CUDA): ", tokens,
+             " tokens need more blocks than one launch holds");
   return work;
-}
-
-/// Resident blocks per multiprocessor of `kKernel` at `threads` threads and `smem` bytes of
-/// dynamic shared memory, cached per device (one query per kernel instantiation and device).
-template <auto kKernel>
-int resident_blocks_per_sm(int threads, size_t smem) {
-  static std::array<std::atomic<int>, 64> cache{};
-  int device = 0;
-  QKVF_CUDA_CHECK(cudaGetDevice(&device));
-  QKVF_CHECK(device < int(cache.size()), "device ordinal ", device, " beyond the supported 64");
-  int blocks = cache[device].load(std::memory_order_relaxed);
-  if (blocks == 0) {
-    QKVF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, threads, smem));
-    QKVF_CHECK(blocks > 0, "kernel cannot be resident with ", threads, " threads and ", smem,
-               " bytes of shared memory");
-    cache[device].store(blocks, std::memory_order_relaxed);
-  }
-  return blocks;
 }
 
 }  // namespace qkvfuse::cuda::rope
