@@ -1,7 +1,6 @@
 // tensor.cpp: TensorView helpers.
 #include "qkvfuse/tensor.hpp"
 
-#include <sstream>
 
 #include "qkvfuse/error.hpp"
 
@@ -49,13 +48,11 @@ bool TensorView::is_contiguous() const {
 }
 
 std::string TensorView::describe() const {
-  std::ostringstream out;
-  out << dtype_name(dtype) << "[";
-  for (int d = 0; d < ndim; ++d) out << (d ? ", " : "") << sizes[d];
-  out << "] strides [";
-  for (int d = 0; d < ndim; ++d) out << (d ? ", " : "") << strides[d];
-  out << "] on " << device_name(device);
-  return out.str();
+  std::string out = std::string(dtype_name(dtype)) + "[";
+  for (int d = 0; d < ndim; ++d) out += (d ? ", " : "") + std::to_string(sizes[d]);
+  out += "] strides [";
+  for (int d = 0; d < ndim; ++d) out += (d ? ", " : "") + std::to_string(strides[d]);
+  return out + "] on " + device_name(device);
 }
 
 TensorView make_view(void* data, DType dtype, Device device, std::initializer_list<int64_t> sizes,

@@ -1,7 +1,6 @@
 // validate.cpp: the argument checks shared by the public entry points (see validate.hpp).
 #include "validate.hpp"
 
-#include <sstream>
 #include <vector>
 
 #include "backend.hpp"
@@ -13,28 +12,20 @@ namespace {
 bool skipped(const Arg& arg) { return arg.optional && is_absent(arg.view); }
 
 std::string dims_text(const TensorView& view) {
-  std::ostringstream out;
-  out << "[";
-  for (int d = 0; d < view.ndim; ++d) out << (d ? ", " : "") << view.sizes[d];
-  out << "]";
-  return out.str();
+  std::string out = "[";
+  for (int d = 0; d < view.ndim; ++d) out += (d ? ", " : "") + std::to_string(view.sizes[d]);
+  return out + "]";
 }
 
 std::string expected_dims_text(std::initializer_list<Dim> expected) {
-  std::ostringstream out;
-  out << "[";
+  std::string out = "[";
   bool first = true;
   for (const Dim& dim : expected) {
-    out << (first ? "" : ", ");
-    if (dim.size < 0) {
-      out << dim.label;
-    } else {
-      out << dim.size;
-    }
+    out += first ? "" : ", ";
+    out += dim.size < 0 ? std::string(dim.label) : std::to_string(dim.size);
     first = false;
   }
-  out << "]";
-  return out.str();
+  return out + "]";
 }
 
 /// "bfloat16 or float32", listing each dtype once.

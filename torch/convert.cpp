@@ -20,6 +20,13 @@ bool to_dtype(at::ScalarType type, DType* dtype) {
   }
 }
 
+/// "[32, 64]": shapes for messages, without iostreams (see qkvfuse/error.hpp).
+std::string shape_text(const at::Tensor& tensor) {
+  std::string out = "[";
+  for (int64_t d = 0; d < tensor.dim(); ++d) out += (d ? ", " : "") + std::to_string(tensor.size(d));
+  return out + "]";
+}
+
 }  // namespace
 
 TensorView OpArgs::view(const at::Tensor& tensor, const char* name) const {
@@ -28,7 +35,7 @@ TensorView OpArgs::view(const at::Tensor& tensor, const char* name) const {
              ": expected dtype bfloat16, float32, float64 or float8_e4m3fn, got ",
              c10::toString(tensor.scalar_type()));
   QKVF_CHECK(tensor.dim() <= kMaxDims, op_, ": ", name, ": expected at most ", kMaxDims,
-             " dims, got shape ", tensor.sizes());
+             " dims, got shape ", shape_text(tensor));
   const at::Device device = tensor.device();
   QKVF_CHECK(device.is_cpu() || device.is_cuda(), op_, ": ", name,
              ": expected a cpu or cuda tensor, got one on ", device.str());
@@ -50,7 +57,7 @@ TensorView OpArgs::optional_view(const std::optional<at::Tensor>& tensor, const 
 void OpArgs::expect_dims(const at::Tensor& tensor, int64_t ndim, const char* name,
                          const char* layout) const {
   QKVF_CHECK(tensor.dim() == ndim, op_, ": ", name, ": expected ", ndim, " dims ", layout,
-             ", got shape ", tensor.sizes());
+             ", got shape ", shape_text(tensor));
 }
 
 void OpArgs::expect_positive(int64_t value, const char* name) const {

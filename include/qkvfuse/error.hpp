@@ -1,9 +1,11 @@
 // qkvfuse/error.hpp: the library's one error type and the checks that raise it.
 #pragma once
 
-#include <sstream>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <type_traits>
 
 namespace qkvfuse {
 
@@ -16,12 +18,41 @@ class Error : public std::runtime_error {
 };
 
 namespace detail {
+
+// Messages are built with std::to_string and snprintf, not iostreams: numeric insertion into a
+// stream goes through the process's global locale facets, and inside a PyTorch process on the GPU
+// machine that crashed in this library's copy of ostream::_M_insert<long> (seen with torch 2.11).
+inline void append(std::string& out, const std::string& text) { out += text; }
+inline void append(std::string& out, std::string_view text) { out += text; }
+inline void append(std::string& out, const char* text) { out += text ? text : "(null)"; }
+inline void append(std::string& out, char c) { out += c; }
+inline void append(std::string& out, bool value) { out += value ? "true" : "false"; }
+inline void append(std::string& out, const void* pointer) {
+  char buffer[32];
+  std::snprintf(buffer, sizeof(buffer), "%p", pointer);
+  out += buffer;
+}
+template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+void append(std::string& out, T value) {
+  out += std::to_string(value);
+}
+template <typename T, std::enable_if_t<std::is_floating_point_v<T>, int> = 0>
+void append(std::string& out, T value) {
+  char buffer[32];
+  std::snprintf(buffer, sizeof(buffer), "%.9g", double(value));
+  out += buffer;
+}
+
 template <typename... Args>
 [[noreturn]] void throw_error(const char* file, int line, const Args&... args) {
-  std::ostringstream message;
-  (message << ... << args);
-  message << " [" << file << ":" << line << "]";
-  throw Error(message.str());
+  std::string message;
+  (append(message, args), ...);
+  append(message, " [");
+  append(message, file);
+  append(message, ":");
+  append(message, line);
+  append(message, "]");
+  throw Error(message);
 }
 }  // namespace detail
 
