@@ -304,15 +304,14 @@ TEST(CudaQuantize, SpecialValues) {
 }
 
 TEST(CudaQuantize, EveryBf16ValueEveryScaleForm) {
-  // The fast path picks a division-free form from the scale (power of two: multiply by 1/s;
-  // other normal scales: a bracketing pair of products with a __fdiv_rn fallback near e4m3
-  // rounding midpoints; anything else: __fdiv_rn). Each form sees all 65536 bf16 patterns (NaNs,
-  // infs, subnormals, exact e4m3 ties), as one [256, 256] entry per scale.
+  // All 65536 bf16 patterns (NaNs, infs, subnormals, exact e4m3 ties) under scales of every kind
+  // (powers of two, the speedrun's 8/448, values whose quotients land on e4m3 rounding midpoints,
+  // range edges, zero and infinity), as one [256, 256] entry per scale, bit for bit.
   QKVF_REQUIRE_GPU();
   auto rng = rng_for_test();
   const float scales[] = {1.0f, 0.25f, 0x1p-20f, 0x1p40f, -2.0f,         // powers of two
-                          8.0f / 448.0f, 1.5f, 3.0f, 0.75f, -0.1f,        // interval form, ties
-                          0x1.fffffep-126f, 0x1p-125f, 0x1p-126f, 1e-40f,  // edges / divide form
+                          8.0f / 448.0f, 1.5f, 3.0f, 0.75f, -0.1f,        // midpoints, ties
+                          0x1.fffffep-126f, 0x1p-125f, 0x1p-126f, 1e-40f,  // range edges
                           0x1p125f, 0x1p126f, 0x1.fffffep127f, 0.0f, INFINITY};
   Case c = make_case(rng, int64_t(sizeof(scales) / sizeof(scales[0])), 256, 256, 1.0f);
   for (int64_t b = 0; b < c.batch; ++b) {

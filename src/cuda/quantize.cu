@@ -109,16 +109,6 @@ __device__ __forceinline__ Vec16 load16_with_policy(const void* pointer, uint64_
   return v;
 }
 
-/// A 16-byte streaming store (st.global.cs: evict-first). The outputs are not read again by this
-/// call; in the weight bank's quantize pass this keeps them from pushing out source lines that the
-/// amax pass left in L2 and that are still to be read.
-__device__ __forceinline__ void store16_streaming(void* pointer, const Vec16& v) {
-  asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};"
-               :
-               : "l"(pointer), "r"(v.w[0]), "r"(v.w[1]), "r"(v.w[2]), "r"(v.w[3])
-               : "memory");
-}
-
 /// |x| as its fp32 bit pattern: non-negative, so unsigned order = numeric order (NaN on top).
 __device__ __forceinline__ unsigned int abs_bits(float x) {
   return __float_as_uint(x) & 0x7fffffffu;
@@ -154,139 +144,6 @@ __device__ __forceinline__ int tile_word(int r, int w) {
   return physical_row * (kTile / 4) + (w ^ (((r >> 5) & 1) * 8));
 }
 
-// ---- division by the scale: e4m3(x / scale) without a per-element division ------------------
-//
-// The reference result is e4m3(RN32(x / s)): __fdiv_rn (MUFU.RCP + FCHK + a branch and about 6
-// FFMA per element) then the saturating cvt. Only the e4m3 byte has to match, and e4m3 keeps 3
-// mantissa bits, so the division is replaced by cheaper forms that give the same byte, chosen
-// once per block from s (a uniform branch):
-//  - kPow2: s = +-2^k with 1/s normal. y = 1/s is exact, so x * y and x / s are the rounding of
-//    the same real number: RN32(x * y) == RN32(x / s) bit for bit (subnormals and overflow too).
-//  - kInterval: other normal s with 2^-125 <= |s| <= 2^125. With y = RN(1/s), lo = x * RN(y (1 -
-//    2^-20)) and hi = x * RN(y (1 + 2^-20)) bracket RN32(x / s) (relative errors: each rounding
-//    <= 2^-24, so lo <= v (1 - 13 * 2^-24) < RN32(v) for normal v, symmetric for hi). The
-//    saturating cvt is monotone, so when e4m3(lo) == e4m3(hi) that byte is e4m3(RN32(x / s)). One
-//    cvt converts the pair. Tiny products (subnormal or zero) are far below 2^-10, where every
-//    candidate rounds to a zero of x's sign; overflow to inf converts to 448 like any value past
-//    464. When the bytes differ (an e4m3 rounding midpoint within ~2^-20 of x / s: about 2^-15 of
-//    elements for generic scales, ~0.75% for s = 8/448, whose quotients of bf16 sit near e4m3
-//    midpoints) or are NaN, that element alone goes through quantize1_resolve (a verified Newton
-//    step, __fdiv_rn when unverified).
-//  - kDivide: anything else (0, subnormal, huge, inf or NaN scale): __fdiv_rn per element.
-// The equivalence was checked exhaustively over all 65536 bf16 x for pow2 and ~10^5 random
-// scales on the CPU.
-enum class DivMode : int { kPow2, kInterval, kDivide };
-
-struct Divider {
-  float scale;  // s
-  float y;      // kPow2: 1/s (exact); kInterval: RN(1/s) * (1 - 2^-20), rounded
-  float y_hi;   // kInterval: RN(1/s) * (1 + 2^-20), rounded
-  float y0;     // kInterval: RN(1/s)
-  DivMode mode;
-};
-
-__device__ __forceinline__ Divider make_divider(float scale) {
-  Divider d;
-  d.scale = scale;
-  d.y = 1.0f;
-  d.y_hi = 1.0f;
-  d.y0 = 1.0f;
-  const unsigned int bits = __float_as_uint(scale);
-  const unsigned int exponent = (bits >> 23) & 0xffu;
-  if (exponent < 2u || exponent > 252u) {
-    d.mode = DivMode::kDivide;  // 0, subnormal, |s| < 2^-125 or > 2^126, inf, NaN
-  } else if ((bits & 0x7fffffu) == 0u) {
-    d.mode = DivMode::kPow2;
-    d.y = __frcp_rn(scale);  // a power of two: exact
-  } else {
-    d.mode = DivMode::kInterval;
-    const float y = __frcp_rn(scale);
-    d.y0 = y;
-    d.y = __fmul_rn(y, 1.0f - 0x1p-20f);
-    d.y_hi = __fmul_rn(y, 1.0f + 0x1p-20f);
-  }
-  return d;
-}
-
-/// e4m3(RN32(x[i] / scale)) for 8 values, packed 8 bytes (element 0 in the low byte of .x).
-__device__ __forceinline__ uint2 quantize8_divide(const float (&x)[8], float scale) {
-  uint2 packed;
-  packed.x = float4_to_e4m3x4(__fdiv_rn(x[0], scale), __fdiv_rn(x[1], scale),
-                              __fdiv_rn(x[2], scale), __fdiv_rn(x[3], scale));
-  packed.y = float4_to_e4m3x4(__fdiv_rn(x[4], scale), __fdiv_rn(x[5], scale),
-                              __fdiv_rn(x[6], scale), __fdiv_rn(x[7], scale));
-  return packed;
-}
-
-/// e4m3(RN32(x / s)) for one value whose lo/hi bracket straddles an e4m3 rounding midpoint
-/// (kInterval only). One Newton step from q0 = RN(x * RN(1/s)) gives q1, which is then verified:
-/// RN32(x / s) == q1 exactly when |x / s - q1| < ulp(q1) / 2 (q1 normal, not a power of two, so
-/// both neighbours are one ulp away), i.e. when |x - q1 s| < h = |s| ulp(q1) / 2. h is a power-of-
-/// two multiple of s, exact while normal; r1 = fma(-q1, s, x) is the exact remainder whenever q1
-/// is a faithful quotient, and when q1 is not, |x - q1 s| >= 2h and its rounding cannot drop below
-/// h (h is representable, rounding is monotone), so the test never accepts a wrong q1. Anything
-/// not verified (ties included) takes __fdiv_rn.
-__device__ __forceinline__ uint32_t quantize1_resolve(float x, const Divider& d) {
-  const float q0 = __fmul_rn(x, d.y0);
-  const float r0 = __fmaf_rn(-q0, d.scale, x);
-  const float q1 = __fmaf_rn(r0, d.y0, q0);
-  const float r1 = __fmaf_rn(-q1, d.scale, x);
-  const unsigned int bits = __float_as_uint(q1) & 0x7fffffffu;
-  bool ok = bits >= (25u << 23) && bits < 0x7f800000u && (bits & 0x7fffffu) != 0u;
-  if (ok) {
-    // |s| * 2^(e - 24) for q1 in [2^e, 2^(e+1)): e - 24 >= -126 since q1 >= 2^-102.
-    const float h = __fmul_rn(fabsf(d.scale), __uint_as_float((bits & 0x7f800000u) - (24u << 23)));
-    ok = h >= 0x1p-126f && fabsf(r1) < h;
-  }
-  const float q = ok ? q1 : __fdiv_rn(x, d.scale);
-  return uint32_t(float2_to_e4m3x2(q, 0.0f)) & 0xffu;
-}
-
-/// Same result as quantize8_divide(x, d.scale), see the block comment above.
-__device__ __forceinline__ uint2 quantize8(const float (&x)[8], const Divider& d) {
-  if (d.mode == DivMode::kPow2) {
-    uint2 packed;
-    packed.x = float4_to_e4m3x4(__fmul_rn(x[0], d.y), __fmul_rn(x[1], d.y),
-                                __fmul_rn(x[2], d.y), __fmul_rn(x[3], d.y));
-    packed.y = float4_to_e4m3x4(__fmul_rn(x[4], d.y), __fmul_rn(x[5], d.y),
-                                __fmul_rn(x[6], d.y), __fmul_rn(x[7], d.y));
-    return packed;
-  }
-  if (d.mode == DivMode::kInterval) {
-    // pair[i] = e4m3(lo_i) | e4m3(hi_i) << 8; two pairs per word: bytes lo_a hi_a lo_b hi_b.
-    uint32_t words[4];
-    uint32_t bad[4];
-    uint32_t any_bad = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint32_t a = float2_to_e4m3x2(__fmul_rn(x[2 * i], d.y), __fmul_rn(x[2 * i], d.y_hi));
-      const uint32_t b =
-          float2_to_e4m3x2(__fmul_rn(x[2 * i + 1], d.y), __fmul_rn(x[2 * i + 1], d.y_hi));
-      const uint32_t w = a | (b << 16);
-      // lo != hi (bits 0-7 / 16-23), or a NaN lo byte (0x7f / 0xff: bit 7 / 23).
-      bad[i] = ((w ^ (w >> 8)) & 0x00ff00ffu) | (((w & 0x007f007fu) + 0x00010001u) & 0x00800080u);
-      any_bad |= bad[i];
-      words[i] = w;
-    }
-    if (any_bad != 0u) {  // rare per element; the fix-up is per element
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        if (bad[i] & 0x000000ffu) {
-          words[i] = (words[i] & 0xffffff00u) | quantize1_resolve(x[2 * i], d);
-        }
-        if (bad[i] & 0x00ff0000u) {
-          words[i] = (words[i] & 0xff00ffffu) | (quantize1_resolve(x[2 * i + 1], d) << 16);
-        }
-      }
-    }
-    uint2 packed;
-    packed.x = __byte_perm(words[0], words[1], 0x6420);  // lo bytes of elements 0..3
-    packed.y = __byte_perm(words[2], words[3], 0x6420);
-    return packed;
-  }
-  return quantize8_divide(x, d.scale);
-}
-
 /// Transposes a 4 x 4 block of bytes: in[i] holds bytes (c0..c3) of row i; out[j] gets bytes
 /// (r0..r3) of column j, row 0 in the low byte.
 __device__ __forceinline__ void transpose_4x4_bytes(const uint32_t (&in)[4], uint32_t (&out)[4]) {
@@ -316,7 +173,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileMinBlocksPerSm)
   const int64_t n0 = int64_t(blockIdx.x % tiles_n) * kTile;
   const int tid = threadIdx.x;
   const uint16_t* src = args.src + b * args.src_batch_stride;
-  const Divider divider = make_divider(args.scale[b * args.scale_stride]);
+  const float scale = args.scale[b * args.scale_stride];
 
   // ---- phase 1: load, quantize, stage in shared memory ----
   // Load j covers tile rows 8j..8j+7: thread tid reads row 8j + tid/8, columns 8*(tid%8)..+7.
@@ -351,7 +208,12 @@ __global__ void __launch_bounds__(kTileThreads, kTileMinBlocksPerSm)
 #pragma unroll
       for (int e = 0; e < 8; ++e) local_max = max(local_max, abs_bits(x[e]));
     }
-    *reinterpret_cast<uint2*>(&tile[tile_word(r, c / 4)]) = quantize8(x, divider);
+    uint2 packed;
+    packed.x = float4_to_e4m3x4(__fdiv_rn(x[0], scale), __fdiv_rn(x[1], scale),
+                                __fdiv_rn(x[2], scale), __fdiv_rn(x[3], scale));
+    packed.y = float4_to_e4m3x4(__fdiv_rn(x[4], scale), __fdiv_rn(x[5], scale),
+                                __fdiv_rn(x[6], scale), __fdiv_rn(x[7], scale));
+    *reinterpret_cast<uint2*>(&tile[tile_word(r, c / 4)]) = packed;
   }
   if constexpr (kAmax) {
     block_amax_merge(local_max, warp_max, args.amax_bits + b);  // includes the __syncthreads
@@ -381,8 +243,8 @@ __global__ void __launch_bounds__(kTileThreads, kTileMinBlocksPerSm)
       for (int j = 0; j < 4; ++j) {
         const int64_t gn = n0 + 4 * q + j;
         if (gn < args.n) {
-          store16_streaming(t + gn * args.m + gm,
-                            Vec16{{columns[0][j], columns[1][j], columns[2][j], columns[3][j]}});
+          *reinterpret_cast<Vec16*>(t + gn * args.m + gm) =
+              Vec16{{columns[0][j], columns[1][j], columns[2][j], columns[3][j]}};
         }
       }
     }
@@ -398,7 +260,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileMinBlocksPerSm)
       const int64_t gm = m0 + r, gn = n0 + 16 * chunk;
       if (gm < args.m && gn < args.n) {
         const Vec16 v = *reinterpret_cast<const Vec16*>(&tile[tile_word(r, 4 * chunk)]);
-        store16_streaming(row + gm * args.n + gn, v);
+        *reinterpret_cast<Vec16*>(row + gm * args.n + gn) = v;
       }
     }
   }

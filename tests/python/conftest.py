@@ -27,18 +27,23 @@ def rel_error(out, ref):
     return ((out - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
-def assert_bf16_close(out, ref, ulps=2.0):
+def assert_bf16_close(out, ref, ulps=2.0, outliers=0.0):
     """Elementwise |out - ref| <= ulps * bf16 half-ulp of |ref| + a floor at 2^-10 of max|ref|:
-    out went through one bf16 rounding (ulps covers the fp32-vs-fp64 difference before it)."""
+    out went through one bf16 rounding (ulps covers the fp32-vs-fp64 difference before it).
+    `outliers`: the fraction of elements allowed beyond that bound, for
+    results of the GPU's fast-accumulation FP8 GEMM, whose reduced-precision partial sums move a
+    few cancelling elements further than one rounding (never beyond 32 times the bound)."""
     out, ref = out.double(), ref.double()
     assert out.shape == ref.shape, (out.shape, ref.shape)
     assert not out.isnan().any(), "NaN in output"
     floor = ref.abs().max().item() * 2**-10 if ref.numel() else 0.0
     tolerance = ulps * 2**-9 * ref.abs() + floor
-    bad = (out - ref).abs() > tolerance
-    assert not bad.any(), (
-        f"{int(bad.sum())} of {bad.numel()} elements off; worst |diff| "
-        f"{(out - ref).abs().max().item():.3g}, rel error {rel_error(out, ref):.3g}")
+    diff = (out - ref).abs()
+    bad = diff > tolerance
+    report = (f"{int(bad.sum())} of {bad.numel()} elements off; worst |diff| "
+              f"{diff.max().item():.3g}, rel error {rel_error(out, ref):.3g}")
+    assert (diff <= 32 * tolerance).all(), report
+    assert bad.double().mean().item() <= outliers, report
 
 
 def assert_e4m3_close(out, ref, max_mismatch=0.01):

@@ -48,9 +48,12 @@ def test_forward_and_gradients_match_model(device, name):
     assert q.shape == q_ref.shape and k.shape == k_ref.shape and v.shape == v_ref.shape
     # The op's GEMM (fp32 accumulation) and the model's (float64) may round a qk element to
     # neighbouring bf16 values; after the norm that is at most about one more bf16 ulp.
-    assert_bf16_close(q, q_ref, ulps=4)
-    assert_bf16_close(k, k_ref, ulps=4)
-    assert_bf16_close(v, v_ref, ulps=2)
+    # On the GPU the forward GEMM uses fast accumulation (as the reference does): allow 0.2 % of
+    # elements past the rounding bound (seen on an H200: 1 of 2048 in q, 1 of 3072 in v).
+    outliers = 0.002 if device == "cuda" else 0.0
+    assert_bf16_close(q, q_ref, ulps=4, outliers=outliers)
+    assert_bf16_close(k, k_ref, ulps=4, outliers=outliers)
+    assert_bf16_close(v, v_ref, ulps=2, outliers=outliers)
     # Paired layers get a dense v; plain ones a strided view of the one GEMM output.
     assert v.is_contiguous() == p.paired
     assert v.stride(-1) == 1
@@ -59,12 +62,26 @@ def test_forward_and_gradients_match_model(device, name):
     grads = torch.autograd.grad((q, k, v), (p.x, p.qk_weight, p.v_weight, p.qkv_scale),
                                 (grad_q, grad_k, grad_v))
     expected = p.model_backward(grad_q, grad_k, grad_v, qk_ref)
-    # bf16 results carry one rounding (rel. error ~2^-9); grad_qkv_scale is an fp32 sum.
-    tolerances = {"x": 5e-3, "qk_weight": 5e-3, "v_weight": 5e-3, "qkv_scale": 1e-4}
+    # bf16 results carry one rounding (rel. error ~2^-9).
+    tolerances = {"x": 5e-3, "qk_weight": 5e-3, "v_weight": 5e-3}
     for grad, want, (what, tolerance) in zip(grads, expected, tolerances.items()):
-        assert grad.dtype == (torch.float32 if what == "qkv_scale" else BF16), what
+        assert grad.dtype == BF16, what
         assert grad.shape == want.shape, what
         assert rel_error(grad, want) < tolerance, (what, rel_error(grad, want))
+    # grad_qkv_scale = sum(grad_weight * W), summed in fp32. On the CPU the wgrad GEMM is exact, so
+    # it matches the model to fp32 summation error. On the GPU a bf16 grad_weight element may sit
+    # one rounding (2^-8 relative) from the model's; those differences have random signs, so their
+    # sum stays within a few times 2^-8 * ||grad_weight * W||_2 (6 sigma here).
+    grad_scale_out, want_scale = grads[3], expected[3]
+    assert grad_scale_out.dtype == torch.float32 and grad_scale_out.shape == want_scale.shape
+    error = (grad_scale_out.double() - want_scale.double()).abs().item()
+    bound = 1e-4 * want_scale.double().abs().item()
+    if device == "cuda":
+        scale = p.qkv_scale.detach().double()
+        products = [(g.double() / scale) * w.detach().double()
+                    for g, w in ((expected[1], p.qk_weight), (expected[2], p.v_weight))]
+        bound += 6 * 2**-8 * torch.cat([t.reshape(-1) for t in products]).norm().item()
+    assert error <= bound, ("qkv_scale", error, bound)
 
 
 def test_gradients_only_for_x_weights_and_qkv_scale():
