@@ -228,7 +228,8 @@ double relative_error(const std::vector<uint16_t>& a, const std::vector<uint16_t
 }
 
 /// The RMS of each q/k row: the norm makes it 1 and the rotation (cos^2 + sin^2 = 1) keeps it.
-void report_row_rms(const char* name, const std::vector<uint16_t>& rows) {
+/// Returns whether every row is within 2 % of 1 (bf16 rounding of the factors and outputs).
+bool check_row_rms(const char* name, const std::vector<uint16_t>& rows) {
   double lo = 1e9, hi = 0;
   for (size_t r = 0; r < rows.size() / kHeadDim; ++r) {
     double sum = 0;
@@ -240,7 +241,10 @@ void report_row_rms(const char* name, const std::vector<uint16_t>& rows) {
     lo = std::min(lo, rms);
     hi = std::max(hi, rms);
   }
-  std::printf("  %s rows: RMS in [%.4f, %.4f] (rms-norm then rotation: expect ~1)\n", name, lo, hi);
+  const bool ok = lo > 0.98 && hi < 1.02;
+  std::printf("  %s rows: RMS in [%.4f, %.4f] (rms-norm then rotation: expect 1 +- 2 %%) %s\n", name,
+              lo, hi, ok ? "ok" : "FAILED");
+  return ok;
 }
 
 }  // namespace
@@ -268,12 +272,26 @@ int main(int argc, char** argv) {
     const Results& main_results = cpu_results;
     std::printf("forward: x -> e4m3 [T, C] + [C, T]; W -> e4m3 with weight_scale = amax/448 = %.3g\n",
                 main_results.weight_scale);
-    report_row_rms("q", main_results.q);
-    report_row_rms("k", main_results.k);
-    double grad_w_sq = 0;
-    for (auto g : main_results.grad_weight) grad_w_sq += double(bf16_to_float(g)) * bf16_to_float(g);
-    std::printf("backward: |grad W| = %.4g, grad qkv_scale = %.6g\n", std::sqrt(grad_w_sq),
-                main_results.grad_qkv_scale);
+    bool ok = check_row_rms("q", main_results.q) & check_row_rms("k", main_results.k);
+    // grad qkv_scale = sum(grad_W_unscaled * W) and grad_W = bf16(grad_W_unscaled * qkv_scale), so
+    // sum(grad_W * W) / qkv_scale recomputes it up to the bf16 rounding of each grad_W element
+    // (2^-8 relative at most, random in sign: a 6-sigma bound on the sum of those errors).
+    double grad_w_sq = 0, recomputed = 0, product_sq = 0;
+    for (size_t i = 0; i < main_results.grad_weight.size(); ++i) {
+      const double g = bf16_to_float(main_results.grad_weight[i]) / 0.9;
+      const double w = bf16_to_float(in.weight[i]);
+      grad_w_sq += g * g * 0.81;
+      recomputed += g * w;
+      product_sq += (g * w) * (g * w);
+    }
+    const double difference = std::fabs(recomputed - main_results.grad_qkv_scale);
+    const double bound = 6 * std::ldexp(1.0, -8) * std::sqrt(product_sq);
+    const bool identity_ok = difference <= bound;
+    ok = ok && identity_ok;
+    std::printf("backward: |grad W| = %.4g, grad qkv_scale = %.6g; sum(grad W * W) / qkv_scale = "
+                "%.6g (difference %.1e, bound %.1e) %s\n",
+                std::sqrt(grad_w_sq), main_results.grad_qkv_scale, recomputed, difference, bound,
+                identity_ok ? "ok" : "FAILED");
     if (gpu) {
       const Results g = run_layer(Device{DeviceType::kCUDA, 0}, tokens, in, nullptr);
       struct Check { const char* name; double error, bound; } checks[] = {
@@ -283,7 +301,6 @@ int main(int argc, char** argv) {
           {"grad x", relative_error(g.grad_x, cpu_results.grad_x), 2e-2},
           {"grad W", relative_error(g.grad_weight, cpu_results.grad_weight), 2e-2},
       };
-      bool ok = true;
       for (const auto& c : checks) {
         std::printf("  GPU vs CPU %-7s relative error %.2e (bound %.0e)\n", c.name, c.error, c.bound);
         ok = ok && c.error <= c.bound;
@@ -295,8 +312,8 @@ int main(int argc, char** argv) {
       std::printf("%s\n", ok ? "OK: GPU matches the CPU reference" : "MISMATCH between GPU and CPU");
       return ok ? 0 : 1;
     }
-    std::printf("OK\n");
-    return 0;
+    std::printf("%s\n", ok ? "OK: every check passed" : "FAILED");
+    return ok ? 0 : 1;
   } catch (const Error& e) {
     std::fprintf(stderr, "qkvfuse error: %s\n", e.what());
     return 1;
