@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "fuzz.hpp"
+#include "gpu_util.hpp"
 
 namespace qkvfuse::fuzz {
 namespace {
@@ -190,19 +191,7 @@ class GpuMemory final : public Memory {
 
 }  // namespace
 
-std::string gpu_unavailable_reason() {
-  int count = 0;
-  const cudaError_t status = cudaGetDeviceCount(&count);
-  if (status != cudaSuccess) {
-    cudaGetLastError();
-    return std::string("no CUDA device (") + cudaGetErrorString(status) + ")";
-  }
-  if (count == 0) return "no CUDA device";
-  cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return "cannot query CUDA device 0";
-  if (prop.major != 9) return std::string("kernels are built for sm_90a, device 0 is ") + prop.name;
-  return "";
-}
+std::string gpu_unavailable_reason() { return test::gpu_unavailable_reason(); }
 
 std::unique_ptr<Memory> make_gpu_memory(uint64_t seed) { return std::make_unique<GpuMemory>(seed); }
 
