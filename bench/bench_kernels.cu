@@ -37,120 +37,13 @@
 #include <string>
 #include <vector>
 
+#include "bench_common.cuh"
 #include "qkvfuse/qkvfuse.hpp"
-
-#ifndef QKVFUSE_GIT_COMMIT
-#define QKVFUSE_GIT_COMMIT "unknown"
-#endif
 
 namespace {
 
 using namespace qkvfuse;
-
-#define BENCH_CUDA(expr)                                                                  \
-  do {                                                                                    \
-    const cudaError_t bench_status_ = (expr);                                             \
-    if (bench_status_ != cudaSuccess) {                                                   \
-      throw std::runtime_error(std::string(#expr) + " failed: " +                         \
-                               cudaGetErrorString(bench_status_) + " [" + __FILE__ + ":" + \
-                               std::to_string(__LINE__) + "]");                           \
-    }                                                                                     \
-  } while (0)
-
-constexpr Device kDevice{DeviceType::kCUDA, 0};
-
-/// The commit the binary was configured at; QKVFUSE_COMMIT in the environment overrides it.
-const char* commit_id() {
-  const char* from_env = std::getenv("QKVFUSE_COMMIT");
-  return from_env && *from_env ? from_env : QKVFUSE_GIT_COMMIT;
-}
-
-// ---- device memory and data ---------------------------------------------------------------------
-
-struct DeviceFree {
-  void operator()(void* p) const { cudaFree(p); }
-};
-using Buffer = std::unique_ptr<void, DeviceFree>;
-
-Buffer allocate(size_t bytes) {
-  void* p = nullptr;
-  BENCH_CUDA(cudaMalloc(&p, std::max<size_t>(bytes, 16)));
-  return Buffer(p);
-}
-
-/// A roughly normal value from a hashed index (realistic bit patterns, no host round trip).
-__device__ __forceinline__ float hash_normal(uint64_t i, uint64_t seed) {
-  uint64_t x = (i + 1) * 0x9e3779b97f4a7c15ull ^ seed;
-  float sum = 0.0f;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    x ^= x >> 31;
-    x *= 0xbf58476d1ce4e5b9ull;
-    x ^= x >> 29;
-    sum += float(x >> 40) * (1.0f / 16777216.0f);
-  }
-  return (sum - 2.0f) * 1.7320508f;
-}
-
-__global__ void fill_bf16_kernel(uint16_t* out, size_t count, uint64_t seed, float sigma) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count;
-       i += size_t(gridDim.x) * blockDim.x) {
-    out[i] = float_to_bf16(sigma * hash_normal(i, seed));
-  }
-}
-
-__global__ void spin_kernel(uint64_t nanoseconds) {
-  uint64_t start = 0, now = 0;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-  do {
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-  } while (now - start < nanoseconds);
-}
-
-uint64_t g_seed = 1;
-
-/// Fills on the legacy stream and waits, so the (non-blocking) benchmark stream never sees a
-/// half-filled buffer.
-void fill_bf16(void* p, size_t count, float sigma) {
-  fill_bf16_kernel<<<1024, 256>>>(static_cast<uint16_t*>(p), count, g_seed++, sigma);
-  BENCH_CUDA(cudaGetLastError());
-  BENCH_CUDA(cudaDeviceSynchronize());
-}
-
-// ---- timing -------------------------------------------------------------------------------------
-
-float median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5f * (v[n / 2 - 1] + v[n / 2]);
-}
-
-/// Median ms of fn(i) over `iters` iterations after `warmup`, each between its own events.
-float time_median(const std::function<void(int)>& fn, cudaStream_t stream, int iters,
-                  bool prequeue, int warmup = 5) {
-  for (int i = 0; i < warmup; ++i) fn(i);
-  BENCH_CUDA(cudaStreamSynchronize(stream));
-  std::vector<cudaEvent_t> start(static_cast<size_t>(iters)), stop(static_cast<size_t>(iters));
-  for (int i = 0; i < iters; ++i) {
-    BENCH_CUDA(cudaEventCreate(&start[size_t(i)]));
-    BENCH_CUDA(cudaEventCreate(&stop[size_t(i)]));
-  }
-  // ~30 us of host time per iteration covers a launch and two event records.
-  if (prequeue) spin_kernel<<<1, 1, 0, stream>>>(uint64_t(iters) * 30000ull + 200000ull);
-  for (int i = 0; i < iters; ++i) {
-    BENCH_CUDA(cudaEventRecord(start[size_t(i)], stream));
-    fn(i);
-    BENCH_CUDA(cudaEventRecord(stop[size_t(i)], stream));
-  }
-  BENCH_CUDA(cudaStreamSynchronize(stream));
-  std::vector<float> ms(static_cast<size_t>(iters));
-  for (int i = 0; i < iters; ++i) {
-    BENCH_CUDA(cudaEventElapsedTime(&ms[size_t(i)], start[size_t(i)], stop[size_t(i)]));
-    cudaEventDestroy(start[size_t(i)]);
-    cudaEventDestroy(stop[size_t(i)]);
-  }
-  return median(ms);
-}
+using namespace qkvfuse::bench;
 
 // ---- results ------------------------------------------------------------------------------------
 
