@@ -329,23 +329,34 @@ BackwardPlan plan_backward(const PackedQkvBackwardParams& p) {
 
 }  // namespace
 
+// The plans are validated as a whole, every step included, before anything runs; the steps then
+// go straight to the backend of the tensors' device. (Through the public entry points each step
+// would validate its tensors again, a CUDA pointer lookup per tensor, on the host's hot path.)
 void packed_qkv_forward(const PackedQkvForwardParams& params) {
   const ForwardPlan plan = plan_forward(params);
   if (params.x_f8.sizes[0] == 0) return;  // T = 0: nothing to compute
-  for (const Fp8GemmParams& gemm : plan.gemms) fp8_gemm(gemm);
-  qk_norm_rope(plan.rope);
+  if (params.x_f8.device.type == DeviceType::kCUDA) {
+    for (const Fp8GemmParams& gemm : plan.gemms) cuda::fp8_gemm(gemm);
+    cuda::qk_norm_rope(plan.rope);
+  } else {
+    for (const Fp8GemmParams& gemm : plan.gemms) cpu::fp8_gemm(gemm);
+    cpu::qk_norm_rope(plan.rope);
+  }
 }
 
 // T = 0 is a no-op like every op: nothing is written, the weight gradients included.
 void packed_qkv_backward(const PackedQkvBackwardParams& params) {
   const BackwardPlan plan = plan_backward(params);
   if (params.qk.sizes[0] == 0) return;
-  qkv_backward_fp8(plan.grad);
-  for (const Fp8GemmParams& gemm : plan.wgrad) fp8_gemm(gemm);
-  fp8_gemm(plan.dgrad);
   if (plan.device.type == DeviceType::kCUDA) {
+    cuda::qkv_backward_fp8(plan.grad);
+    for (const Fp8GemmParams& gemm : plan.wgrad) cuda::fp8_gemm(gemm);
+    cuda::fp8_gemm(plan.dgrad);
     cuda::grad_weight_finalize(plan.finalize);
   } else {
+    cpu::qkv_backward_fp8(plan.grad);
+    for (const Fp8GemmParams& gemm : plan.wgrad) cpu::fp8_gemm(gemm);
+    cpu::fp8_gemm(plan.dgrad);
     cpu::grad_weight_finalize(plan.finalize);
   }
 }
