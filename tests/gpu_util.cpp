@@ -55,6 +55,17 @@ void DeviceBuffer::download(void* host, size_t bytes) const {
   if (bytes) QKVF_CUDA_CHECK(cudaMemcpy(host, data_, bytes, cudaMemcpyDeviceToHost));
 }
 
+DeviceView to_device(const TensorView& host) {
+  int64_t last = 0;
+  for (int d = 0; d < host.ndim; ++d) last += (host.sizes[d] - 1) * host.strides[d];
+  const size_t bytes = size_t(last + 1) * dtype_size(host.dtype);
+  DeviceView out{DeviceBuffer(bytes), host};
+  out.buffer.upload(host.data, bytes);
+  out.view.data = out.buffer.data();
+  out.view.device = kGPU;
+  return out;
+}
+
 void fill_u16(DeviceBuffer& buffer, uint16_t value) {
   std::vector<uint16_t> pattern(buffer.bytes() / 2, value);
   buffer.upload(pattern.data(), pattern.size() * 2);

@@ -57,6 +57,17 @@ class DeviceBuffer {
   size_t bytes_ = 0;
 };
 
+/// A device copy of a host view: the bytes from its first to its last element, same strides.
+struct DeviceView {
+  DeviceBuffer buffer;
+  TensorView view;
+};
+DeviceView to_device(const TensorView& host);
+
+/// 64 fp32 ulps of a row's largest value: what a different summation order of the row sums can
+/// move a result by where the row's terms cancel (GPU vs CPU comparisons of the rope ops).
+inline constexpr double kSumOrderNoise = 1.0 / (1 << 18);
+
 /// Fills a 16-bit buffer with a 16-bit pattern (bf16 poison such as 0x7fc1).
 void fill_u16(DeviceBuffer& buffer, uint16_t value);
 

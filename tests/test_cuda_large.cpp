@@ -32,7 +32,6 @@ namespace {
 
 constexpr size_t kRequiredFreeBytes = size_t(20) << 30;
 constexpr int64_t kPatternElements = 1000003;  // prime
-constexpr double kSumOrderNoise = 1.0 / (1 << 18);
 
 /// Skips the test (with the reason) unless the GPU has kRequiredFreeBytes free.
 #define QKVF_REQUIRE_FREE_MEMORY()                                                              \

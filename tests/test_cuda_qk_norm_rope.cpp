@@ -28,28 +28,7 @@
 namespace qkvfuse::test {
 namespace {
 
-/// 64 fp32 ulps of the row's largest value: what a different summation order of the row sums
-/// can move a result by where the row's terms cancel.
-constexpr double kSumOrderNoise = 1.0 / (1 << 18);
-
 // ---- device copies -------------------------------------------------------------------------------
-
-/// A device copy of a host view: the bytes from its first to its last element, same strides.
-struct DeviceView {
-  DeviceBuffer buffer;
-  TensorView view;
-};
-
-DeviceView to_device(const TensorView& host) {
-  int64_t last = 0;
-  for (int d = 0; d < host.ndim; ++d) last += (host.sizes[d] - 1) * host.strides[d];
-  const size_t bytes = size_t(last + 1) * dtype_size(host.dtype);
-  DeviceView out{DeviceBuffer(bytes), host};
-  out.buffer.upload(host.data, bytes);
-  out.view.data = out.buffer.data();
-  out.view.device = kGPU;
-  return out;
-}
 
 /// A contiguous bf16 device output, poisoned with the NaN pattern no computation produces.
 DeviceView device_output(std::initializer_list<int64_t> sizes) {

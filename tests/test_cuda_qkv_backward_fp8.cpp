@@ -29,26 +29,7 @@
 namespace qkvfuse::test {
 namespace {
 
-constexpr double kSumOrderNoise = 1.0 / (1 << 18);
-
-// ---- device copies -------------------------------------------------------------------------------
-
-struct DeviceView {
-  DeviceBuffer buffer;
-  TensorView view;
-};
-
-/// A device copy of a host view: the bytes from its first to its last element, same strides.
-DeviceView to_device(const TensorView& host) {
-  int64_t last = 0;
-  for (int d = 0; d < host.ndim; ++d) last += (host.sizes[d] - 1) * host.strides[d];
-  const size_t bytes = size_t(last + 1) * dtype_size(host.dtype);
-  DeviceView out{DeviceBuffer(bytes), host};
-  out.buffer.upload(host.data, bytes);
-  out.view.data = out.buffer.data();
-  out.view.device = kGPU;
-  return out;
-}
+// ---- streams -------------------------------------------------------------------------------------
 
 class Stream {
  public:
