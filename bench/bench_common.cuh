@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <memory>
@@ -136,6 +137,33 @@ inline float time_median(const std::function<void(int)>& fn, cudaStream_t stream
     cudaEventDestroy(stop[size_t(i)]);
   }
   return median(ms);
+}
+
+// ---- command line ---------------------------------------------------------------------------
+
+/// The options every benchmark takes: [--csv PATH] [--tokens T] [--iters N (>= 50)].
+struct Options {
+  std::string csv;
+  int64_t tokens = 49152;
+  int iters = 100;
+};
+
+/// Parses argv into `options`; prints the usage and returns false on anything else.
+inline bool parse_options(int argc, char** argv, Options& options) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--csv" && i + 1 < argc) {
+      options.csv = argv[++i];
+    } else if (arg == "--tokens" && i + 1 < argc) {
+      options.tokens = std::atoll(argv[++i]);
+    } else if (arg == "--iters" && i + 1 < argc) {
+      options.iters = std::max(50, std::atoi(argv[++i]));
+    } else {
+      std::fprintf(stderr, "usage: %s [--csv PATH] [--tokens T] [--iters N (>= 50)]\n", argv[0]);
+      return false;
+    }
+  }
+  return true;
 }
 
 }  // namespace qkvfuse::bench

@@ -496,22 +496,11 @@ void write_csv(const std::string& path, const cudaDeviceProp& prop) {
 }  // namespace
 
 static int run(int argc, char** argv) {
-  std::string csv;
-  int64_t tokens = 49152;
-  int iters = 100;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "--csv" && i + 1 < argc) {
-      csv = argv[++i];
-    } else if (arg == "--tokens" && i + 1 < argc) {
-      tokens = std::atoll(argv[++i]);
-    } else if (arg == "--iters" && i + 1 < argc) {
-      iters = std::max(50, std::atoi(argv[++i]));
-    } else {
-      std::fprintf(stderr, "usage: %s [--csv PATH] [--tokens T] [--iters N (>= 50)]\n", argv[0]);
-      return 2;
-    }
-  }
+  Options options;
+  if (!parse_options(argc, argv, options)) return 2;
+  const std::string& csv = options.csv;
+  const int64_t tokens = options.tokens;
+  const int iters = options.iters;
   if (cuda_device_count() == 0) {
     std::fprintf(stderr, "no CUDA device\n");
     return 1;

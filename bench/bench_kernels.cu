@@ -323,22 +323,11 @@ void write_csv(const std::string& path, const cudaDeviceProp& prop) {
 }
 
 int run(int argc, char** argv) {
-  std::string csv;
-  int64_t tokens = 49152;
-  int iters = 100;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "--csv" && i + 1 < argc) {
-      csv = argv[++i];
-    } else if (arg == "--tokens" && i + 1 < argc) {
-      tokens = std::atoll(argv[++i]);
-    } else if (arg == "--iters" && i + 1 < argc) {
-      iters = std::max(50, std::atoi(argv[++i]));
-    } else {
-      std::fprintf(stderr, "usage: %s [--csv PATH] [--tokens T] [--iters N (>= 50)]\n", argv[0]);
-      return 2;
-    }
-  }
+  Options options;
+  if (!parse_options(argc, argv, options)) return 2;
+  const std::string& csv = options.csv;
+  const int64_t tokens = options.tokens;
+  const int iters = options.iters;
   cudaDeviceProp prop{};
   BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
   g_l2_bytes = size_t(prop.l2CacheSize);
