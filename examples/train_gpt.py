@@ -250,7 +250,7 @@ def train(variant, args, data, device, rank, world):
         if rank == 0:
             progress = tqdm(progress, desc=variant, file=sys.stdout, mininterval=2)
     except ImportError:
-        pass
+        pass  # the plain progress line below stands in for the bar
     timer = time.perf_counter()
     for step in progress:
         idx, targets = train_batches.next()
@@ -261,6 +261,8 @@ def train(variant, args, data, device, rank, world):
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         module.refresh_weight_cache()
+        if ddp and step == 0:
+            report_checksums(f"{variant}: after step 1", module, rank, world)
         if step % args.log_every == 0 or step == args.steps - 1:
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -276,8 +278,24 @@ def train(variant, args, data, device, rank, world):
             if hasattr(progress, "set_postfix"):
                 progress.set_postfix(loss=f"{loss.item():.3f}", val=f"{last_val:.3f}",
                                      tok_s=f"{tokens_s:,.0f}")
+            elif rank == 0 and step % (4 * args.log_every) == 0:
+                print(f"{variant}: step {step}/{args.steps} loss {loss.item():.3f} "
+                      f"val {last_val:.3f} {tokens_s:,.0f} tok/s", flush=True)
+    if ddp:
+        report_checksums(f"{variant}: after step {args.steps}", module, rank, world)
+    return rows, (sorted(step_ms)[len(step_ms) // 2] if step_ms else float("nan"))
+
+
+def report_checksums(when, module, rank, world):
+    """DDP check: every rank must hold bit-identical parameters (float64 sum of every tensor's
+    float64 sum, compared exactly across ranks)."""
     checksum = sum(p.detach().double().sum().item() for p in module.parameters())
-    return rows, (sorted(step_ms)[len(step_ms) // 2] if step_ms else float("nan")), checksum
+    sums = [None] * world
+    dist.all_gather_object(sums, checksum)
+    if rank == 0:
+        same = all(s == sums[0] for s in sums)
+        print(f"{when}: parameter checksums per rank {sums}: "
+              f"{'identical' if same else 'DIFFERENT'}", flush=True)
 
 
 @torch.no_grad()
@@ -328,7 +346,7 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=25)
     parser.add_argument("--val-every", type=int, default=250)
-    parser.add_argument("--val-batches", type=int, default=8)
+    parser.add_argument("--val-batches", type=int, default=32)
     parser.add_argument("--variants", default="qkvfuse fp8,bf16 chain")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a few-second CPU smoke configuration")
@@ -355,17 +373,10 @@ def main():
               f"{args.batch * args.seq_len * world} tokens per step")
     rows, summaries = [], []
     for variant in args.variants.split(","):
-        variant_rows, median_ms, checksum = train(variant, args, data, device, rank, world)
+        variant_rows, median_ms = train(variant, args, data, device, rank, world)
         rows += variant_rows
         final_val = variant_rows[-1][3]
         summaries.append((variant, final_val, median_ms))
-        if world > 1:
-            sums = [None] * world
-            dist.all_gather_object(sums, checksum)
-            if rank == 0:
-                same = all(s == sums[0] for s in sums)
-                print(f"{variant}: parameter checksums per rank {sums}: "
-                      f"{'identical' if same else 'DIFFERENT'}")
     if rank == 0:
         for variant, final_val, median_ms in summaries:
             print(f"{variant:>12}: final validation loss {final_val:.4f}, "

@@ -2,7 +2,7 @@
 # One call on the GPU machine: build (C++ + CUDA + PyTorch extension), run the GPU tests, the
 # sanitizers and the benchmarks, and print a short table last. Logs and result files go to $OUT.
 #
-#   scripts/device_run.sh [stage ...]     stages: build test sanitize fuzz python train bench
+#   scripts/device_run.sh [stage ...]     stages: build test sanitize fuzz python ncu train train2 bench
 #                                         (default: build test python bench)
 # Needs, carried next to the tree (git-ignored): .gtest/ (GoogleTest sources; the GPU machine has
 # no network) and .seed/reference_triton.py (the reference implementation, for side-by-side runs).
@@ -102,13 +102,45 @@ if has sanitize; then
   note "sanitize: $((SECONDS - start)) s"
 fi
 
-if has train; then
+if has ncu; then
+  # Nsight Compute on one launch of each memory-bound kernel at the model shape (H=6, D=128,
+  # plain: the first shape the benchmarks run). --clock-control none: the clocks the benchmarks see.
   start=$SECONDS
-  python3 examples/train_gpt.py --steps "${QKVFUSE_TRAIN_STEPS:-2000}" --out "$LOG/train" \
+  sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+    --section WarpStateStats --section LaunchStats --section SchedulerStats --section SourceCounters"
+  for kernel in qkv_backward_fp8_kernel qk_norm_rope_kernel qk_norm_rope_backward_kernel; do
+    timeout 120 ncu --clock-control none -k regex:$kernel --launch-skip 5 --launch-count 1 $sections \
+      $build/bench/qkvfuse_bench_kernels --iters 50 >"$LOG/ncu_$kernel.txt" 2>&1
+    note "ncu $kernel: rc=$?"
+  done
+  timeout 120 ncu --clock-control none -k regex:quantize_tile_kernel --launch-skip 5 --launch-count 1 \
+    $sections $build/bench/qkvfuse_bench_fp8 --iters 50 >"$LOG/ncu_quantize_tile_kernel.txt" 2>&1
+  note "ncu quantize_tile_kernel: rc=$? ($((SECONDS - start)) s)"
+fi
+
+if has train; then
+  # One GPU, both variants (qkvfuse FP8 and the bf16 chain), QKVFUSE_TRAIN_ARGS passed through.
+  start=$SECONDS
+  timeout ${QKVFUSE_TRAIN_TIMEOUT:-300} python3 examples/train_gpt.py \
+    --steps "${QKVFUSE_TRAIN_STEPS:-2000}" ${QKVFUSE_TRAIN_ARGS:-} --out "$LOG/train" \
     >"$LOG/train.log" 2>&1
   note "train: rc=$? in $((SECONDS - start)) s"
-  grep -E "final validation|ratio" "$LOG/train.log" | tee -a "$summary"
-  cp "$LOG"/train/loss.csv "$LOG"/train/loss.png "$OUT"/ 2>/dev/null
+  grep -E "final validation|ratio|checksum" "$LOG/train.log" | tee -a "$summary"
+  cp "$LOG"/train/loss.csv "$OUT"/train_loss.csv 2>/dev/null
+  cp "$LOG"/train/loss.png "$OUT"/train_loss.png 2>/dev/null
+fi
+
+if has train2; then
+  # DDP over NCCL on every GPU of the machine, at the per-rank batch QKVFUSE_TRAIN2_ARGS sets.
+  start=$SECONDS
+  gpus=$(nvidia-smi -L | wc -l)
+  timeout ${QKVFUSE_TRAIN_TIMEOUT:-300} torchrun --standalone --nproc-per-node "$gpus" \
+    examples/train_gpt.py --steps "${QKVFUSE_TRAIN_STEPS:-2000}" ${QKVFUSE_TRAIN2_ARGS:-} \
+    --out "$LOG/train2" >"$LOG/train2.log" 2>&1
+  note "train2 ($gpus GPUs): rc=$? in $((SECONDS - start)) s"
+  grep -E "final validation|ratio|checksum" "$LOG/train2.log" | tee -a "$summary"
+  cp "$LOG"/train2/loss.csv "$OUT"/train2_loss.csv 2>/dev/null
+  cp "$LOG"/train2/loss.png "$OUT"/train2_loss.png 2>/dev/null
 fi
 
 tar czf "$OUT/logs.tgz" -C "$LOG" .
