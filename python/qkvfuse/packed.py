@@ -27,7 +27,11 @@ class PackedFP8QKV(torch.autograd.Function):
                                             paired, key_offset)
         qk, v = qkv_views(qkv, x_f8.shape[0], num_heads, qk_dim, v_dim, paired)
         ctx.save_for_backward(qk, factor1, factor2, x_f8_t, weight_f8_t, qk_weight, v_weight,
-                              x_scale, weight_scale, qkv_scale, grad_scale)
+                              x_scale, weight_scale, qkv_scale)
+        # grad_scale is read when the backward runs, not saved with a version check: a tensor
+        # hook on q, k or v may set it from this step's gradients (current scaling; see
+        # examples/train_gpt.py).
+        ctx.grad_scale = grad_scale
         ctx.x_shape = x.shape
         ctx.layout = (num_heads, rotary_dim, paired, key_offset)
         return q, k, v
@@ -35,7 +39,8 @@ class PackedFP8QKV(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_q, grad_k, grad_v):
         (qk, factor1, factor2, x_f8_t, weight_f8_t, qk_weight, v_weight, x_scale, weight_scale,
-         qkv_scale, grad_scale) = ctx.saved_tensors
+         qkv_scale) = ctx.saved_tensors
+        grad_scale = ctx.grad_scale
         grad_x, grad_weight, grad_qkv_scale = _ops.packed_qkv_backward(
             kernel_readable(grad_q), kernel_readable(grad_k),
             kernel_readable(grad_v), qk, factor1, factor2, x_f8_t, weight_f8_t, qk_weight,
@@ -57,7 +62,10 @@ def packed_fp8_qkv(x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale,
       weight_f8    e4m3 [qkv_dim, C], weight_f8_t e4m3 [C, qkv_dim], weight_scale float32 scalar:
                    the cached packed weight (PackedWeightCache)
       qkv_scale    float32 scalar, learnable
-      x_scale, grad_scale  float32 scalars; x_f8 [T, C], x_f8_t [C, T]: x quantized with x_scale
+      x_scale, grad_scale  float32 scalars; x_f8 [T, C], x_f8_t [C, T]: x quantized with x_scale.
+                   grad_scale is read when the backward runs: it must bring the gradients into
+                   e4m3 range (a fixed 1/448 lets small gradients round to zero), and a tensor
+                   hook on q, k or v may set it from the gradients of the step (current scaling)
       factor1/2    rotary tables [T, D] ([T, 2D] when paired), bf16 or float32
     Returns q, k [T, H, D] ([2T, H/2, D] when paired) and v [T, H, Dv], bf16.
     """

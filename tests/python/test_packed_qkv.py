@@ -95,6 +95,30 @@ def test_gradients_only_for_x_weights_and_qkv_scale():
     assert all(t.grad is not None for t in (p.x, p.qk_weight, p.v_weight, p.qkv_scale))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_grad_scale_is_read_when_the_backward_runs(device):
+    """A hook on q may set grad_scale from the step's gradients (current scaling): the backward
+    must use the value set then, exactly as if it had been passed in."""
+    p = Problem(LAYOUTS["plain"], device)
+    args = list(p.arguments())
+    wanted = 2.0 ** -6
+    grads, results = None, []
+    for set_by_hook in (False, True):
+        scale = torch.tensor(0.5 if set_by_hook else wanted, device=device)
+        args[8] = scale
+        q, k, v = qkvfuse.packed_fp8_qkv(*args)
+        if set_by_hook:
+            def set_scale(grad, scale=scale):
+                scale.fill_(wanted)  # returns None: the gradient itself is left unchanged
+            q.register_hook(set_scale)
+        if grads is None:
+            grads = [torch.randn_like(t) for t in (q, k, v)]
+        results.append(torch.autograd.grad((q, k, v), (p.x, p.qk_weight, p.v_weight, p.qkv_scale),
+                                           grads))
+    for passed, hooked in zip(*results):
+        assert torch.equal(passed, hooked)
+
+
 def test_x_may_have_any_shape_of_t_by_c():
     p = Problem(LAYOUTS["plain"], "cpu")
     x3 = p.x.detach().view(1, *p.x.shape).requires_grad_()
