@@ -1,5 +1,5 @@
 // device_math.cuh: device-side building blocks shared by the kernels: 16-byte vectors, bf16
-// unpacking and the hardware e4m3 conversion. Internal.
+// unpacking, the hardware e4m3 conversion and division by a shared divisor. Internal.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -50,5 +50,104 @@ __device__ __forceinline__ uint16_t float2_to_e4m3x2(float lo, float hi) {
 __device__ __forceinline__ uint32_t float4_to_e4m3x4(float a, float b, float c, float d) {
   return uint32_t(float2_to_e4m3x2(a, b)) | (uint32_t(float2_to_e4m3x2(c, d)) << 16);
 }
+
+// ------------------------------------------------------------------------------------------------
+// Division by a value shared by many divisions (the grad scale, a quantize scale, the row width)
+// ------------------------------------------------------------------------------------------------
+
+/// a / b correctly rounded (IEEE division, bit-identical to __fdiv_rn), for one b and many a.
+///
+/// __fdiv_rn(a, b) compiles to MUFU.RCP r0 = ~1/b; r1 = fma(r0, fma(-b, r0, 1), r0);
+/// q0 = a * r1; q1 = fma(r1, fma(-b, q0, a), q0), plus an FCHK test that sends operands of
+/// extreme exponents (denormals, zero, inf/NaN, quotients near over/underflow) to a slow exact
+/// path. Here r1 is computed once per b (the same instructions, so the same bits) and each
+/// division costs three FMAs; operands outside [2^-40, 2^40] (zeros included, whose sign the
+/// fast path could lose), far inside every FCHK limit, take __fdiv_rn itself. The results are
+/// therefore those of __fdiv_rn for every input: 3 instead of ~10 instructions per element.
+struct UniformDivisor {
+  float divisor;
+  float reciprocal;  ///< r1 above
+  bool fast;         ///< divisor inside [2^-40, 2^40]
+
+  __device__ __forceinline__ explicit UniformDivisor(float b) : divisor(b) {
+    float r0;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(b));
+    reciprocal = __fmaf_rn(r0, __fmaf_rn(-b, r0, 1.0f), r0);
+    const float magnitude = fabsf(b);
+    fast = magnitude >= 0x1p-40f && magnitude <= 0x1p40f;
+  }
+
+  __device__ __forceinline__ float operator()(float a) const {
+    const float magnitude = fabsf(a);
+    if (fast && magnitude >= 0x1p-40f && magnitude <= 0x1p40f) {
+      const float q0 = __fmul_rn(a, reciprocal);
+      return __fmaf_rn(reciprocal, __fmaf_rn(-divisor, q0, a), q0);
+    }
+    return __fdiv_rn(a, divisor);
+  }
+};
+
+/// max / min that return NaN when either operand is NaN (fmaxf / fminf return the other one).
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+__device__ __forceinline__ float min_nan(float a, float b) {
+  float r;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+/// e4m3(a / s) for one scale s and many a: the code of every element is float_to_e4m3 of
+/// __fdiv_rn(a, s), as the CPU backend computes it, without a branch per element.
+///
+/// Only the e4m3 code is the contract, not the fp32 quotient, and that allows a branch-free form
+/// of UniformDivisor's three FMAs for any a, where UniformDivisor sends zeros, tiny and huge
+/// values to __fdiv_rn one element at a time (a divergent branch and a convergence barrier per
+/// element, which made the quantize and FP8 backward kernels issue-bound):
+///   - a is first clamped to [-512 s, 512 s] (NaN kept): beyond that the quotient saturates to
+///     +-448 either way, and an infinite a can no longer make inf - inf in the residual;
+///   - the sign of the result is taken from a (s > 0): the three FMAs can turn -0 into +0;
+///   - 2^-40 <= |a| <= 512 s is inside UniformDivisor's proven range: the quotient has the bits
+///     of __fdiv_rn;
+///   - |a| < 2^-40 (zeros and denormals included) has |a / s| < 2^-40 / 2^-29 = 2^-11, and every
+///     quotient below 2^-10 is +-0 in e4m3 whatever its low bits: only its sign matters.
+/// Hence the fast path's range, s in [2^-29, 2^31] (512 s <= 2^40). Other scales (zero, negative,
+/// NaN, inf, extreme) take __fdiv_rn for all 8 elements of a call: a branch that is uniform over
+/// the launch, so it never diverges.
+struct E4m3Scaler {
+  UniformDivisor divisor;
+  bool fast;
+
+  __device__ __forceinline__ explicit E4m3Scaler(float s)
+      : divisor(s), fast(s >= 0x1p-29f && s <= 0x1p31f) {}
+
+  /// `limit` = 512 s (exact), clamping to it changes no code. Passed in rather than kept as a
+  /// member: one multiply per 8 elements, and one register fewer across the kernels' loops.
+  __device__ __forceinline__ float quotient(float a, float limit) const {
+    const float clamped = min_nan(max_nan(a, -limit), limit);
+    const float r = divisor.reciprocal;
+    const float q0 = __fmul_rn(clamped, r);
+    const float q = __fmaf_rn(r, __fmaf_rn(-divisor.divisor, q0, clamped), q0);
+    return __uint_as_float((__float_as_uint(q) & 0x7fffffffu) | (__float_as_uint(a) & 0x80000000u));
+  }
+
+  /// 8 values -> 8 e4m3 codes in two words, element 0 in the low byte of lo.
+  __device__ __forceinline__ void operator()(const float (&v)[8], uint32_t& lo,
+                                             uint32_t& hi) const {
+    float q[8];
+    if (fast) {
+      const float limit = divisor.divisor * 512.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) q[i] = quotient(v[i], limit);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) q[i] = __fdiv_rn(v[i], divisor.divisor);
+    }
+    lo = float4_to_e4m3x4(q[0], q[1], q[2], q[3]);
+    hi = float4_to_e4m3x4(q[4], q[5], q[6], q[7]);
+  }
+};
 
 }  // namespace qkvfuse::cuda

@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(kRowThreads, forward_min_blocks<Geom::C, Facto
   const bool token_ok = unit < p.units;
   const int H = p.num_heads;
   const int D = p.head_dim;
-  const rope::UniformDivisor width{float(D)};
+  const UniformDivisor width{float(D)};
 
   int d0[C];
   bool chunk_ok[C];

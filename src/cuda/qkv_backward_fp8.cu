@@ -88,8 +88,9 @@ struct QkvBackwardFp8KernelParams {
   int tile_pitch;               ///< bytes per token row of the shared tile: roundup(2D + Dv, 128)
 };
 
-/// Register budget, as resident 256-thread CTAs per SM, chosen so that ptxas spills nothing: 4
-/// (<= 64 registers; 4 x 48 KB of tile fit the 227 KB of shared memory) with one chunk per lane
+/// Register budget, as resident 256-thread CTAs per SM: 4 (<= 64 registers; 4 x 48 KB of tile
+/// fit the 227 KB of shared memory; ptxas spills one loop-invariant word at D = 64 and 128 with
+/// bf16 factors, reloaded from L1 once per token) with one chunk per lane
 /// and bf16 factors, so that 32 warps per SM keep their loads in flight and the CTAs' phases
 /// (loads, transposed stores) overlap; fp32 factor chunks take 8 more registers (3: <= 80);
 /// wider rows hold 2C more 16-byte chunks per token (Q and K rows, g and x), so they get 2
@@ -129,18 +130,6 @@ __device__ __forceinline__ void st_u8(void* p, uint32_t v) {
   asm volatile("st.global.u8 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-/// 8 fp32 -> e4m3(v / scale): the IEEE division (bit-identical to __fdiv_rn, see
-/// rope::UniformDivisor), then the saturating cast; two words, element 0 in the low byte.
-__device__ __forceinline__ void scale_to_e4m3x8(const float (&v)[8],
-                                                const rope::UniformDivisor& scale, uint32_t& lo,
-                                                uint32_t& hi) {
-  float q[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) q[i] = scale(v[i]);
-  lo = float4_to_e4m3x4(q[0], q[1], q[2], q[3]);
-  hi = float4_to_e4m3x4(q[4], q[5], q[6], q[7]);
-}
-
 // ------------------------------------------------------------------------------------------------
 // The kernel
 // ------------------------------------------------------------------------------------------------
@@ -162,8 +151,8 @@ __global__ void __launch_bounds__(kFp8Threads, fp8_min_blocks<Geom::C, FactorT>(
   const int Dv = p.v_dim;
   const int h = int(blockIdx.x % unsigned(H));
   const int64_t t0 = int64_t(blockIdx.x / unsigned(H)) * kTileTokens;
-  const rope::UniformDivisor scale{*p.grad_scale};
-  const rope::UniformDivisor width{float(D)};
+  const E4m3Scaler scale{*p.grad_scale};
+  const UniformDivisor width{float(D)};
   const int pitch = p.tile_pitch;
 
   // ---- Phase A1: Q and K rows -------------------------------------------------------------
@@ -249,7 +238,7 @@ __global__ void __launch_bounds__(kFp8Threads, fp8_min_blocks<Geom::C, FactorT>(
           float rounded[8];
           bf16x8_to_float(float_to_bf16x8(dx[c]), rounded);
           uint32_t lo, hi;
-          scale_to_e4m3x8(rounded, scale, lo, hi);
+          scale(rounded, lo, hi);
           rope::st_u64(out_row + d0[c], lo, hi);
           sts_u64(tile_base + tile_offset(row, (part * D + d0[c]) / 4, pitch), lo, hi);
         }
@@ -300,7 +289,7 @@ __global__ void __launch_bounds__(kFp8Threads, fp8_min_blocks<Geom::C, FactorT>(
         float values[8];
         bf16x8_to_float(v[m], values);
         uint32_t lo, hi;
-        scale_to_e4m3x8(values, scale, lo, hi);
+        scale(values, lo, hi);
         rope::st_u64(p.grad_row + (t0 + rows[m]) * p.qkv_dim + v_feature + cols[m], lo, hi);
         sts_u64(tile_base + tile_offset(rows[m], (2 * D + cols[m]) / 4, pitch), lo, hi);
       }

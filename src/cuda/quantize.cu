@@ -5,8 +5,10 @@
 //   row[b][m][n] = e4m3(src[b][m][n] / scale[b])     (true fp32 division, then RNE + satfinite)
 //   t[b][n][m]   = row[b][m][n]
 //   amax[b]      = max |src[b]|                       (NaN if any element of the entry is NaN)
-// The division is __fdiv_rn (IEEE round-to-nearest whatever the compile flags), so the result
-// matches the CPU backend's `src / scale` bit for bit; the cast is the hardware
+// The codes are those of __fdiv_rn (IEEE round-to-nearest whatever the compile flags), so the
+// result matches the CPU backend's `src / scale` bit for bit: the fast path divides with
+// E4m3Scaler (device_math.cuh: three FMAs, a clamp and a sign copy per element, no branch), the
+// generic path with __fdiv_rn itself; the cast is the hardware
 // cvt.rn.satfinite.e4m3x2.f32 (float2_to_e4m3x2), which the numeric tests pin to the CPU
 // conversion.
 //
@@ -173,7 +175,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileMinBlocksPerSm)
   const int64_t n0 = int64_t(blockIdx.x % tiles_n) * kTile;
   const int tid = threadIdx.x;
   const uint16_t* src = args.src + b * args.src_batch_stride;
-  const float scale = args.scale[b * args.scale_stride];
+  const E4m3Scaler scale{args.scale[b * args.scale_stride]};
 
   // ---- phase 1: load, quantize, stage in shared memory ----
   // Load j covers tile rows 8j..8j+7: thread tid reads row 8j + tid/8, columns 8*(tid%8)..+7.
@@ -209,10 +211,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileMinBlocksPerSm)
       for (int e = 0; e < 8; ++e) local_max = max(local_max, abs_bits(x[e]));
     }
     uint2 packed;
-    packed.x = float4_to_e4m3x4(__fdiv_rn(x[0], scale), __fdiv_rn(x[1], scale),
-                                __fdiv_rn(x[2], scale), __fdiv_rn(x[3], scale));
-    packed.y = float4_to_e4m3x4(__fdiv_rn(x[4], scale), __fdiv_rn(x[5], scale),
-                                __fdiv_rn(x[6], scale), __fdiv_rn(x[7], scale));
+    scale(x, packed.x, packed.y);
     *reinterpret_cast<uint2*>(&tile[tile_word(r, c / 4)]) = packed;
   }
   if constexpr (kAmax) {

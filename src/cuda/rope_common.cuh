@@ -168,42 +168,6 @@ struct FactorChunk<float> {
 };
 
 // ------------------------------------------------------------------------------------------------
-// Division by a value shared by many divisions (the grad scale, the row width)
-// ------------------------------------------------------------------------------------------------
-
-/// a / b correctly rounded (IEEE division, bit-identical to __fdiv_rn), for one b and many a.
-///
-/// __fdiv_rn(a, b) compiles to MUFU.RCP r0 = ~1/b; r1 = fma(r0, fma(-b, r0, 1), r0);
-/// q0 = a * r1; q1 = fma(r1, fma(-b, q0, a), q0), plus an FCHK test that sends operands of
-/// extreme exponents (denormals, zero, inf/NaN, quotients near over/underflow) to a slow exact
-/// path. Here r1 is computed once per b (the same instructions, so the same bits) and each
-/// division costs three FMAs; operands outside [2^-40, 2^40] (zeros included, whose sign the
-/// fast path could lose), far inside every FCHK limit, take __fdiv_rn itself. The results are
-/// therefore those of __fdiv_rn for every input: 3 instead of ~10 instructions per element.
-struct UniformDivisor {
-  float divisor;
-  float reciprocal;  ///< r1 above
-  bool fast;         ///< divisor inside [2^-40, 2^40]
-
-  __device__ __forceinline__ explicit UniformDivisor(float b) : divisor(b) {
-    float r0;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(b));
-    reciprocal = __fmaf_rn(r0, __fmaf_rn(-b, r0, 1.0f), r0);
-    const float magnitude = fabsf(b);
-    fast = magnitude >= 0x1p-40f && magnitude <= 0x1p40f;
-  }
-
-  __device__ __forceinline__ float operator()(float a) const {
-    const float magnitude = fabsf(a);
-    if (fast && magnitude >= 0x1p-40f && magnitude <= 0x1p40f) {
-      const float q0 = __fmul_rn(a, reciprocal);
-      return __fmaf_rn(reciprocal, __fmaf_rn(-divisor, q0, a), q0);
-    }
-    return __fdiv_rn(a, divisor);
-  }
-};
-
-// ------------------------------------------------------------------------------------------------
 // Row math
 // ------------------------------------------------------------------------------------------------
 
