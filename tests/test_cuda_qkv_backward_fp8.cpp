@@ -355,6 +355,18 @@ TEST(CudaQkvBackwardFp8, Float32FactorsStridesAndScales) {
   }
 }
 
+TEST(CudaQkvBackwardFp8, ScalesAtTheFastDivisionEdges) {
+  // The kernel divides with E4m3Scaler, whose branch-free path covers scales in [2^-29, 2^31]:
+  // both edges from both sides, and the small non-power-of-two scales of current scaling.
+  QKVF_REQUIRE_GPU();
+  for (float scale : {0x1p-29f, 0x1.fffffep-30f, 0x1p31f, 0x1.000002p31f, 9.3e-8f, 3.3e-9f}) {
+    for (Fp8Case c : mode_cases(129, 2, 64, 64)) {
+      c.grad_scale = scale;
+      check_fp8(c);
+    }
+  }
+}
+
 TEST(CudaQkvBackwardFp8, KeyOffsetRotaryEdges) {
   QKVF_REQUIRE_GPU();
   for (int64_t rotary_dim : {0, 36, 128}) {

@@ -312,7 +312,12 @@ TEST(CudaQuantize, EveryBf16ValueEveryScaleForm) {
   const float scales[] = {1.0f, 0.25f, 0x1p-20f, 0x1p40f, -2.0f,         // powers of two
                           8.0f / 448.0f, 1.5f, 3.0f, 0.75f, -0.1f,        // midpoints, ties
                           0x1.fffffep-126f, 0x1p-125f, 0x1p-126f, 1e-40f,  // range edges
-                          0x1p125f, 0x1p126f, 0x1.fffffep127f, 0.0f, INFINITY};
+                          0x1p125f, 0x1p126f, 0x1.fffffep127f, 0.0f, INFINITY,
+                          // The edges of E4m3Scaler's fast path, [2^-29, 2^31], on both sides,
+                          // and non-powers of two inside it (1/448, a tiny current-scaling
+                          // gradient scale, a large one)
+                          0x1p-29f, 0x1.fffffep-30f, 0x1p31f, 0x1.000002p31f,
+                          1.0f / 448.0f, 9.3e-8f, 3.3e-9f, 1.7e9f};
   Case c = make_case(rng, int64_t(sizeof(scales) / sizeof(scales[0])), 256, 256, 1.0f);
   for (int64_t b = 0; b < c.batch; ++b) {
     for (int64_t i = 0; i < 65536; ++i) {
