@@ -71,16 +71,13 @@ if has fuzz; then
 fi
 
 if has bench; then
-  for b in qkvfuse_bench_kernels qkvfuse_bench_fp8; do
-    [ -x $build/bench/$b ] && $build/bench/$b --csv "$LOG/$b.csv" >"$LOG/$b.txt" 2>&1
-    note "$b: rc=$?"
-  done
-  if [ "${QKVFUSE_BENCH_TORCH:-1}" = 1 ] && python3 -c 'import qkvfuse' 2>/dev/null; then
-    python3 bench/bench_torch.py --reference .seed/reference_triton.py --out "$LOG/bench_torch.md" \
-      --commit "$commit" >"$LOG/bench_torch.txt" 2>&1
-    note "bench_torch: rc=$?"
-  fi
-  for f in "$LOG"/qkvfuse_bench_kernels.txt "$LOG"/qkvfuse_bench_fp8.txt "$LOG"/bench_torch.txt; do
+  # Every benchmark, then docs/benchmarks.md + .png (scripts/bench_report.sh). The outputs and
+  # CSVs stay in $LOG as <date>_<commit>_<device>_<benchmark>.{txt,csv}; the report comes back.
+  QKVFUSE_BUILD_DIR=$build QKVFUSE_BENCH_DIR=$LOG QKVFUSE_COMMIT=$commit scripts/bench_report.sh \
+    2>&1 | tee -a "$summary"
+  note "bench_report: rc=${PIPESTATUS[0]}"
+  cp docs/benchmarks.md docs/benchmarks.png "$OUT"/ 2>/dev/null
+  for f in "$LOG"/*_qkvfuse_bench_kernels.txt "$LOG"/*_qkvfuse_bench_fp8.txt "$LOG"/*_bench_torch.txt; do
     [ -f "$f" ] && { echo "== $(basename "$f")"; tail -40 "$f"; }
   done
 fi
