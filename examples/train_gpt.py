@@ -248,14 +248,17 @@ def make_tables(specs, heads, batch, seq_len, device):
 
 
 def train(variant, args, data, device, rank, world):
-    fp8 = variant == "qkvfuse fp8"
+    fp8 = variant == "qkvfuse-fp8"
     torch.manual_seed(args.seed)  # the same initial weights for both variants
     specs = args.specs
     model = GPT(args.dim, args.heads, args.v_dim, specs, fp8).to(device)
     ddp = world > 1
     module = model
     if ddp:
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
+        # The buffers are per-rank scaling state (x_scale constant, grad_scale set by each rank's
+        # hooks from its own gradients): nothing to broadcast.
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index],
+                                                    broadcast_buffers=False)
     optimizer = torch.optim.AdamW(module.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                   weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -369,7 +372,8 @@ def main():
     parser.add_argument("--log-every", type=int, default=25)
     parser.add_argument("--val-every", type=int, default=250)
     parser.add_argument("--val-batches", type=int, default=32)
-    parser.add_argument("--variants", default="qkvfuse fp8,bf16 chain")
+    parser.add_argument("--variants", default="qkvfuse-fp8,bf16-chain",
+                        help="comma-separated: qkvfuse-fp8 and/or bf16-chain")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a few-second CPU smoke configuration")
     parser.add_argument("--out", default="runs/train_gpt")

@@ -63,6 +63,40 @@ if has python; then
   note "pytest: $((SECONDS - start)) s"
 fi
 
+# compute-sanitizer: memcheck and racecheck over the GPU tests (the kernels' test sweep; racecheck
+# over the kernel tests only: it is slow), and the four tools over a sweep of the fuzz harness
+# (small shapes). Each run is time-boxed; a timeout is reported as such. With
+# QKVFUSE_SANITIZE_GPU=N it runs in the background on GPU N while the stages after it use GPU 0
+# (on a two-GPU machine; train2 then shares GPU N with it) and is waited for at the end.
+run_sanitize() {
+  local start=$SECONDS
+  local tests_timeout=${QKVFUSE_SANITIZE_TIMEOUT:-240}
+  # Without --gtest_brief the logs list every test that finished, should a run be cut short.
+  if [ "${QKVFUSE_SANITIZE_TESTS:-1}" = 1 ]; then
+    timeout "$tests_timeout" compute-sanitizer --tool memcheck --error-exitcode 9 \
+      $build/tests/qkvfuse_tests --gtest_filter='Cuda*-CudaLarge*' >"$LOG/sanitize_memcheck_tests.log" 2>&1
+    note "compute-sanitizer memcheck (GPU tests but CudaLarge): rc=$? $(grep -E 'ERROR SUMMARY' "$LOG/sanitize_memcheck_tests.log" | tail -1) $(grep -cE '^\[       OK' "$LOG/sanitize_memcheck_tests.log") tests OK, $(grep -cE '^\[  FAILED  \] [A-Z]' "$LOG/sanitize_memcheck_tests.log") failed"
+    timeout "$tests_timeout" compute-sanitizer --tool racecheck --error-exitcode 9 \
+      $build/tests/qkvfuse_tests --gtest_filter='CudaQkNormRope*:CudaQkvBackwardFp8*:CudaQuantize*' >"$LOG/sanitize_racecheck_tests.log" 2>&1
+    note "compute-sanitizer racecheck (kernel GPU tests): rc=$? $(grep -E 'SUMMARY' "$LOG/sanitize_racecheck_tests.log" | tail -1) $(grep -cE '^\[       OK' "$LOG/sanitize_racecheck_tests.log") tests OK, $(grep -cE '^\[  FAILED  \] [A-Z]' "$LOG/sanitize_racecheck_tests.log") failed"
+  fi
+  for tool in memcheck racecheck synccheck initcheck; do
+    timeout ${QKVFUSE_SANITIZE_FUZZ_TIMEOUT:-120} compute-sanitizer --tool $tool --error-exitcode 9 \
+      $build/tests/fuzz/qkvfuse_fuzz --cases ${QKVFUSE_SANITIZE_CASES:-150} --seed 7 --max-tokens 200 >"$LOG/sanitize_$tool.log" 2>&1
+    note "compute-sanitizer $tool (${QKVFUSE_SANITIZE_CASES:-150} fuzz cases, seed 7): rc=$? $(grep -E 'SUMMARY' "$LOG/sanitize_$tool.log" | tail -1) $(grep -E '^fuzz:' "$LOG/sanitize_$tool.log" | tail -1)"
+  done
+  note "sanitize: $((SECONDS - start)) s"
+}
+sanitize_pid=
+if has sanitize; then
+  if [ -n "${QKVFUSE_SANITIZE_GPU:-}" ]; then
+    (export CUDA_VISIBLE_DEVICES=$QKVFUSE_SANITIZE_GPU; run_sanitize) &
+    sanitize_pid=$!
+  else
+    run_sanitize
+  fi
+fi
+
 if has fuzz; then
   start=$SECONDS
   seed=${QKVFUSE_FUZZ_SEED:-$RANDOM}
@@ -82,22 +116,6 @@ if has bench; then
   done
 fi
 
-if has sanitize; then
-  # memcheck over the GPU tests; the four tools over a small sweep of the fuzz harness (racecheck
-  # and initcheck are slow: small shapes). Each run is time-boxed; a timeout is reported as such.
-  start=$SECONDS
-  if [ "${QKVFUSE_SANITIZE_TESTS:-1}" = 1 ]; then
-    timeout ${QKVFUSE_SANITIZE_TIMEOUT:-240} compute-sanitizer --tool memcheck --error-exitcode 9 \
-      $build/tests/qkvfuse_tests --gtest_filter='Cuda*-CudaLarge*' --gtest_brief=1 >"$LOG/sanitize_memcheck_tests.log" 2>&1
-    note "compute-sanitizer memcheck (GPU tests): rc=$? $(grep -E 'ERROR SUMMARY' "$LOG/sanitize_memcheck_tests.log" | tail -1)"
-  fi
-  for tool in memcheck racecheck synccheck initcheck; do
-    timeout ${QKVFUSE_SANITIZE_TIMEOUT:-120} compute-sanitizer --tool $tool --error-exitcode 9 \
-      $build/tests/fuzz/qkvfuse_fuzz --cases ${QKVFUSE_SANITIZE_CASES:-150} --seed 7 --max-tokens 200 >"$LOG/sanitize_$tool.log" 2>&1
-    note "compute-sanitizer $tool (${QKVFUSE_SANITIZE_CASES:-150} fuzz cases, seed 7): rc=$? $(grep -E 'ERROR SUMMARY' "$LOG/sanitize_$tool.log" | tail -1)"
-  done
-  note "sanitize: $((SECONDS - start)) s"
-fi
 
 if has ncu; then
   # Nsight Compute on one launch of each memory-bound kernel at the model shape (H=6, D=128,
@@ -140,6 +158,7 @@ if has train2; then
   cp "$LOG"/train2/loss.png "$OUT"/train2_loss.png 2>/dev/null
 fi
 
+if [ -n "$sanitize_pid" ]; then wait "$sanitize_pid"; fi
 tar czf "$OUT/logs.tgz" -C "$LOG" .
 cp "$summary" "$OUT/summary.txt"
 echo "== summary"
