@@ -339,6 +339,12 @@ def write_outputs(out, rows, summary):
         writer = csv.writer(f)
         writer.writerow(["step", "variant", "train_loss", "val_loss", "ms_per_step"])
         writer.writerows(rows)
+    write_plot(out / "loss.png", rows, summary)
+
+
+def write_plot(path, rows, title):
+    """Train loss (faint) and validation loss (the last evaluation, as a step line) per variant;
+    the y range leaves out the first steps' loss of a random model (about 5.6)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -346,17 +352,44 @@ def write_outputs(out, rows, summary):
     except ImportError:
         print("matplotlib missing: no plot written")
         return
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(9, 5))
     for variant in dict.fromkeys(r[1] for r in rows):
-        steps = [r[0] for r in rows if r[1] == variant]
-        ax.plot(steps, [r[2] for r in rows if r[1] == variant], alpha=0.5, label=f"{variant} train")
-        ax.plot(steps, [r[3] for r in rows if r[1] == variant], label=f"{variant} val")
+        mine = [r for r in rows if r[1] == variant]
+        line, = ax.plot([r[0] for r in mine], [r[2] for r in mine], alpha=0.35, linewidth=0.8,
+                        label=f"{variant} train")
+        ax.plot([r[0] for r in mine], [r[3] for r in mine], drawstyle="steps-post",
+                color=line.get_color(), linewidth=1.8, label=f"{variant} validation")
+    # The y range: every loss but those of the first 5 % of steps and the untrained model's
+    # validation loss, which the step line carries until the first evaluation.
+    first_val = {r[1]: r[3] for r in sorted(rows, key=lambda r: -r[0])}
+    horizon = max(r[0] for r in rows) // 20
+    late = [v for r in rows if r[0] > horizon for v in (r[2], r[3])
+            if math.isfinite(v) and v != first_val[r[1]]]
+    if late:
+        ax.set_ylim(0.9 * min(late), 1.1 * max(late))
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/byte)")
-    ax.set_title(summary)
-    ax.legend()
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "loss.png", dpi=120)
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def plot_from(specs, out, title):
+    """--plot-from CSV[=LABEL] ...: one plot of earlier runs' curves, each variant named LABEL
+    variant (e.g. the one-GPU and the two-GPU run side by side)."""
+    rows = []
+    for spec in specs:
+        path, _, label = spec.partition("=")
+        with open(path, newline="") as f:
+            for r in csv.DictReader(f):
+                name = f"{label} {r['variant']}" if label else r["variant"]
+                rows.append((int(r["step"]), name, float(r["train_loss"]), float(r["val_loss"]),
+                             float(r["ms_per_step"])))
+    out.mkdir(parents=True, exist_ok=True)
+    write_plot(out / "loss.png", rows, title)
 
 
 def main():
@@ -377,7 +410,13 @@ def main():
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a few-second CPU smoke configuration")
     parser.add_argument("--out", default="runs/train_gpt")
+    parser.add_argument("--plot-from", nargs="+", metavar="CSV[=LABEL]",
+                        help="train nothing: plot these runs' loss.csv into OUT/loss.png")
+    parser.add_argument("--title", default="", help="the plot's title with --plot-from")
     args = parser.parse_args()
+    if args.plot_from:
+        plot_from(args.plot_from, Path(args.out), args.title)
+        return
     args.specs = [LayerSpec(64), LayerSpec(64, "paired"), LayerSpec(96, "key_offset"),
                   LayerSpec(128)]
     if args.tiny:
