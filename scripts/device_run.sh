@@ -126,11 +126,17 @@ if has ncu; then
   for kernel in qkv_backward_fp8_kernel qk_norm_rope_kernel qk_norm_rope_backward_kernel; do
     timeout 120 ncu --clock-control none -k regex:$kernel --launch-skip 5 --launch-count 1 $sections \
       $build/bench/qkvfuse_bench_kernels --iters 50 >"$LOG/ncu_$kernel.txt" 2>&1
-    note "ncu $kernel: rc=$?"
+    note "ncu $kernel: rc=$? $(grep -E '^ +Duration' "$LOG/ncu_$kernel.txt" | head -1 | tr -s ' ')"
   done
-  timeout 120 ncu --clock-control none -k regex:quantize_tile_kernel --launch-skip 5 --launch-count 1 \
-    $sections $build/bench/qkvfuse_bench_fp8 --iters 50 >"$LOG/ncu_quantize_tile_kernel.txt" 2>&1
-  note "ncu quantize_tile_kernel: rc=$? ($((SECONDS - start)) s)"
+  # The quantize kernels: x's tile kernel, and the weight bank's amax pass and quantize pass (the
+  # kLastUse instance, whose loads the amax pass is meant to leave in L2).
+  for kernel in "quantize_tile_kernel<0, 0>" entry_amax_kernel "quantize_tile_kernel<0, 1>"; do
+    name=$(echo "$kernel" | tr -c 'a-z0-9_\n' '_')
+    timeout 120 ncu --clock-control none -k "regex:$kernel" --launch-skip 5 --launch-count 1 \
+      $sections $build/bench/qkvfuse_bench_fp8 --iters 50 >"$LOG/ncu_$name.txt" 2>&1
+    note "ncu $kernel: rc=$? $(grep -E '^ +Duration' "$LOG/ncu_$name.txt" | head -1 | tr -s ' ')"
+  done
+  note "ncu: $((SECONDS - start)) s"
 fi
 
 if has train; then
