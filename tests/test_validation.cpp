@@ -299,6 +299,17 @@ TEST(Validation, TensorsOnDifferentDevicesAreRefused) {
                            {"qk_norm_rope: factor1: is on cuda:0, but qk is on cpu"}));
 }
 
+TEST(Validation, ScalesOnAnotherDeviceAreRefused) {
+  // A scale is a tensor like any other: on another device than the data it is refused by name
+  // (a device scale read by a host loop, or a host scale read by a kernel, would crash or lie).
+  RopeArgs rope;
+  auto fp8 = rope.fp8();
+  fp8.grad_scale = on_device(fp8.grad_scale, kCuda0);
+  EXPECT_TRUE(throws_error([&] { qkv_backward_fp8(fp8); },
+                           {"qkv_backward_fp8: grad_scale: is on cuda:0, but grad_q is on cpu"}));
+  EXPECT_TRUE(untouched(rope.grad_row));
+}
+
 TEST(Validation, CudaViewsOfHostMemoryGiveAClearError) {
   // Host pointers labelled cuda:0: a CPU-only build says it was built without CUDA; a CUDA build
   // says there is no device, or that the pointer is not memory of that GPU. Never a crash.
@@ -708,6 +719,19 @@ TEST(Validation, NullDataAndMissingArgumentsAreRefused) {
   auto g = gemm.params();
   g.scale_b = TensorView{};  // only alpha is optional
   EXPECT_TRUE(throws_error([&] { fp8_gemm(g); }, {"fp8_gemm: scale_b: missing"}));
+}
+
+TEST(Validation, QuantizeAndGemmScalesOnAnotherDeviceAreRefused) {
+  QuantizeArgs quantize;
+  auto dual = quantize.dual();
+  dual.scale = on_device(dual.scale, kCuda0);
+  EXPECT_TRUE(throws_error([&] { quantize_dual_layout(dual); },
+                           {"quantize_dual_layout: scale: is on cuda:0, but src is on cpu"}));
+  GemmArgs gemm;
+  auto p = gemm.params();
+  p.scale_b = on_device(p.scale_b, kCuda0);
+  EXPECT_TRUE(throws_error([&] { fp8_gemm(p); },
+                           {"fp8_gemm: scale_b: is on cuda:0, but a is on cpu"}));
 }
 
 }  // namespace
