@@ -36,7 +36,6 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 
 #include "backend.hpp"
 #include "cuda/check.hpp"
@@ -95,11 +94,8 @@ struct QkvBackwardFp8KernelParams {
 /// (loads, transposed stores) overlap; fp32 factor chunks take 8 more registers (3: <= 80);
 /// wider rows hold 2C more 16-byte chunks per token (Q and K rows, g and x), so they get 2
 /// (<= 128 registers).
-template <int C, typename FactorT, bool kPrefetch>
+template <int C, typename FactorT>
 constexpr int fp8_min_blocks() {
-  // kPrefetch (one chunk per lane): the next token's loads are in flight while this token is
-  // computed, about 24 more registers: 3 CTAs (<= 80 registers) with bf16 factors, 2 with fp32.
-  if constexpr (C == 1 && kPrefetch) return sizeof(FactorT) == 2 ? 3 : 2;
   if constexpr (C == 1) return sizeof(FactorT) == 2 ? 4 : 3;
   return 2;
 }
@@ -137,8 +133,8 @@ __device__ __forceinline__ void st_u8(void* p, uint32_t v) {
 // The kernel
 // ------------------------------------------------------------------------------------------------
 
-template <class Geom, bool kKeyOffset, typename FactorT, bool kPrefetch>
-__global__ void __launch_bounds__(kFp8Threads, fp8_min_blocks<Geom::C, FactorT, kPrefetch>())
+template <class Geom, bool kKeyOffset, typename FactorT>
+__global__ void __launch_bounds__(kFp8Threads, fp8_min_blocks<Geom::C, FactorT>())
     qkv_backward_fp8_kernel(const __grid_constant__ QkvBackwardFp8KernelParams p) {
   constexpr int G = Geom::G;
   constexpr int C = Geom::C;
@@ -189,29 +185,27 @@ __global__ void __launch_bounds__(kFp8Threads, fp8_min_blocks<Geom::C, FactorT, 
     const int64_t q_feature = int64_t(h) * D;
     const int64_t k_feature = int64_t(H + h) * D;
 
-    if constexpr (C == 1 && kPrefetch) {
-      // The rows of the lane group's j-th token: t = t0 + group + kGroups * j (consecutive groups:
-      // consecutive tokens). One row is the Q row (part 0) or the K row (part 1); both share the
-      // token's factor chunks.
+#pragma unroll 1
+    for (int j = 0; j < kTokensPerGroup; ++j) {  // block-uniform trip count
+      const int row = group + kGroups * j;       // consecutive groups: consecutive tokens
+      const int64_t t = t0 + row;
+      const bool token_ok = t < p.tokens;
+
+      FactorChunk<FactorT> f1[C];
+      FactorChunk<FactorT> f2[C];
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+        f1[c].load(factor1 + t * p.factor1_stride_t + d0[c], token_ok && chunk_ok[c]);
+        f2[c].load(factor2 + t * p.factor2_stride_t + d0[c], token_ok && chunk_ok[c]);
+      }
+
+      // One row: the Q row (part 0) or the K row (part 1) of the token; both share the factor
+      // chunks. With one chunk per lane the loads of both rows are issued before either is
+      // computed (6 16-byte loads in flight per lane); wider rows go one row at a time.
       struct RowLoads {
         Vec16 g[C], x[C], g_next[C];
       };
-      struct TokenLoads {
-        FactorChunk<FactorT> f1[C], f2[C];
-        RowLoads rows[2];
-      };
-      auto load_factors = [&](const int j, TokenLoads& L) {
-        const int64_t t = t0 + group + kGroups * j;
-        const bool token_ok = j < kTokensPerGroup && t < p.tokens;
-#pragma unroll
-        for (int c = 0; c < C; ++c) {
-          L.f1[c].load(factor1 + t * p.factor1_stride_t + d0[c], token_ok && chunk_ok[c]);
-          L.f2[c].load(factor2 + t * p.factor2_stride_t + d0[c], token_ok && chunk_ok[c]);
-        }
-      };
-      auto load_row = [&](const int j, const int part, RowLoads& r) {
-        const int64_t t = t0 + group + kGroups * j;
-        const bool token_ok = j < kTokensPerGroup && t < p.tokens;
+      auto load_row = [&](const int part, RowLoads& r) {
         const __nv_bfloat16* g_row =
             part == 0 ? gq_base + t * gq_token_step : gk_base + t * gk_token_step;
         const __nv_bfloat16* x_row = (part == 0 ? xq_base : xk_base) + t * p.qk_stride_t;
@@ -230,13 +224,11 @@ __global__ void __launch_bounds__(kFp8Threads, fp8_min_blocks<Geom::C, FactorT, 
                             : rope::zero_vec16();
         }
       };
-      auto emit_row = [&](const int j, const int part, const TokenLoads& L, const RowLoads& r) {
-        const int row = group + kGroups * j;
-        const int64_t t = t0 + row;
+      auto emit_row = [&](const int part, const RowLoads& r) {
         float dx[C][8];
-        rope::backward_row<G, C>(r.g, r.x, L.f1, L.f2, r.g_next, stationary_from,
+        rope::backward_row<G, C>(r.g, r.x, f1, f2, r.g_next, stationary_from,
                                  kKeyOffset && part == 1, t == 0, width, dx);
-        if (t >= p.tokens) return;
+        if (!token_ok) return;
         uint8_t* out_row = p.grad_row + t * p.qkv_dim + (part == 0 ? q_feature : k_feature);
 #pragma unroll
         for (int c = 0; c < C; ++c) {
@@ -250,95 +242,18 @@ __global__ void __launch_bounds__(kFp8Threads, fp8_min_blocks<Geom::C, FactorT, 
           sts_u64(tile_base + tile_offset(row, (part * D + d0[c]) / 4, pitch), lo, hi);
         }
       };
-
-      // Software pipeline: the loads of token j + 1 (masked past the group's last token) are
-      // issued before token j is computed, so each lane keeps a token's loads in flight through
-      // the math.
-      TokenLoads current;
-      load_factors(0, current);
-      load_row(0, 0, current.rows[0]);
-      load_row(0, 1, current.rows[1]);
-#pragma unroll 1
-      for (int j = 0; j < kTokensPerGroup; ++j) {  // block-uniform trip count
-        TokenLoads next;
-        load_factors(j + 1, next);
-        load_row(j + 1, 0, next.rows[0]);
-        load_row(j + 1, 1, next.rows[1]);
-        emit_row(j, 0, current, current.rows[0]);
-        emit_row(j, 1, current, current.rows[1]);
-        current = next;
-      }
-    } else {
-#pragma unroll 1
-      for (int j = 0; j < kTokensPerGroup; ++j) {  // block-uniform trip count
-        const int row = group + kGroups * j;       // consecutive groups: consecutive tokens
-        const int64_t t = t0 + row;
-        const bool token_ok = t < p.tokens;
-
-        FactorChunk<FactorT> f1[C];
-        FactorChunk<FactorT> f2[C];
-#pragma unroll
-        for (int c = 0; c < C; ++c) {
-          f1[c].load(factor1 + t * p.factor1_stride_t + d0[c], token_ok && chunk_ok[c]);
-          f2[c].load(factor2 + t * p.factor2_stride_t + d0[c], token_ok && chunk_ok[c]);
-        }
-
-        // One row: the Q row (part 0) or the K row (part 1) of the token; both share the factor
-        // chunks. With one chunk per lane the loads of both rows are issued before either is
-        // computed (6 16-byte loads in flight per lane); wider rows go one row at a time.
-        struct RowLoads {
-          Vec16 g[C], x[C], g_next[C];
-        };
-        auto load_row = [&](const int part, RowLoads& r) {
-          const __nv_bfloat16* g_row =
-              part == 0 ? gq_base + t * gq_token_step : gk_base + t * gk_token_step;
-          const __nv_bfloat16* x_row = (part == 0 ? xq_base : xk_base) + t * p.qk_stride_t;
-          const bool next_ok = kKeyOffset && part == 1 && token_ok && t + 1 < p.tokens;
-#pragma unroll
-          for (int c = 0; c < C; ++c) {
-            const bool ok = token_ok && chunk_ok[c];
-            // Key offset: grad_k rows are read again as the previous token's g_next (by the
-            // neighbouring lane group, at about the same time): keep them in L1.
-            r.g[c] = ok ? (part == 1 && kKeyOffset ? rope::ld_cached(g_row + d0[c])
-                                                   : rope::ld_stream(g_row + d0[c]))
-                        : rope::zero_vec16();
-            r.x[c] = ok ? rope::ld_stream(x_row + d0[c]) : rope::zero_vec16();
-            r.g_next[c] = next_ok && chunk_ok[c] && stationary_from[c] < 8
-                              ? rope::ld_cached(g_row + gk_token_step + d0[c])
-                              : rope::zero_vec16();
-          }
-        };
-        auto emit_row = [&](const int part, const RowLoads& r) {
-          float dx[C][8];
-          rope::backward_row<G, C>(r.g, r.x, f1, f2, r.g_next, stationary_from,
-                                   kKeyOffset && part == 1, t == 0, width, dx);
-          if (!token_ok) return;
-          uint8_t* out_row = p.grad_row + t * p.qkv_dim + (part == 0 ? q_feature : k_feature);
-#pragma unroll
-          for (int c = 0; c < C; ++c) {
-            if (!chunk_ok[c]) continue;
-            // Round to bf16 first (the aten chain materialized the QK gradient in bf16).
-            float rounded[8];
-            bf16x8_to_float(float_to_bf16x8(dx[c]), rounded);
-            uint32_t lo, hi;
-            scale(rounded, lo, hi);
-            rope::st_u64(out_row + d0[c], lo, hi);
-            sts_u64(tile_base + tile_offset(row, (part * D + d0[c]) / 4, pitch), lo, hi);
-          }
-        };
-        if constexpr (C == 1) {
-          RowLoads q_row, k_row;
-          load_row(0, q_row);
-          load_row(1, k_row);
-          emit_row(0, q_row);
-          emit_row(1, k_row);
-        } else {
-          RowLoads r;
-          load_row(0, r);
-          emit_row(0, r);
-          load_row(1, r);
-          emit_row(1, r);
-        }
+      if constexpr (C == 1) {
+        RowLoads q_row, k_row;
+        load_row(0, q_row);
+        load_row(1, k_row);
+        emit_row(0, q_row);
+        emit_row(1, k_row);
+      } else {
+        RowLoads r;
+        load_row(0, r);
+        emit_row(0, r);
+        load_row(1, r);
+        emit_row(1, r);
       }
     }
   }
@@ -468,9 +383,9 @@ void opt_in_max_shared_memory() {
   }
 }
 
-template <class Geom, bool kKeyOffset, typename FactorT, bool kPrefetch>
+template <class Geom, bool kKeyOffset, typename FactorT>
 void launch_fp8(const QkvBackwardFp8KernelParams& kp, cudaStream_t stream) {
-  constexpr auto kernel = qkv_backward_fp8_kernel<Geom, kKeyOffset, FactorT, kPrefetch>;
+  constexpr auto kernel = qkv_backward_fp8_kernel<Geom, kKeyOffset, FactorT>;
   const size_t smem = size_t(kTileTokens) * size_t(kp.tile_pitch);
   QKVF_CHECK(smem <= kMaxTileBytes, "qkv_backward_fp8 (CUDA): tile of ", smem, " bytes");
   // Above 48 KB a kernel must opt in to its dynamic shared memory; done for every kernel so that
@@ -537,17 +452,7 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
     bool_switch(layout.key_offset, [&](auto key_offset) {
       factor_dtype_switch("qkv_backward_fp8", params.factor1.dtype, [&](auto factor_tag) {
         using FactorT = typename decltype(factor_tag)::type;
-        // EXPERIMENT (to be removed after the A/B measurement): QKVFUSE_FP8_PREFETCH=1 selects
-        // the software-pipelined token loop.
-        static const bool prefetch = [] {
-          const char* v = std::getenv("QKVFUSE_FP8_PREFETCH");
-          return v != nullptr && v[0] == '1';
-        }();
-        if (prefetch) {
-          launch_fp8<Geom, decltype(key_offset)::value, FactorT, true>(kp, stream);
-        } else {
-          launch_fp8<Geom, decltype(key_offset)::value, FactorT, false>(kp, stream);
-        }
+        launch_fp8<Geom, decltype(key_offset)::value, FactorT>(kp, stream);
       });
     });
   });
