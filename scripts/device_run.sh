@@ -128,13 +128,12 @@ if has ncu; then
       $build/bench/qkvfuse_bench_kernels --iters 50 >"$LOG/ncu_$kernel.txt" 2>&1
     note "ncu $kernel: rc=$? $(grep -E '^ +Duration' "$LOG/ncu_$kernel.txt" | head -1 | tr -s ' ')"
   done
-  # The quantize kernels: x's tile kernel, and the weight bank's amax pass and quantize pass (the
-  # kLastUse instance, whose loads the amax pass is meant to leave in L2).
-  for kernel in "quantize_tile_kernel<0, 0>" entry_amax_kernel "quantize_tile_kernel<0, 1>"; do
-    name=$(echo "$kernel" | tr -c 'a-z0-9_\n' '_')
+  # The quantize kernels: x's tile kernel (the first the FP8 benchmark runs) and the weight bank's
+  # amax pass. -k matches the function name without template arguments.
+  for kernel in quantize_tile_kernel entry_amax_kernel; do
     timeout 120 ncu --clock-control none -k "regex:$kernel" --launch-skip 5 --launch-count 1 \
-      $sections $build/bench/qkvfuse_bench_fp8 --iters 50 >"$LOG/ncu_$name.txt" 2>&1
-    note "ncu $kernel: rc=$? $(grep -E '^ +Duration' "$LOG/ncu_$name.txt" | head -1 | tr -s ' ')"
+      $sections $build/bench/qkvfuse_bench_fp8 --iters 50 >"$LOG/ncu_$kernel.txt" 2>&1
+    note "ncu $kernel: rc=$? $(grep -E '^ +Duration' "$LOG/ncu_$kernel.txt" | head -1 | tr -s ' ')"
   done
   note "ncu: $((SECONDS - start)) s"
 fi
