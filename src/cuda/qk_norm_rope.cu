@@ -211,15 +211,11 @@ void qk_norm_rope(const QkNormRopeParams& params) {
   kp.paired = layout.paired;
 
   const cudaStream_t stream = to_cuda(params.stream);
-  rope::head_width_switch("qk_norm_rope", head_dim, [&](auto geometry) {
-    using Geom = decltype(geometry);
-    bool_switch(layout.key_offset, [&](auto key_offset) {
-      factor_dtype_switch("qk_norm_rope", params.factor1.dtype, [&](auto factor_tag) {
-        using FactorT = typename decltype(factor_tag)::type;
-        launch_forward<Geom, decltype(key_offset)::value, FactorT>(kp, stream);
-      });
-    });
-  });
+  rope::kernel_switch("qk_norm_rope", head_dim, layout.key_offset, params.factor1.dtype,
+                      [&](auto geometry, auto key_offset, auto factor_tag) {
+                        using FactorT = typename decltype(factor_tag)::type;
+                        launch_forward<decltype(geometry), decltype(key_offset)::value, FactorT>(kp, stream);
+                      });
 }
 
 }  // namespace qkvfuse::cuda

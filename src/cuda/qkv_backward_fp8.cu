@@ -447,15 +447,11 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
   kp.tile_pitch = int((2 * head_dim + v_dim + 127) / 128 * 128);
 
   const cudaStream_t stream = to_cuda(params.stream);
-  rope::head_width_switch("qkv_backward_fp8", head_dim, [&](auto geometry) {
-    using Geom = decltype(geometry);
-    bool_switch(layout.key_offset, [&](auto key_offset) {
-      factor_dtype_switch("qkv_backward_fp8", params.factor1.dtype, [&](auto factor_tag) {
-        using FactorT = typename decltype(factor_tag)::type;
-        launch_fp8<Geom, decltype(key_offset)::value, FactorT>(kp, stream);
-      });
-    });
-  });
+  rope::kernel_switch("qkv_backward_fp8", head_dim, layout.key_offset, params.factor1.dtype,
+                      [&](auto geometry, auto key_offset, auto factor_tag) {
+                        using FactorT = typename decltype(factor_tag)::type;
+                        launch_fp8<decltype(geometry), decltype(key_offset)::value, FactorT>(kp, stream);
+                      });
 }
 
 }  // namespace qkvfuse::cuda
