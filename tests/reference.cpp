@@ -616,11 +616,7 @@ Comparison compare_e4m3(const std::string& what, const std::vector<uint8_t>& got
     const bool expect_nan = (expected & 0x7f) == 0x7f;
     const uint8_t low = code_of(values[i] - noise_at(noise, i));
     const uint8_t high = code_of(values[i] + noise_at(noise, i));
-    // Division by a zero scale: a value within its noise of zero may round to exactly 0 (then
-    // 0/0 = NaN) or to a tiny +-x (then +-inf, saturated to +-448), and which one depends on the
-    // rounding of the sums: both are right.
-    if (scale == 0.0f && !std::isnan(values[i]) &&
-        std::fabs(values[i]) <= noise_at(noise, i)) {
+    if (scale == 0.0f && zero_scale_ambiguous(values[i], noise_at(noise, i))) {
       const bool may_be_positive = values[i] + noise_at(noise, i) > 0;
       const bool may_be_negative = values[i] - noise_at(noise, i) < 0;
       if ((got[i] & 0x7f) == 0x7f || (got[i] == 0x7e && may_be_positive) ||

@@ -11,6 +11,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <initializer_list>
@@ -235,8 +236,16 @@ std::vector<double> qkv_feature_noise(const ref::Rope& rope, int64_t v_dim,
 Comparison compare_bf16(const std::string& what, const std::vector<uint16_t>& got,
                         const std::vector<double>& ref, const std::vector<double>& noise = {});
 
+/// Division by a zero scale: whether a value within its noise of zero may round to exactly 0 in
+/// fp32 on one side (0/0: code NaN) and to a tiny +-x on the other (+-inf: code +-448), which
+/// depends only on the rounding of the row sums: both codes are then right.
+inline bool zero_scale_ambiguous(double value, double noise) {
+  return !std::isnan(value) && std::fabs(value) <= noise;
+}
+
 /// e4m3 codes against the values before the cast (see qkv_backward_values): each must lie within
-/// one step of the codes of [value - noise, value + noise] under quantize_code(round_bf16(.)).
+/// one step of the codes of [value - noise, value + noise] under quantize_code(round_bf16(.));
+/// for a zero scale, see zero_scale_ambiguous.
 Comparison compare_e4m3(const std::string& what, const std::vector<uint8_t>& got,
                         const std::vector<double>& values, float scale,
                         const std::vector<double>& noise = {});

@@ -217,9 +217,8 @@ void compare_bf16_gpu(Findings& findings, const std::string& what, const std::ve
 std::vector<double> feature_noise(const Case& c, const std::vector<double>& values,
                                   const std::vector<double>& term_scale);
 
-/// For a zero grad_scale: which Q/K features of the float64 model lie within their row noise of
-/// zero. Their fp32 value may round to exactly 0 on one backend (0/0: NaN) and to a tiny +-x on
-/// the other (+-448), so there NaN and +-448 are both right. Empty for any other scale.
+/// For a zero grad_scale: which Q/K features of the float64 model are test::zero_scale_ambiguous
+/// (NaN on one backend and +-448 on the other are both right there). Empty for any other scale.
 std::vector<bool> zero_scale_ambiguity(const Case& c, const Inputs& in,
                                        const std::vector<double>& term_scale) {
   if (c.scales[0] != 0.0f) return {};
@@ -230,7 +229,7 @@ std::vector<bool> zero_scale_ambiguity(const Case& c, const Inputs& in,
   const std::vector<double> noise = feature_noise(c, values, term_scale);
   std::vector<bool> ambiguous(values.size());
   for (size_t i = 0; i < values.size(); ++i) {
-    ambiguous[i] = !std::isnan(values[i]) && std::fabs(values[i]) <= noise[i];
+    ambiguous[i] = test::zero_scale_ambiguous(values[i], noise[i]);
   }
   return ambiguous;
 }
