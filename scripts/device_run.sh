@@ -120,48 +120,45 @@ fi
 if has ncu; then
   # Nsight Compute on one launch of each memory-bound kernel at the model shape (H=6, D=128,
   # plain: the first shape the benchmarks run). --clock-control none: the clocks the benchmarks see.
+  # -k matches the function name without template arguments.
   start=$SECONDS
   sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
     --section WarpStateStats --section LaunchStats --section SchedulerStats --section SourceCounters"
+  profile() {  # profile KERNEL BENCHMARK
+    timeout 120 ncu --clock-control none -k "regex:$1" --launch-skip 5 --launch-count 1 $sections \
+      "$build/bench/$2" --iters 50 >"$LOG/ncu_$1.txt" 2>&1
+    note "ncu $1: rc=$? $(grep -E '^ +Duration' "$LOG/ncu_$1.txt" | head -1 | tr -s ' ')"
+  }
   for kernel in qkv_backward_fp8_kernel qk_norm_rope_kernel qk_norm_rope_backward_kernel; do
-    timeout 120 ncu --clock-control none -k regex:$kernel --launch-skip 5 --launch-count 1 $sections \
-      $build/bench/qkvfuse_bench_kernels --iters 50 >"$LOG/ncu_$kernel.txt" 2>&1
-    note "ncu $kernel: rc=$? $(grep -E '^ +Duration' "$LOG/ncu_$kernel.txt" | head -1 | tr -s ' ')"
+    profile $kernel qkvfuse_bench_kernels
   done
-  # The quantize kernels: x's tile kernel (the first the FP8 benchmark runs) and the weight bank's
-  # amax pass. -k matches the function name without template arguments.
+  # x's quantize tile kernel (the first the FP8 benchmark runs) and the weight bank's amax pass.
   for kernel in quantize_tile_kernel entry_amax_kernel; do
-    timeout 120 ncu --clock-control none -k "regex:$kernel" --launch-skip 5 --launch-count 1 \
-      $sections $build/bench/qkvfuse_bench_fp8 --iters 50 >"$LOG/ncu_$kernel.txt" 2>&1
-    note "ncu $kernel: rc=$? $(grep -E '^ +Duration' "$LOG/ncu_$kernel.txt" | head -1 | tr -s ' ')"
+    profile $kernel qkvfuse_bench_fp8
   done
   note "ncu: $((SECONDS - start)) s"
 fi
 
-if has train; then
-  # One GPU, both variants (qkvfuse FP8 and the bf16 chain), QKVFUSE_TRAIN_ARGS passed through.
-  start=$SECONDS
-  timeout ${QKVFUSE_TRAIN_TIMEOUT:-300} python3 examples/train_gpt.py \
-    --steps "${QKVFUSE_TRAIN_STEPS:-2000}" ${QKVFUSE_TRAIN_ARGS:-} --out "$LOG/train" \
-    >"$LOG/train.log" 2>&1
-  note "train: rc=$? in $((SECONDS - start)) s"
-  grep -E "final validation|ratio|checksum" "$LOG/train.log" | tee -a "$summary"
-  cp "$LOG"/train/loss.csv "$OUT"/train_loss.csv 2>/dev/null
-  cp "$LOG"/train/loss.png "$OUT"/train_loss.png 2>/dev/null
-fi
-
-if has train2; then
-  # DDP over NCCL on every GPU of the machine, at the per-rank batch QKVFUSE_TRAIN2_ARGS sets.
-  start=$SECONDS
-  gpus=$(nvidia-smi -L | wc -l)
-  timeout ${QKVFUSE_TRAIN_TIMEOUT:-300} torchrun --standalone --nproc-per-node "$gpus" \
-    examples/train_gpt.py --steps "${QKVFUSE_TRAIN_STEPS:-2000}" ${QKVFUSE_TRAIN2_ARGS:-} \
-    --out "$LOG/train2" >"$LOG/train2.log" 2>&1
-  note "train2 ($gpus GPUs): rc=$? in $((SECONDS - start)) s"
-  grep -E "final validation|ratio|checksum" "$LOG/train2.log" | tee -a "$summary"
-  cp "$LOG"/train2/loss.csv "$OUT"/train2_loss.csv 2>/dev/null
-  cp "$LOG"/train2/loss.png "$OUT"/train2_loss.png 2>/dev/null
-fi
+# train NAME LAUNCHER... -- ARGS...: examples/train_gpt.py under LAUNCHER (nothing for one GPU),
+# time-boxed; its loss CSV and plot come back as NAME_loss.{csv,png}.
+train() {
+  local name=$1 start=$SECONDS launcher=()
+  shift
+  while [ "$1" != "--" ]; do launcher+=("$1"); shift; done
+  shift
+  # shellcheck disable=SC2068  # the launcher and arguments are word lists
+  timeout ${QKVFUSE_TRAIN_TIMEOUT:-300} ${launcher[@]} examples/train_gpt.py \
+    --steps "${QKVFUSE_TRAIN_STEPS:-2000}" $@ --out "$LOG/$name" >"$LOG/$name.log" 2>&1
+  note "$name: rc=$? in $((SECONDS - start)) s"
+  grep -E "final validation|ratio|checksum" "$LOG/$name.log" | tee -a "$summary"
+  cp "$LOG/$name/loss.csv" "$OUT/${name}_loss.csv" 2>/dev/null
+  cp "$LOG/$name/loss.png" "$OUT/${name}_loss.png" 2>/dev/null
+}
+# One GPU, both variants (qkvfuse FP8 and the bf16 chain), QKVFUSE_TRAIN_ARGS passed through.
+has train && train train python3 -- ${QKVFUSE_TRAIN_ARGS:-}
+# DDP over NCCL on every GPU of the machine, at the per-rank batch QKVFUSE_TRAIN2_ARGS sets.
+has train2 && train train2 torchrun --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" -- \
+  ${QKVFUSE_TRAIN2_ARGS:-}
 
 if [ -n "$sanitize_pid" ]; then wait "$sanitize_pid"; fi
 tar czf "$OUT/logs.tgz" -C "$LOG" .
