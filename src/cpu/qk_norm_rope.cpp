@@ -99,6 +99,12 @@ Compute normalize_row(const Storage* x, int64_t head_dim, Compute* n) {
   return rstd;
 }
 
+/// The factor columns a row of token t placed at `at` reads (paired rows: their half of the row).
+template <typename FactorT>
+const FactorT* factor_row(const TensorView& factor, int64_t t, const Placement& at) {
+  return factor.ptr<const FactorT>() + t * factor.strides[0] + at.factor_offset;
+}
+
 // ---- forward -----------------------------------------------------------------------------------
 
 template <typename QkT, typename FactorT>
@@ -116,10 +122,8 @@ void forward(const QkNormRopeParams& p) {
       for (int64_t h2 = 0; h2 < heads2; ++h2) {
         normalize_row(row_of<const QkT>(p.qk, t, h2), head_dim, n.data());
         const Placement at = place(layout, head_dim, t, h2);
-        const FactorT* f1 =
-            p.factor1.ptr<const FactorT>() + t * p.factor1.strides[0] + at.factor_offset;
-        const FactorT* f2 =
-            p.factor2.ptr<const FactorT>() + t * p.factor2.strides[0] + at.factor_offset;
+        const FactorT* f1 = factor_row<FactorT>(p.factor1, t, at);
+        const FactorT* f2 = factor_row<FactorT>(p.factor2, t, at);
         const bool shifted = layout.key_offset && at.is_key && t > 0;
         if (shifted) normalize_row(row_of<const QkT>(p.qk, t - 1, h2), head_dim, previous.data());
 
@@ -153,10 +157,8 @@ void backward(const QkNormRopeBackwardParams& p) {
         const Placement at = place(layout, head_dim, t, h2);
         const TensorView& grad = at.is_key ? p.grad_k : p.grad_q;
         const QkT* g = row_of<const QkT>(grad, at.token, at.head);
-        const FactorT* f1 =
-            p.factor1.ptr<const FactorT>() + t * p.factor1.strides[0] + at.factor_offset;
-        const FactorT* f2 =
-            p.factor2.ptr<const FactorT>() + t * p.factor2.strides[0] + at.factor_offset;
+        const FactorT* f1 = factor_row<FactorT>(p.factor1, t, at);
+        const FactorT* f2 = factor_row<FactorT>(p.factor2, t, at);
         for (int64_t d = 0; d < head_dim; ++d) {
           dn[d] = load<Compute>(f1, d) * load<Compute>(g, d) +
                   load<Compute>(f2, d ^ 1) * load<Compute>(g, d ^ 1);
