@@ -343,8 +343,9 @@ int run(int argc, char** argv) {
   struct Config {
     int64_t heads, head_dim;
   };
-  // The speedrun's layers (C = 768: H=6 at D=128/96, H=12 at D=64) and a C = 1024 one (H=8).
-  for (const Config c : {Config{6, 128}, Config{12, 64}, Config{6, 96}, Config{8, 128}}) {
+  // The speedrun's layers (C = 768: H=6 at D=128/96, H=12 at D=64), a C = 1024 one (H=8), and
+  // D = 100 (not a multiple of 8): the element-pair kernels of rope_generic.cu.
+  for (const Config c : {Config{6, 128}, Config{12, 64}, Config{6, 96}, Config{8, 128}, Config{6, 100}}) {
     for (Mode mode : modes) {
       try {
         bench_shape({tokens, c.heads, c.head_dim, 128, mode}, stream, iters);

@@ -48,6 +48,10 @@ void grad_weight_finalize(const GradWeightFinalizeParams& params);
 // Built from src/cuda/ when nvcc is found; src/cuda/unavailable.cpp otherwise, whose functions
 // throw "qkvfuse was built without CUDA".
 namespace cuda {
+/// Widest V head qkv_backward_fp8 takes on CUDA: its element-pair kernel stages a tile of 32
+/// tokens x (2D + Dv) e4m3 bytes in shared memory (src/cuda/rope_generic.cu).
+inline constexpr int64_t kMaxVWidth = 512;
+
 void qk_norm_rope(const QkNormRopeParams& params);
 void qk_norm_rope_backward(const QkNormRopeBackwardParams& params);
 void qkv_backward_fp8(const QkvBackwardFp8Params& params);

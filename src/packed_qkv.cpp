@@ -139,7 +139,7 @@ PackedDims check_forward_args(const Checker& check, const PackedQkvForwardParams
 
   check.ndim(p.qk, "qk", 3);
   dims.head_dim = p.qk.sizes[2];
-  check.rope_layout(p.layout, dims.head_dim, device);
+  check.rope_layout(p.layout, dims.head_dim);
   dims.heads = p.layout.num_heads;
   check_packed_heads(check, p.qk, "qk", {dims.tokens, 2 * dims.heads, dims.head_dim},
                      "(T from x_f8, 2*num_heads = " + std::to_string(2 * dims.heads) + " heads)");
@@ -212,7 +212,7 @@ PackedDims check_backward_args(const Checker& check, const PackedQkvBackwardPara
   check.ndim(p.qk, "qk", 3);
   dims.tokens = p.qk.sizes[0];
   dims.head_dim = p.qk.sizes[2];
-  check.rope_layout(p.layout, dims.head_dim, device);
+  check.rope_layout(p.layout, dims.head_dim);
   dims.heads = p.layout.num_heads;
   check.shape(p.qk, "qk", {Dim::any("T"), 2 * dims.heads, dims.head_dim},
               "(2*num_heads = " + std::to_string(2 * dims.heads) + " heads)");

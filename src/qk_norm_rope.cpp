@@ -19,7 +19,7 @@ Device validate_qk_norm_rope(const QkNormRopeParams& p, const std::string& op) {
   const Device device = check.same_device(concat(inputs, outputs));
   const RopeShape shape = rope_inputs(check, p.qk, p.factor1, p.factor2, p.layout, device,
                                       /*wide_qk_on_cpu=*/true);
-  rope_output_pair(check, outputs[0], outputs[1], shape, p.qk.dtype, device, /*contiguous=*/true);
+  rope_output_pair(check, outputs[0], outputs[1], shape, p.qk.dtype, /*contiguous=*/true);
   check.no_overlap(outputs, inputs);
   return device;
 }
@@ -37,12 +37,12 @@ Device validate_qk_norm_rope_backward(const QkNormRopeBackwardParams& p) {
   const Device device = check.same_device(concat(inputs, outputs));
   const RopeShape shape = rope_inputs(check, p.qk, p.factor1, p.factor2, p.layout, device,
                                       /*wide_qk_on_cpu=*/true);
-  rope_output_pair(check, inputs[0], inputs[1], shape, p.qk.dtype, device, /*contiguous=*/false);
+  rope_output_pair(check, inputs[0], inputs[1], shape, p.qk.dtype, /*contiguous=*/false);
   check.dtype(p.grad_qk, "grad_qk", p.qk.dtype);
   check.shape(p.grad_qk, "grad_qk", {shape.tokens, 2 * shape.heads, shape.head_dim},
               "(qk's shape)");
   check.contiguous(p.grad_qk, "grad_qk");
-  check.aligned(p.grad_qk, "grad_qk", device);
+  check.element_aligned(p.grad_qk, "grad_qk");
   check.no_overlap(outputs, inputs);
   return device;
 }

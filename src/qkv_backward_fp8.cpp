@@ -21,20 +21,21 @@ Device validate_qkv_backward_fp8(const QkvBackwardFp8Params& p, const std::strin
   const Device device = check.same_device(concat(inputs, outputs));
   const RopeShape shape = rope_inputs(check, p.qk, p.factor1, p.factor2, p.layout, device,
                                       /*wide_qk_on_cpu=*/false);
-  rope_output_pair(check, inputs[0], inputs[1], shape, DType::kBFloat16, device,
+  rope_output_pair(check, inputs[0], inputs[1], shape, DType::kBFloat16,
                    /*contiguous=*/false);
 
   const int64_t tokens = shape.tokens;
   const int64_t heads = shape.heads;
   check.dtype(p.grad_v, "grad_v", DType::kBFloat16);
   check.shape(p.grad_v, "grad_v", {tokens, heads, Dim::any("Dv")}, "(T and H from qk)");
-  // CUDA stages a token tile's Q, K and V features in shared memory in 16-byte chunks.
-  const bool cuda = p.grad_v.device.type == DeviceType::kCUDA;
-  QKVF_CHECK(p.grad_v.sizes[2] >= 1 && (!cuda || (p.grad_v.sizes[2] % 8 == 0 && p.grad_v.sizes[2] <= 256)),
-             op, ": grad_v: expected a V head width Dv ", cuda ? "in [8, 256], a multiple of 8" : ">= 1",
-             ", got ", p.grad_v.describe());
+  // CUDA stages a token tile's Q, K and V features in shared memory: Dv is bounded there.
+  const bool cuda = device.type == DeviceType::kCUDA;
+  const int64_t max_v_dim = cuda::kMaxVWidth;
+  QKVF_CHECK(p.grad_v.sizes[2] >= 1 && (!cuda || p.grad_v.sizes[2] <= max_v_dim), op,
+             ": grad_v: expected a V head width Dv ", cuda ? "in [1, " + std::to_string(max_v_dim) + "]" : ">= 1",
+             " on ", device_name(device), ", got ", p.grad_v.describe());
   check.last_dim_contiguous(p.grad_v, "grad_v");
-  check.aligned(p.grad_v, "grad_v", device);
+  check.element_aligned(p.grad_v, "grad_v");
   check.scalar_f32(p.grad_scale, "grad_scale");
   check.aligned(p.grad_scale, "grad_scale", device);
 
@@ -46,7 +47,7 @@ Device validate_qkv_backward_fp8(const QkvBackwardFp8Params& p, const std::strin
   check.shape(p.grad_t, "grad_t", {qkv_dim, tokens}, why);
   for (const Arg& out : outputs) {
     check.contiguous(out.view, out.name);
-    check.aligned(out.view, out.name, device);
+    check.element_aligned(out.view, out.name);
   }
   check.no_overlap(outputs, inputs);
   return device;

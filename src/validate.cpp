@@ -143,13 +143,19 @@ void Checker::scalar_f32(const TensorView& view, const char* name) const {
              ": expected a float32 scalar of shape [] or [1], got ", view.describe());
 }
 
-void Checker::aligned(const TensorView& view, const char* name, Device device) const {
+void Checker::element_aligned(const TensorView& view, const char* name) const {
   if (view.numel() == 0) return;
   const auto address = reinterpret_cast<uintptr_t>(view.data);
   const int64_t element = int64_t(dtype_size(view.dtype));
   QKVF_CHECK(address % element == 0, op_, ": ", name, ": data pointer ", view.data,
              " is not aligned to its ", element, "-byte elements");
-  if (device.type != DeviceType::kCUDA) return;
+}
+
+void Checker::aligned(const TensorView& view, const char* name, Device device) const {
+  element_aligned(view, name);
+  if (view.numel() == 0 || device.type != DeviceType::kCUDA) return;
+  const auto address = reinterpret_cast<uintptr_t>(view.data);
+  const int64_t element = int64_t(dtype_size(view.dtype));
   const int64_t vector = row_vector_bytes(view);
   bool ok = address % vector == 0;
   for (int d = 0; d + 1 < view.ndim; ++d) {
@@ -178,15 +184,12 @@ void Checker::no_overlap(const std::vector<Arg>& outputs, const std::vector<Arg>
   }
 }
 
-void Checker::rope_layout(const RopeLayout& layout, int64_t head_dim, Device device) const {
+void Checker::rope_layout(const RopeLayout& layout, int64_t head_dim) const {
   QKVF_CHECK(layout.num_heads >= 1, op_, ": layout.num_heads: expected >= 1, got ",
              layout.num_heads);
-  // The CUDA kernels move each row in 16-byte chunks of 8 bf16 values; the CPU takes any even D.
-  const bool cuda = device.type == DeviceType::kCUDA;
-  const int64_t min_dim = cuda ? 32 : 2, multiple = cuda ? 8 : 2;
-  QKVF_CHECK(head_dim % multiple == 0 && head_dim >= min_dim && head_dim <= 256, op_,
-             ": qk: head width D = ", head_dim, " is not supported on ", device_name(device),
-             ": expected D in [", min_dim, ", 256], a multiple of ", multiple);
+  // Rotary pairs (2i, 2i+1) need an even D; 256 bounds the kernels' registers per row.
+  QKVF_CHECK(head_dim % 2 == 0 && head_dim >= 2 && head_dim <= 256, op_, ": qk: head width D = ",
+             head_dim, " is not supported: expected an even D in [2, 256]");
   QKVF_CHECK(!(layout.paired && layout.key_offset), op_,
              ": layout: paired and key_offset cannot both be set");
   QKVF_CHECK(!layout.paired || layout.num_heads % 2 == 0, op_,
@@ -209,12 +212,12 @@ RopeShape rope_inputs(const Checker& check, const TensorView& qk, const TensorVi
   }
   check.ndim(qk, "qk", 3);
   const int64_t head_dim = qk.sizes[2];
-  check.rope_layout(layout, head_dim, device);
+  check.rope_layout(layout, head_dim);
   const int64_t heads = layout.num_heads;
   check.shape(qk, "qk", {Dim::any("T"), 2 * heads, head_dim},
               "(2*num_heads = " + std::to_string(2 * heads) + " heads)");
   check.last_dim_contiguous(qk, "qk");
-  check.aligned(qk, "qk", device);
+  check.element_aligned(qk, "qk");
 
   const int64_t tokens = qk.sizes[0];
   RopeShape shape{tokens, heads, head_dim, tokens, heads, head_dim};
@@ -231,13 +234,13 @@ RopeShape rope_inputs(const Checker& check, const TensorView& qk, const TensorVi
     check.dtype(factor.view, factor.name, factor1.dtype);
     check.shape(factor.view, factor.name, {tokens, shape.factor_width}, why);
     check.last_dim_contiguous(factor.view, factor.name);
-    check.aligned(factor.view, factor.name, device);
+    check.element_aligned(factor.view, factor.name);
   }
   return shape;
 }
 
 void rope_output_pair(const Checker& check, Arg first, Arg second, const RopeShape& shape,
-                      DType dtype, Device device, bool contiguous) {
+                      DType dtype, bool contiguous) {
   const char* why = shape.out_tokens != shape.tokens ? "(paired: [2T, H/2, D])" : "([T, H, D])";
   for (const Arg& arg : {first, second}) {
     check.dtype(arg.view, arg.name, dtype);
@@ -247,7 +250,7 @@ void rope_output_pair(const Checker& check, Arg first, Arg second, const RopeSha
     } else {
       check.last_dim_contiguous(arg.view, arg.name);
     }
-    check.aligned(arg.view, arg.name, device);
+    check.element_aligned(arg.view, arg.name);
   }
 }
 

@@ -86,15 +86,17 @@ class Checker {
   void row_major(const TensorView& view, const char* name) const;
   /// A float32 scalar: shape [] or [1].
   void scalar_f32(const TensorView& view, const char* name) const;
+  /// The data pointer is a multiple of the element size (what any kernel needs).
+  void element_aligned(const TensorView& view, const char* name) const;
   /// Natural element alignment everywhere; on CUDA the row-vector alignment described above.
   void aligned(const TensorView& view, const char* name, Device device) const;
   /// No output shares a byte with another output or with any input.
   void no_overlap(const std::vector<Arg>& outputs, const std::vector<Arg>& inputs) const;
 
-  /// Layout flags against D (qk's last dim) on `device`: num_heads >= 1, D even and in [2, 256]
-  /// (CPU) or [32, 256] (CUDA); with key_offset rotary_dim even in [0, D]; paired needs H even;
-  /// paired and key_offset exclude each other.
-  void rope_layout(const RopeLayout& layout, int64_t head_dim, Device device) const;
+  /// Layout flags against D (qk's last dim): num_heads >= 1, D even and in [2, 256] on every
+  /// device; with key_offset rotary_dim even in [0, D]; paired needs H even; paired and
+  /// key_offset exclude each other.
+  void rope_layout(const RopeLayout& layout, int64_t head_dim) const;
 
  private:
   std::string op_;
@@ -103,6 +105,8 @@ class Checker {
 /// The inputs shared by the three rope ops: qk [T, 2H, D] (bfloat16; float32 and float64 too on
 /// the CPU when `wide_qk_on_cpu`), last dim contiguous; the layout; factor1/factor2 [T, D or 2D]
 /// of one dtype in {bfloat16, float32} (or qk's own dtype on the CPU), last dim contiguous.
+/// Pointers need only their elements' alignment, strides are free: the CUDA backend picks its
+/// 16-byte vector kernels or its element-pair kernels from them (src/cuda/rope_paths.hpp).
 /// Returns the shapes.
 RopeShape rope_inputs(const Checker& check, const TensorView& qk, const TensorView& factor1,
                       const TensorView& factor2, const RopeLayout& layout, Device device,
@@ -111,7 +115,7 @@ RopeShape rope_inputs(const Checker& check, const TensorView& qk, const TensorVi
 /// A pair in the forward's output layout ([T, H, D], or [2T, H/2, D] when paired) of `dtype`:
 /// the outputs q, k (`contiguous`) or the gradients grad_q, grad_k (last dim contiguous only).
 void rope_output_pair(const Checker& check, Arg first, Arg second, const RopeShape& shape,
-                      DType dtype, Device device, bool contiguous);
+                      DType dtype, bool contiguous);
 
 // Whole-op validators, defined next to each entry point (src/<op>.cpp). packed_qkv.cpp runs them
 // on every step before launching any, so a bad argument never leaves half-written outputs. Each

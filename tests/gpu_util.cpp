@@ -55,13 +55,17 @@ void DeviceBuffer::download(void* host, size_t bytes) const {
   if (bytes) QKVF_CUDA_CHECK(cudaMemcpy(host, data_, bytes, cudaMemcpyDeviceToHost));
 }
 
-DeviceView to_device(const TensorView& host) {
+DeviceView to_device(const TensorView& host, int64_t element_offset) {
   int64_t last = 0;
   for (int d = 0; d < host.ndim; ++d) last += (host.sizes[d] - 1) * host.strides[d];
   const size_t bytes = size_t(last + 1) * dtype_size(host.dtype);
-  DeviceView out{DeviceBuffer(bytes), host};
-  out.buffer.upload(host.data, bytes);
-  out.view.data = out.buffer.data();
+  const size_t front = size_t(element_offset) * dtype_size(host.dtype);
+  DeviceView out{DeviceBuffer(front + bytes), host};
+  char* const data = static_cast<char*>(out.buffer.data()) + front;
+  if (front) out.buffer.fill_byte(0xff);
+  if (bytes) QKVF_CUDA_CHECK(cudaMemcpy(data, host.data, bytes, cudaMemcpyHostToDevice));
+  QKVF_CUDA_CHECK(cudaDeviceSynchronize());
+  out.view.data = data;
   out.view.device = kGPU;
   return out;
 }

@@ -62,7 +62,11 @@ struct DeviceView {
   DeviceBuffer buffer;
   TensorView view;
 };
-DeviceView to_device(const TensorView& host);
+/// The copy starts `element_offset` elements past the start of its allocation (cudaMalloc's
+/// 256-byte alignment), so its pointer has exactly that offset's alignment: 1 element of bf16 is
+/// a 2-byte aligned pointer, off the 16-byte vectors. The elements before it hold 0xff bytes (NaN
+/// in bf16 and float32), so a kernel that reads before the view gets NaN.
+DeviceView to_device(const TensorView& host, int64_t element_offset = 0);
 
 /// 64 fp32 ulps of a row's largest value: what a different summation order of the row sums can
 /// move a result by where the row's terms cancel (GPU vs CPU comparisons of the rope ops).

@@ -203,7 +203,7 @@ TEST(CpuQkNormRope, ForwardKeyOffsetRotaryEdges) {
 }
 
 TEST(CpuQkNormRope, ForwardSmallestHeadWidths) {
-  // The CPU takes any even D from 2 (the CUDA backend starts at 32).
+  // Any even D from 2 (on CUDA too: the generic path, test_cuda_qk_norm_rope.cpp).
   for (int64_t head_dim : {2, 4, 6}) {
     RopeCase c;
     c.tokens = 3;

@@ -8,8 +8,18 @@
 // away is accepted only where the row's values cancel, within kSumOrderNoise of the row's
 // largest value (the error a different fp32 summation order can make there; counted and
 // printed too); anything else fails. CUDA outputs are poisoned with a NaN pattern before every
-// run, so an element the kernel never wrote shows as NaN, and every case is run twice on the
-// GPU to check bit-identical reruns.
+// run, so an element the kernel never wrote shows as NaN (and the allocation around each output
+// stays poisoned, so a write outside it shows too), and every case is run twice on the GPU to
+// check bit-identical reruns.
+//
+// Two kernel families compute these ops: the 16-byte-vector kernels, for "vector friendly"
+// arguments (D a multiple of 8 from 32, every pointer 16-byte aligned, every stride but the last
+// a multiple of 16 bytes), and the element-pair kernels of the generic path for everything else
+// the API takes (any even D in [2, 256], element-aligned pointers, any strides). The generic
+// cases below reach the second family by their width (D in {2, 8, 34, ...}) or, at D = 128, by a
+// single misaligned pointer or stride each (so a dispatcher that overlooks one tensor's
+// alignment sends it to the vector kernels and fails here), and must agree with the CPU backend
+// to the same tolerance.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -30,14 +40,35 @@ namespace {
 
 // ---- device copies -------------------------------------------------------------------------------
 
-/// A contiguous bf16 device output, poisoned with the NaN pattern no computation produces.
-DeviceView device_output(std::initializer_list<int64_t> sizes) {
+/// Elements after each output, which no kernel may write.
+constexpr int64_t kGuardElements = 16;
+
+/// A contiguous bf16 device output `offset` elements past the start of its allocation (1: a
+/// 2-byte aligned pointer), followed by kGuardElements. The whole allocation is poisoned with the
+/// NaN pattern no computation produces.
+DeviceView device_output(std::initializer_list<int64_t> sizes, int64_t offset = 0) {
   int64_t count = 1;
   for (int64_t s : sizes) count *= s;
-  DeviceView out{DeviceBuffer(size_t(count) * 2), {}};
-  out.view = make_view(out.buffer.data(), DType::kBFloat16, kGPU, sizes);
+  DeviceView out{DeviceBuffer(size_t(offset + count + kGuardElements) * 2), {}};
+  out.view = make_view(static_cast<uint16_t*>(out.buffer.data()) + offset, DType::kBFloat16, kGPU,
+                       sizes);
   fill_u16(out.buffer, kPoisonBF16);
   return out;
+}
+
+/// The elements of an output made by device_output, in order; fails the test when an element
+/// of the allocation outside the view (before its offset, or in the guard after it) was written.
+std::vector<uint16_t> read_output(const DeviceView& out, const char* name) {
+  const std::vector<uint16_t> all = out.buffer.to_host<uint16_t>();
+  const int64_t begin = static_cast<const uint16_t*>(out.view.data) -
+                        static_cast<const uint16_t*>(out.buffer.data());
+  const int64_t end = begin + out.view.numel();
+  int64_t outside = 0;
+  for (int64_t i = 0; i < int64_t(all.size()); ++i) {
+    if ((i < begin || i >= end) && all[size_t(i)] != kPoisonBF16) ++outside;
+  }
+  EXPECT_EQ(outside, 0) << name << ": elements outside the output were written";
+  return std::vector<uint16_t>(all.begin() + begin, all.begin() + end);
 }
 
 /// A CUDA stream of the test's own: the kernels must run on the stream they are given.
@@ -139,6 +170,12 @@ struct RopeCase {
   int64_t qk_head_padding = 0;   ///< qk head stride D + this
   int64_t factor_padding = 0;    ///< factor token stride W + this
   int64_t grad_padding = 0;      ///< backward: grad_q/grad_k heads and token rows padded by this
+  // Device pointers: each device copy (and output) starts this many elements past the start of
+  // its allocation, so 1 gives a bf16 pointer 2-byte aligned, off the 16-byte vectors.
+  int64_t qk_offset = 0;
+  int64_t factor_offset = 0;  ///< factor1 and factor2
+  int64_t grad_offset = 0;    ///< grad_q and grad_k (backward)
+  int64_t out_offset = 0;     ///< q and k (forward), grad_qk (backward)
 
   std::string describe() const {
     std::ostringstream out;
@@ -146,8 +183,37 @@ struct RopeCase {
     if (key_offset) out << " key_offset rotary_dim=" << rotary_dim;
     out << " tables rotate " << tables_rotary() << " factors " << dtype_name(factor_dtype)
         << " qk extra columns " << qk_extra_columns << " qk head padding " << qk_head_padding
-        << " factor padding " << factor_padding << " grad padding " << grad_padding;
+        << " factor padding " << factor_padding << " grad padding " << grad_padding
+        << " offsets (elements) qk " << qk_offset << " factors " << factor_offset << " grads "
+        << grad_offset << " outputs " << out_offset << " (forward "
+        << (vector_friendly(false) ? "vector" : "generic") << " path, backward "
+        << (vector_friendly(true) ? "vector" : "generic") << " path)";
     return out.str();
+  }
+  int64_t factor_bytes() const { return int64_t(dtype_size(factor_dtype)); }
+  int64_t qk_head_stride() const { return head_dim + qk_head_padding; }
+  int64_t qk_token_stride() const { return 2 * heads * qk_head_stride() + qk_extra_columns; }
+  int64_t factor_stride() const { return factor_width() + factor_padding; }
+  int64_t grad_head_stride() const { return head_dim + grad_padding; }
+  int64_t grad_token_stride() const { return out_heads() * grad_head_stride() + grad_padding; }
+  /// Whether the forward's arguments (with `backward`, the backward's, which add grad_q and
+  /// grad_k) meet the 16-byte vector kernels' rule. The generic cases check that they do not, so
+  /// that they do reach the element-pair kernels. Strides of size-1 dimensions do not count.
+  bool vector_friendly(bool backward) const {
+    const auto aligned = [](int64_t bytes) { return bytes % 16 == 0; };
+    const auto stride_ok = [&](int64_t size, int64_t stride, int64_t element) {
+      return size <= 1 || aligned(stride * element);
+    };
+    bool ok = head_dim % 8 == 0 && head_dim >= 32 && aligned(qk_offset * 2) &&
+              aligned(factor_offset * factor_bytes()) && aligned(out_offset * 2) &&
+              stride_ok(tokens, qk_token_stride(), 2) &&
+              stride_ok(2 * heads, qk_head_stride(), 2) &&
+              stride_ok(tokens, factor_stride(), factor_bytes());
+    if (backward) {
+      ok = ok && aligned(grad_offset * 2) && stride_ok(out_tokens(), grad_token_stride(), 2) &&
+           stride_ok(out_heads(), grad_head_stride(), 2);
+    }
+    return ok;
   }
   int64_t tables_rotary() const {
     return table_rotary >= 0 ? table_rotary : (key_offset ? rotary_dim : head_dim);
@@ -168,12 +234,9 @@ struct RopeInputs {
 
   RopeInputs(const RopeCase& c, std::mt19937_64& rng)
       : qk(DType::kBFloat16, {c.tokens, 2 * c.heads, c.head_dim},
-           {2 * c.heads * (c.head_dim + c.qk_head_padding) + c.qk_extra_columns,
-            c.head_dim + c.qk_head_padding, 1}),
-        factor1(c.factor_dtype, {c.tokens, c.factor_width()},
-                {c.factor_width() + c.factor_padding, 1}),
-        factor2(c.factor_dtype, {c.tokens, c.factor_width()},
-                {c.factor_width() + c.factor_padding, 1}) {
+           {c.qk_token_stride(), c.qk_head_stride(), 1}),
+        factor1(c.factor_dtype, {c.tokens, c.factor_width()}, {c.factor_stride(), 1}),
+        factor2(c.factor_dtype, {c.tokens, c.factor_width()}, {c.factor_stride(), 1}) {
     // Rows of very different scales: rstd from ~1e-2 to ~1e2.
     std::vector<double> values =
         random_values(rng, size_t(c.tokens * 2 * c.heads * c.head_dim), DType::kBFloat16);
@@ -200,8 +263,8 @@ struct ForwardResult {
 
 ForwardResult run_forward_gpu(const RopeCase& c, const DeviceView& qk, const DeviceView& f1,
                               const DeviceView& f2, const Stream& stream) {
-  DeviceView q = device_output({c.out_tokens(), c.out_heads(), c.head_dim});
-  DeviceView k = device_output({c.out_tokens(), c.out_heads(), c.head_dim});
+  DeviceView q = device_output({c.out_tokens(), c.out_heads(), c.head_dim}, c.out_offset);
+  DeviceView k = device_output({c.out_tokens(), c.out_heads(), c.head_dim}, c.out_offset);
   // The poison (and the inputs) were written by cudaMemcpy / cudaMemset on the legacy default
   // stream, which a cudaStreamNonBlocking stream does not wait for, and a pageable-memory
   // cudaMemcpy may return before its DMA lands: without this the kernel can race the poison
@@ -210,7 +273,7 @@ ForwardResult run_forward_gpu(const RopeCase& c, const DeviceView& qk, const Dev
   QkNormRopeParams params{qk.view, f1.view, f2.view, q.view, k.view, c.layout(), stream.get()};
   qk_norm_rope(params);
   stream.sync();
-  return {q.buffer.to_host<uint16_t>(), k.buffer.to_host<uint16_t>()};
+  return {read_output(q, "q"), read_output(k, "k")};
 }
 
 void check_forward(const RopeCase& c) {
@@ -223,9 +286,9 @@ void check_forward(const RopeCase& c) {
   qk_norm_rope({in.qk.view(), in.factor1.view(), in.factor2.view(), q.view(), k.view(),
                 c.layout()});
 
-  const DeviceView qk = to_device(in.qk.view());
-  const DeviceView f1 = to_device(in.factor1.view());
-  const DeviceView f2 = to_device(in.factor2.view());
+  const DeviceView qk = to_device(in.qk.view(), c.qk_offset);
+  const DeviceView f1 = to_device(in.factor1.view(), c.factor_offset);
+  const DeviceView f2 = to_device(in.factor2.view(), c.factor_offset);
   Stream stream;
   const ForwardResult first = run_forward_gpu(c, qk, f1, f2, stream);
   EXPECT_TRUE(clean(compare_bf16("q", first.q, q.get_bf16_bits(), c.head_dim)));
@@ -254,14 +317,77 @@ std::vector<RopeCase> mode_cases(int64_t tokens, int64_t heads, int64_t head_dim
   }
   RopeCase shifted = plain;
   shifted.key_offset = true;
-  shifted.rotary_dim = head_dim / 2;
+  shifted.rotary_dim = head_dim / 4 * 2;  // D/2, rounded down to even for D = 2 mod 4
   cases.push_back(shifted);
   return cases;
 }
 
+/// mode_cases, plus key offset at the edges: rotary_dim 0 (every dim shifts) and D (none does).
+std::vector<RopeCase> all_mode_cases(int64_t tokens, int64_t heads, int64_t head_dim) {
+  std::vector<RopeCase> cases = mode_cases(tokens, heads, head_dim);
+  for (int64_t rotary_dim : {int64_t(0), head_dim}) {
+    RopeCase shifted = cases.front();
+    shifted.key_offset = true;
+    shifted.rotary_dim = rotary_dim;
+    cases.push_back(shifted);
+  }
+  return cases;
+}
+
+// ---- the generic path: widths and misalignments -------------------------------------------------
+
+// Head widths the vector kernels do not take (not a multiple of 8, or below 32), from the
+// narrowest to the widest: the element-pair kernels at every width class.
+constexpr int64_t kGenericWidths[] = {2, 8, 34, 50, 100, 126, 254};
+// One token, either side of 32 and of 128 (the token tiles), and in between.
+constexpr int64_t kGenericTokens[] = {1, 31, 33, 100, 129};
+
+/// One way to send a vector-friendly case (D = 128) to the generic path.
+struct Misalignment {
+  const char* what;
+  bool backward_only;  ///< misaligns grad_q / grad_k, which only the backward reads
+  void (*apply)(RopeCase&);
+};
+
+/// Each misalignment alone (so that every tensor's pointer and strides are seen to matter),
+/// pointers aligned to 4 and 8 bytes but not 16, and all of them at once. The cases they apply
+/// to have H = 6 and T > 1, so no misaligned stride belongs to a size-1 dimension.
+const std::vector<Misalignment>& misalignments() {
+  static const std::vector<Misalignment> all = {
+      // qk as the Q/K columns of a packed [T, 2HD + H*128] buffer, the slice one element off.
+      {"qk one element off", false,
+       [](RopeCase& c) {
+         c.qk_offset = 1;
+         c.qk_extra_columns = 6 * 128;
+       }},
+      {"qk 4-byte aligned", false, [](RopeCase& c) { c.qk_offset = 2; }},
+      {"qk 8-byte aligned", false, [](RopeCase& c) { c.qk_offset = 4; }},
+      {"qk odd token stride", false, [](RopeCase& c) { c.qk_extra_columns = 1; }},
+      {"qk odd head stride", false, [](RopeCase& c) { c.qk_head_padding = 1; }},
+      {"factors odd row stride", false, [](RopeCase& c) { c.factor_padding = 1; }},
+      {"factors 8-byte row stride", false,
+       [](RopeCase& c) { c.factor_padding = c.factor_dtype == DType::kFloat32 ? 2 : 4; }},
+      {"factors one element off", false, [](RopeCase& c) { c.factor_offset = 1; }},
+      {"outputs one element off", false, [](RopeCase& c) { c.out_offset = 1; }},
+      {"grads odd strides", true, [](RopeCase& c) { c.grad_padding = 1; }},
+      {"grads one element off", true, [](RopeCase& c) { c.grad_offset = 1; }},
+      {"everything", false, [](RopeCase& c) {
+         c.qk_offset = 3;
+         c.qk_extra_columns = 5;
+         c.qk_head_padding = 1;
+         c.factor_padding = 3;
+         c.factor_offset = 1;
+         c.grad_padding = 3;
+         c.grad_offset = 1;
+         c.out_offset = 1;
+       }},
+  };
+  return all;
+}
+
 TEST(CudaQkNormRope, ForwardAllWidthsAndModes) {
   QKVF_REQUIRE_GPU();
-  // 32/64/96/128/256: exact lane geometries; 40, 72, 136, 200, 248: masked generic ones.
+  // Vector kernels: 32/64/96/128/256 exact lane geometries; 40, 72, 136, 200, 248 masked ones.
   for (int64_t head_dim : {32, 64, 96, 128, 256, 40, 72, 136, 200, 248}) {
     for (int64_t tokens : {1, 3, 17}) {
       for (int64_t heads : {1, 2, 3, 6}) {
@@ -332,13 +458,79 @@ TEST(CudaQkNormRope, ForwardKeyOffsetRotaryEdges) {
   }
 }
 
+TEST(CudaQkNormRope, ForwardGenericWidthsAndModes) {
+  QKVF_REQUIRE_GPU();
+  for (int64_t head_dim : kGenericWidths) {
+    for (int64_t tokens : kGenericTokens) {
+      for (int64_t heads : {1, 2, 3}) {
+        for (const RopeCase& c : all_mode_cases(tokens, heads, head_dim)) {
+          ASSERT_FALSE(c.vector_friendly(false)) << c.describe();
+          check_forward(c);
+        }
+      }
+    }
+  }
+}
+
+/// Odd paddings of every stride and every tensor one element off, on top of a case.
+RopeCase misaligned_everywhere(RopeCase c) {
+  c.qk_extra_columns = 3;
+  c.qk_head_padding = 1;
+  c.factor_padding = 1;
+  c.grad_padding = 1;
+  c.qk_offset = 1;
+  c.factor_offset = 1;
+  c.grad_offset = 1;
+  c.out_offset = 1;
+  return c;
+}
+
+TEST(CudaQkNormRope, ForwardGenericWidthsFloat32FactorsAndStrides) {
+  QKVF_REQUIRE_GPU();
+  for (int64_t head_dim : kGenericWidths) {
+    for (int64_t tokens : {2, 33, 129}) {
+      for (RopeCase c : all_mode_cases(tokens, 2, head_dim)) {
+        c.factor_dtype = DType::kFloat32;
+        check_forward(c);
+        check_forward(misaligned_everywhere(c));
+        c.factor_dtype = DType::kBFloat16;
+        check_forward(misaligned_everywhere(c));
+      }
+    }
+  }
+}
+
+TEST(CudaQkNormRope, ForwardMisalignedAtVectorWidths) {
+  QKVF_REQUIRE_GPU();
+  // D = 128, which the vector kernels take, sent to the generic path by one misalignment each.
+  for (const Misalignment& m : misalignments()) {
+    if (m.backward_only) continue;
+    SCOPED_TRACE(m.what);
+    for (DType factor_dtype : {DType::kBFloat16, DType::kFloat32}) {
+      for (int64_t tokens : {33, 129}) {
+        for (RopeCase c : all_mode_cases(tokens, 6, 128)) {
+          c.factor_dtype = factor_dtype;
+          m.apply(c);
+          ASSERT_FALSE(c.vector_friendly(false)) << c.describe();
+          check_forward(c);
+        }
+      }
+    }
+  }
+  // Every misalignment at once at the other lane geometries of the vector kernels.
+  for (int64_t head_dim : {32, 40, 64, 96, 256}) {
+    for (const RopeCase& c : all_mode_cases(17, 2, head_dim)) {
+      check_forward(misaligned_everywhere(c));
+    }
+  }
+}
+
 // ---- backward ------------------------------------------------------------------------------------
 
 /// grad_q / grad_k host tensors in the forward's output layout, padded per head and token row.
 HostTensor grad_tensor(const RopeCase& c, std::mt19937_64& rng) {
-  const int64_t head_stride = c.head_dim + c.grad_padding;
   HostTensor grad(DType::kBFloat16, {c.out_tokens(), c.out_heads(), c.head_dim},
-                  {c.out_heads() * head_stride + c.grad_padding, head_stride, 1});
+                  {c.grad_token_stride(), c.grad_head_stride(), 1});
   grad.set(random_values(rng, size_t(c.out_tokens() * c.out_heads() * c.head_dim),
                          DType::kBFloat16));
   return grad;
@@ -348,7 +540,7 @@ std::vector<uint16_t> run_backward_gpu(const RopeCase& c, const DeviceView& grad
                                        const DeviceView& grad_k, const DeviceView& qk,
                                        const DeviceView& f1, const DeviceView& f2,
                                        const Stream& stream) {
-  DeviceView grad_qk = device_output({c.tokens, 2 * c.heads, c.head_dim});
+  DeviceView grad_qk = device_output({c.tokens, 2 * c.heads, c.head_dim}, c.out_offset);
   // The poison (and the inputs) were written by cudaMemcpy / cudaMemset on the legacy default
   // stream, which a cudaStreamNonBlocking stream does not wait for, and a pageable-memory
   // cudaMemcpy may return before its DMA lands: without this the kernel can race the poison
@@ -358,7 +550,7 @@ std::vector<uint16_t> run_backward_gpu(const RopeCase& c, const DeviceView& grad
                                   f2.view,     grad_qk.view, c.layout(), stream.get()};
   qk_norm_rope_backward(params);
   stream.sync();
-  return grad_qk.buffer.to_host<uint16_t>();
+  return read_output(grad_qk, "grad_qk");
 }
 
 void check_backward(const RopeCase& c) {
@@ -372,11 +564,11 @@ void check_backward(const RopeCase& c) {
   qk_norm_rope_backward({grad_q.view(), grad_k.view(), in.qk.view(), in.factor1.view(),
                          in.factor2.view(), grad_qk.view(), c.layout()});
 
-  const DeviceView dq = to_device(grad_q.view());
-  const DeviceView dk = to_device(grad_k.view());
-  const DeviceView qk = to_device(in.qk.view());
-  const DeviceView f1 = to_device(in.factor1.view());
-  const DeviceView f2 = to_device(in.factor2.view());
+  const DeviceView dq = to_device(grad_q.view(), c.grad_offset);
+  const DeviceView dk = to_device(grad_k.view(), c.grad_offset);
+  const DeviceView qk = to_device(in.qk.view(), c.qk_offset);
+  const DeviceView f1 = to_device(in.factor1.view(), c.factor_offset);
+  const DeviceView f2 = to_device(in.factor2.view(), c.factor_offset);
   Stream stream;
   const std::vector<uint16_t> first = run_backward_gpu(c, dq, dk, qk, f1, f2, stream);
   EXPECT_TRUE(clean(compare_bf16("grad_qk", first, grad_qk.get_bf16_bits(), c.head_dim)));
@@ -445,34 +637,157 @@ TEST(CudaQkNormRope, BackwardKeyOffsetRotaryEdges) {
   }
 }
 
+TEST(CudaQkNormRope, BackwardGenericWidthsAndModes) {
+  QKVF_REQUIRE_GPU();
+  for (int64_t head_dim : kGenericWidths) {
+    for (int64_t tokens : kGenericTokens) {
+      for (int64_t heads : {1, 2, 3}) {
+        for (const RopeCase& c : all_mode_cases(tokens, heads, head_dim)) {
+          ASSERT_FALSE(c.vector_friendly(true)) << c.describe();
+          check_backward(c);
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaQkNormRope, BackwardGenericWidthsFloat32FactorsAndStrides) {
+  QKVF_REQUIRE_GPU();
+  for (int64_t head_dim : kGenericWidths) {
+    for (int64_t tokens : {2, 33, 129}) {
+      for (RopeCase c : all_mode_cases(tokens, 2, head_dim)) {
+        c.factor_dtype = DType::kFloat32;
+        check_backward(c);
+        check_backward(misaligned_everywhere(c));
+        c.factor_dtype = DType::kBFloat16;
+        check_backward(misaligned_everywhere(c));
+      }
+    }
+  }
+}
+
+TEST(CudaQkNormRope, BackwardMisalignedAtVectorWidths) {
+  QKVF_REQUIRE_GPU();
+  for (const Misalignment& m : misalignments()) {
+    SCOPED_TRACE(m.what);
+    for (DType factor_dtype : {DType::kBFloat16, DType::kFloat32}) {
+      for (int64_t tokens : {33, 129}) {
+        for (RopeCase c : all_mode_cases(tokens, 6, 128)) {
+          c.factor_dtype = factor_dtype;
+          m.apply(c);
+          ASSERT_FALSE(c.vector_friendly(true)) << c.describe();
+          check_backward(c);
+        }
+      }
+    }
+  }
+  for (int64_t head_dim : {32, 40, 64, 96, 256}) {
+    for (const RopeCase& c : all_mode_cases(17, 2, head_dim)) {
+      check_backward(misaligned_everywhere(c));
+    }
+  }
+}
+
 // ---- errors and edges ----------------------------------------------------------------------------
 
-TEST(CudaQkNormRope, RefusesWidthsNotMultipleOf8) {
+/// `view` with its data pointer moved by `bytes` (off its elements' alignment when odd).
+TensorView shifted_bytes(TensorView view, int64_t bytes) {
+  view.data = static_cast<char*>(view.data) + bytes;
+  return view;
+}
+
+bool all_poison(const std::vector<uint16_t>& values) {
+  for (uint16_t v : values) {
+    if (v != kPoisonBF16) return false;
+  }
+  return true;
+}
+
+TEST(CudaQkNormRope, RefusesWhatIsStillOutsideTheDomain) {
   QKVF_REQUIRE_GPU();
-  // Even widths the API takes but the 16-byte kernels do not: a clear error naming D.
+  // What the CUDA backend still refuses, as the CPU does: D odd, past 256 or 0; a pointer off
+  // its elements' alignment; outputs that are not row-major contiguous. Each is a qkvfuse::Error
+  // naming the op and the argument, and nothing is written.
   RopeCase c;
   c.tokens = 4;
   c.heads = 2;
-  c.head_dim = 36;
+  c.head_dim = 32;
   auto rng = rng_for_test();
   RopeInputs in(c, rng);
-  DeviceView qk = to_device(in.qk.view());
-  DeviceView f1 = to_device(in.factor1.view());
-  DeviceView f2 = to_device(in.factor2.view());
+  HostTensor grad_q = grad_tensor(c, rng);
+  HostTensor grad_k = grad_tensor(c, rng);
+  const DeviceView qk = to_device(in.qk.view());
+  const DeviceView f1 = to_device(in.factor1.view());
+  const DeviceView f2 = to_device(in.factor2.view());
+  const DeviceView dq = to_device(grad_q.view());
+  const DeviceView dk = to_device(grad_k.view());
   DeviceView q = device_output({c.tokens, c.heads, c.head_dim});
   DeviceView k = device_output({c.tokens, c.heads, c.head_dim});
-  EXPECT_TRUE(throws_error(
-      [&] { qk_norm_rope({qk.view, f1.view, f2.view, q.view, k.view, c.layout()}); }, {"36"}));
+  DeviceView grad_qk = device_output({c.tokens, 2 * c.heads, c.head_dim});
+  // float32 factors one 2-byte step off their 4-byte alignment.
+  DeviceBuffer f32(size_t(c.tokens * c.head_dim + 1) * 4);
+  const QkNormRopeParams forward{qk.view, f1.view, f2.view, q.view, k.view, c.layout()};
+  const QkNormRopeBackwardParams backward{dq.view, dk.view,      qk.view,   f1.view,
+                                          f2.view, grad_qk.view, c.layout()};
+
+  for (int64_t bad : {33, 258, 0}) {
+    const std::string what = "qk: head width D = " + std::to_string(bad);
+    QkNormRopeParams p = forward;
+    p.qk.sizes[2] = bad;
+    EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"qk_norm_rope: " + what}));
+    QkNormRopeBackwardParams b = backward;
+    b.qk.sizes[2] = bad;
+    EXPECT_TRUE(
+        throws_error([&] { qk_norm_rope_backward(b); }, {"qk_norm_rope_backward: " + what}));
+  }
+  {
+    QkNormRopeParams p = forward;
+    p.qk = shifted_bytes(p.qk, 1);
+    EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"qk_norm_rope: qk: ", "aligned"}));
+    p = forward;
+    p.factor1 = p.factor2 = make_view(static_cast<char*>(f32.data()) + 2, DType::kFloat32, kGPU,
+                                      {c.tokens, c.head_dim});
+    EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"qk_norm_rope: factor1: ", "aligned"}));
+    p = forward;
+    p.k = shifted_bytes(p.k, 1);
+    EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"qk_norm_rope: k: ", "aligned"}));
+    p = forward;
+    p.q.sizes[0] = c.tokens / 2;  // every other token row of a [T, H, D] buffer: padded rows
+    p.q.strides[0] *= 2;
+    p.qk.sizes[0] = p.factor1.sizes[0] = p.factor2.sizes[0] = p.k.sizes[0] = c.tokens / 2;
+    EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"qk_norm_rope: q: ", "contiguous"}));
+  }
+  {
+    QkNormRopeBackwardParams b = backward;
+    b.grad_k = shifted_bytes(b.grad_k, 1);
+    EXPECT_TRUE(throws_error([&] { qk_norm_rope_backward(b); },
+                             {"qk_norm_rope_backward: grad_k: ", "aligned"}));
+    b = backward;
+    b.grad_qk = shifted_bytes(b.grad_qk, 1);
+    EXPECT_TRUE(throws_error([&] { qk_norm_rope_backward(b); },
+                             {"qk_norm_rope_backward: grad_qk: ", "aligned"}));
+  }
+  synchronize();
+  EXPECT_TRUE(all_poison(read_output(q, "q")) && all_poison(read_output(k, "k")) &&
+              all_poison(read_output(grad_qk, "grad_qk")))
+      << "a refused call wrote an output";
+
+  // The unmodified calls are valid: the refusals above are for the one thing each changed.
+  EXPECT_NO_THROW(qk_norm_rope(forward));
+  EXPECT_NO_THROW(qk_norm_rope_backward(backward));
+  synchronize();
 }
 
 TEST(CudaQkNormRope, ZeroTokensIsANoOp) {
   QKVF_REQUIRE_GPU();
   DeviceBuffer a(256), b(256), c(256), d(256);
-  const TensorView qk = make_view(a.data(), DType::kBFloat16, kGPU, {0, 4, 64});
-  const TensorView f = make_view(b.data(), DType::kBFloat16, kGPU, {0, 64});
-  const TensorView q = make_view(c.data(), DType::kBFloat16, kGPU, {0, 2, 64});
-  const TensorView k = make_view(d.data(), DType::kBFloat16, kGPU, {0, 2, 64});
-  EXPECT_NO_THROW(qk_norm_rope({qk, f, f, q, k, RopeLayout{2, 64, false, false}}));
+  for (int64_t D : {64, 34}) {  // the vector path's width and a generic one
+    const TensorView qk = make_view(a.data(), DType::kBFloat16, kGPU, {0, 4, D});
+    const TensorView f = make_view(b.data(), DType::kBFloat16, kGPU, {0, D});
+    const TensorView q = make_view(c.data(), DType::kBFloat16, kGPU, {0, 2, D});
+    const TensorView k = make_view(d.data(), DType::kBFloat16, kGPU, {0, 2, D});
+    EXPECT_NO_THROW(qk_norm_rope({qk, f, f, q, k, RopeLayout{2, D, false, false}}));
+  }
   synchronize();
 }
 

@@ -126,14 +126,136 @@ TEST(Validation, QkNormRopeWrongHeadCountAndShapes) {
 }
 
 TEST(Validation, QkNormRopeHeadWidth) {
+  // Every backend takes any even D in [2, 256] (the CUDA tests check the same refusals there).
   RopeArgs args;
-  for (int64_t bad : {0, 33, 258}) {
+  for (int64_t bad : {0, 1, 33, 255, 258}) {
+    const std::string what = "qk: head width D = " + std::to_string(bad);
     auto p = args.forward();
     p.qk.sizes[2] = bad;
-    EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); },
-                             {"qk: head width D = " + std::to_string(bad),
-                              "not supported on cpu: expected D in [2, 256], a multiple of 2"}));
+    EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"qk_norm_rope: " + what, "[2, 256]"}));
+    auto b = args.backward();
+    b.qk.sizes[2] = bad;
+    EXPECT_TRUE(throws_error([&] { qk_norm_rope_backward(b); },
+                             {"qk_norm_rope_backward: " + what, "[2, 256]"}));
+    auto f = args.fp8();
+    f.qk.sizes[2] = bad;
+    EXPECT_TRUE(
+        throws_error([&] { qkv_backward_fp8(f); }, {"qkv_backward_fp8: " + what, "[2, 256]"}));
   }
+}
+
+TEST(Validation, RopeOpsRefusePointersOffTheirElements) {
+  // Pointers need their elements' alignment (on every device): a bf16 tensor at an odd byte
+  // address, a float32 one at 2 bytes past a multiple of 4, is refused by name.
+  RopeArgs args;
+  const auto off = [](TensorView view, int64_t bytes) {
+    view.data = static_cast<char*>(view.data) + bytes;
+    return view;
+  };
+  const std::string not_aligned = "is not aligned to its ";
+  auto p = args.forward();
+  p.qk = off(p.qk, 1);
+  EXPECT_TRUE(
+      throws_error([&] { qk_norm_rope(p); }, {"qk_norm_rope: qk: ", not_aligned + "2-byte"}));
+  p = args.forward();
+  p.factor2 = off(p.factor2, 1);
+  EXPECT_TRUE(
+      throws_error([&] { qk_norm_rope(p); }, {"qk_norm_rope: factor2: ", not_aligned + "2-byte"}));
+  p = args.forward();
+  p.q = off(p.q, 1);
+  EXPECT_TRUE(
+      throws_error([&] { qk_norm_rope(p); }, {"qk_norm_rope: q: ", not_aligned + "2-byte"}));
+  HostTensor f32(DType::kFloat32, {RopeArgs::T * RopeArgs::D + 1});
+  p = args.forward();
+  p.factor1 = p.factor2 =
+      make_view(static_cast<char*>(f32.view().data) + 2, DType::kFloat32, kCPU,
+                {RopeArgs::T, RopeArgs::D});
+  EXPECT_TRUE(
+      throws_error([&] { qk_norm_rope(p); }, {"qk_norm_rope: factor1: ", not_aligned + "4-byte"}));
+
+  auto b = args.backward();
+  b.grad_q = off(b.grad_q, 1);
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope_backward(b); },
+                           {"qk_norm_rope_backward: grad_q: ", not_aligned + "2-byte"}));
+  b = args.backward();
+  b.grad_qk = off(b.grad_qk, 1);
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope_backward(b); },
+                           {"qk_norm_rope_backward: grad_qk: ", not_aligned + "2-byte"}));
+
+  auto f = args.fp8();
+  f.grad_v = off(f.grad_v, 1);
+  EXPECT_TRUE(throws_error([&] { qkv_backward_fp8(f); },
+                           {"qkv_backward_fp8: grad_v: ", not_aligned + "2-byte"}));
+  f = args.fp8();
+  f.grad_scale = off(f.grad_scale, 2);
+  EXPECT_TRUE(throws_error([&] { qkv_backward_fp8(f); },
+                           {"qkv_backward_fp8: grad_scale: ", not_aligned + "4-byte"}));
+  for (const HostTensor* out : {&args.q, &args.k, &args.grad_qk, &args.grad_row, &args.grad_t}) {
+    EXPECT_TRUE(untouched(*out));
+  }
+}
+
+TEST(Validation, RopeOpsTakeElementAlignedPointersAndAnyStrides) {
+  // The same call with every tensor one element past an aligned address and odd strides gives
+  // the same results: only element alignment is asked for.
+  constexpr int64_t T = RopeArgs::T, H = RopeArgs::H, D = RopeArgs::D, Dv = 7;
+  constexpr int64_t kQkvDim = 2 * H * D + H * Dv;
+  auto rng = rng_for_test();
+  const std::vector<double> qk_values =
+      random_values(rng, size_t(T * 2 * H * D), DType::kBFloat16);
+  const std::vector<double> grad_values = random_values(rng, size_t(T * H * D), DType::kBFloat16);
+  const std::vector<double> v_values = random_values(rng, size_t(T * H * Dv), DType::kBFloat16);
+  std::vector<double> f1, f2;
+  rotary_factor_values(rng, T, D, 1, D, false, f1, f2);
+  std::vector<uint16_t> q_bits[2], grad_qk_bits[2];
+  std::vector<uint8_t> row_codes[2], t_codes[2];
+  for (int odd = 0; odd < 2; ++odd) {
+    // odd: each stride `pad` more than packed (the last stays 1); offset 1 element.
+    const auto strides = [odd](std::initializer_list<int64_t> sizes, int64_t pad) {
+      if (!odd) return std::vector<int64_t>{};  // row-major
+      std::vector<int64_t> out(sizes.size(), 1);
+      int64_t stride = 1;
+      for (size_t d = sizes.size(); d-- > 0;) {
+        out[d] = stride;
+        stride = stride * *(sizes.begin() + d) + pad;
+      }
+      return out;
+    };
+    const int64_t offset = odd;
+    HostTensor qk(DType::kBFloat16, {T, 2 * H, D}, strides({T, 2 * H, D}, 3), offset);
+    HostTensor factor1(DType::kFloat32, {T, D}, strides({T, D}, 1), offset);
+    HostTensor factor2(DType::kFloat32, {T, D}, strides({T, D}, 1), offset);
+    HostTensor grad(DType::kBFloat16, {T, H, D}, strides({T, H, D}, 1), offset);
+    HostTensor grad_v(DType::kBFloat16, {T, H, Dv}, strides({T, H, Dv}, 1), offset);
+    HostTensor scale(DType::kFloat32, {});
+    HostTensor q(DType::kBFloat16, {T, H, D}, {}, offset);
+    HostTensor k(DType::kBFloat16, {T, H, D}, {}, offset);
+    HostTensor grad_qk(DType::kBFloat16, {T, 2 * H, D}, {}, offset);
+    HostTensor grad_row(DType::kFloat8E4M3, {T, kQkvDim}, {}, offset);  // an odd byte address
+    HostTensor grad_t(DType::kFloat8E4M3, {kQkvDim, T}, {}, offset);
+    qk.set(qk_values);
+    factor1.set(f1);
+    factor2.set(f2);
+    grad.set(grad_values);
+    grad_v.set(v_values);
+    scale.set({1.0 / 448});
+    const RopeLayout layout{H, D, false, false};
+    EXPECT_NO_THROW(
+        qk_norm_rope({qk.view(), factor1.view(), factor2.view(), q.view(), k.view(), layout}));
+    EXPECT_NO_THROW(qk_norm_rope_backward({grad.view(), grad.view(), qk.view(), factor1.view(),
+                                           factor2.view(), grad_qk.view(), layout}));
+    EXPECT_NO_THROW(qkv_backward_fp8({grad.view(), grad.view(), grad_v.view(), qk.view(),
+                                      factor1.view(), factor2.view(), scale.view(),
+                                      grad_row.view(), grad_t.view(), layout}));
+    q_bits[odd] = q.get_bf16_bits();
+    grad_qk_bits[odd] = grad_qk.get_bf16_bits();
+    row_codes[odd] = grad_row.get_codes();
+    t_codes[odd] = grad_t.get_codes();
+  }
+  EXPECT_EQ(q_bits[0], q_bits[1]);
+  EXPECT_EQ(grad_qk_bits[0], grad_qk_bits[1]);
+  EXPECT_EQ(row_codes[0], row_codes[1]);
+  EXPECT_EQ(t_codes[0], t_codes[1]);
 }
 
 TEST(Validation, QkNormRopeStrides) {
@@ -266,6 +388,31 @@ TEST(Validation, QkvBackwardFp8Checks) {
   p.factor1.dtype = p.factor2.dtype = DType::kFloat64;
   EXPECT_TRUE(
       throws_error([&] { qkv_backward_fp8(p); }, {"factor1: expected dtype bfloat16 or float32"}));
+}
+
+TEST(Validation, QkvBackwardFp8VWidth) {
+  // Any Dv >= 1 on the CPU (CUDA stops at 512: test_cuda_qkv_backward_fp8.cpp); Dv = 0 is
+  // refused by name.
+  constexpr int64_t T = RopeArgs::T, H = RopeArgs::H, D = RopeArgs::D;
+  for (int64_t v_dim : {0, 1, 7, 513, 600}) {
+    RopeArgs args;
+    const int64_t qkv_dim = 2 * H * D + H * v_dim;
+    HostTensor grad_v(DType::kBFloat16, {T, H, v_dim});
+    HostTensor grad_row(DType::kFloat8E4M3, {T, qkv_dim});
+    HostTensor grad_t(DType::kFloat8E4M3, {qkv_dim, T});
+    grad_v.set(std::vector<double>(size_t(grad_v.numel()), 1.0));
+    auto p = args.fp8();
+    p.grad_v = grad_v.view();
+    p.grad_row = grad_row.view();
+    p.grad_t = grad_t.view();
+    if (v_dim == 0) {
+      EXPECT_TRUE(throws_error([&] { qkv_backward_fp8(p); },
+                               {"qkv_backward_fp8: grad_v: expected a V head width Dv"}));
+      EXPECT_TRUE(untouched(grad_row));
+    } else {
+      EXPECT_NO_THROW(qkv_backward_fp8(p)) << "Dv = " << v_dim;
+    }
+  }
 }
 
 TEST(Validation, EmptyRopeWorkIsANoOpThatWritesNothing) {

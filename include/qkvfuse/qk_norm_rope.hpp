@@ -24,8 +24,10 @@ struct RopeLayout {
 ///   factor2  same shape and dtype as factor1: sin(theta) with odd lanes negated; 0 if stationary.
 ///   q, k     outputs, qk's dtype, [T, H, D] ([2T, H/2, D] when paired), each row-major
 ///            contiguous, separate allocations that overlap nothing.
-/// D is any even width from 2 to 256 on the CPU; the CUDA backend takes D in [32, 256], a
-/// multiple of 8 (its rows move in 16-byte chunks).
+/// D is any even width from 2 to 256 on both backends; pointers need only their elements'
+/// alignment. On CUDA the fast kernels (16-byte vectors) serve D a multiple of 8 in [32, 256]
+/// with 16-byte aligned pointers and strides; every other call runs on element-pair kernels
+/// with the same results, several times slower.
 struct QkNormRopeParams {
   TensorView qk;
   TensorView factor1;

@@ -12,13 +12,15 @@ namespace qkvfuse {
 ///
 ///   grad_q, grad_k  bf16 [T, H, D] ([2T, H/2, D] when paired), last dim contiguous
 ///   grad_v          bf16 [T, H, Dv], last dim contiguous, token and head strides arbitrary;
-///                   Dv >= 1 on the CPU, a multiple of 8 in [8, 256] on CUDA
+///                   Dv >= 1 on the CPU, in [1, 512] on CUDA (the fast kernel: Dv a
+///                   multiple of 8 up to 256, see qk_norm_rope.hpp for the rest)
 ///   qk              bf16 [T, 2H, D], the saved pre-norm projection (as the forward)
 ///   factor1/2       as the forward
 ///   grad_scale      float32 scalar, shape [] or [1], on the same device
 ///   grad_row        output e4m3 [T, qkv_dim] row-major contiguous, qkv_dim = 2*H*D + H*Dv:
 ///                   features [Q: h*D+d | K: (H+h)*D+d | V: 2*H*D + h*Dv + d]
-///   grad_t          output e4m3 [qkv_dim, T] row-major contiguous (grad_row transposed)
+///   grad_t          output e4m3 [qkv_dim, T] row-major contiguous (grad_row transposed);
+///                   the fast CUDA kernel wants both outputs 16-byte aligned
 struct QkvBackwardFp8Params {
   TensorView grad_q;
   TensorView grad_k;

@@ -139,6 +139,11 @@ struct E4m3Scaler {
     return __uint_as_float(bits);
   }
 
+  /// One value's quotient, for callers that convert elements one or two at a time.
+  __device__ __forceinline__ float operator()(float a) const {
+    return fast ? quotient(a, divisor.divisor * 512.0f) : __fdiv_rn(a, divisor.divisor);
+  }
+
   /// 8 values -> 8 e4m3 codes in two words, element 0 in the low byte of lo.
   __device__ __forceinline__ void operator()(const float (&v)[8], uint32_t& lo,
                                              uint32_t& hi) const {

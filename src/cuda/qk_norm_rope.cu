@@ -34,6 +34,7 @@
 #include "cuda/check.hpp"
 #include "cuda/device_math.cuh"
 #include "cuda/rope_common.cuh"
+#include "cuda/rope_paths.hpp"
 #include "cuda/static_switch.hpp"
 
 namespace qkvfuse::cuda {
@@ -184,6 +185,7 @@ void launch_forward(QkNormRopeKernelParams kp, cudaStream_t stream) {
 }  // namespace
 
 void qk_norm_rope(const QkNormRopeParams& params) {
+  if (!rope::vector_path(params)) return generic::qk_norm_rope(params);
   DeviceGuard guard(params.qk.device);
   const int64_t tokens = params.qk.size(0);
   if (tokens == 0) return;

@@ -27,6 +27,7 @@
 #include "cuda/check.hpp"
 #include "cuda/device_math.cuh"
 #include "cuda/rope_common.cuh"
+#include "cuda/rope_paths.hpp"
 #include "cuda/static_switch.hpp"
 
 namespace qkvfuse::cuda {
@@ -185,6 +186,7 @@ void launch_backward(QkNormRopeBackwardKernelParams kp, cudaStream_t stream) {
 }  // namespace
 
 void qk_norm_rope_backward(const QkNormRopeBackwardParams& params) {
+  if (!rope::vector_path(params)) return generic::qk_norm_rope_backward(params);
   DeviceGuard guard(params.qk.device);
   const int64_t tokens = params.qk.size(0);
   if (tokens == 0) return;

@@ -41,6 +41,7 @@
 #include "cuda/check.hpp"
 #include "cuda/device_math.cuh"
 #include "cuda/rope_common.cuh"
+#include "cuda/rope_paths.hpp"
 #include "cuda/static_switch.hpp"
 
 namespace qkvfuse::cuda {
@@ -402,6 +403,7 @@ void launch_fp8(const QkvBackwardFp8KernelParams& kp, cudaStream_t stream) {
 }  // namespace
 
 void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
+  if (!rope::vector_path(params)) return generic::qkv_backward_fp8(params);
   DeviceGuard guard(params.qk.device);
   const int64_t tokens = params.qk.size(0);
   if (tokens == 0) return;

@@ -55,9 +55,9 @@ inline constexpr int kMaxHeadWidth = 256;
 
 /// Calls f(RowGeometry<G, C>{}) for the geometry serving head width D. Exact geometries for 32
 /// (4 lanes x 1 chunk), 64 (8 x 1), 128 (16 x 1) and 256 (16 x 2); every other multiple of 8 in
-/// [32, 256] runs on the next larger one, masked (96: 16 x 1 with 12 lanes active). Widths that
-/// are not a multiple of 8 are refused: rows and strides of 8 elements are what makes every
-/// access a 16-byte vector (the validator guarantees 16-byte aligned strides on CUDA tensors).
+/// [32, 256] runs on the next larger one, masked (96: 16 x 1 with 12 lanes active). Other widths
+/// never get here: rope_paths.hpp sends them (and rows not 16-byte aligned) to the element-pair
+/// kernels of rope_generic.cu.
 template <typename F>
 void head_width_switch(const char* op, int64_t D, F&& f) {
   QKVF_CHECK(D % 8 == 0 && D >= kMinHeadWidth && D <= kMaxHeadWidth, op,

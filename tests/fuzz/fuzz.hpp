@@ -79,6 +79,9 @@ struct Case {
   int64_t table_rotary = 0;  ///< rotating dims of the factor tables (the rest stationary: 1, 0)
   DType factor_dtype = DType::kBFloat16;
   Placement qk, factor, grad, v;  ///< grad: grad_q and grad_k (same placement)
+  /// Elements between an output's aligned allocation and its first element (q, k, grad_qk,
+  /// grad_row, grad_t): 0, or an offset that leaves a bf16 / e4m3 output off the 16 bytes.
+  int64_t out_offset = 0;
 
   // quantize ops
   int64_t batch = 0;  ///< 0: plain [M, N]
@@ -92,10 +95,15 @@ struct Case {
   int scale_ndim = 0;  ///< plain scalars: shape [] (0) or [1] (1)
 
   unsigned specials = 0;
-  /// Empty when the case lies inside the documented CUDA constraints (head width, V width,
-  /// 16-byte vector alignment); otherwise why not: the CUDA backend must then either refuse it
-  /// with qkvfuse::Error or compute it correctly.
+  /// Empty when the case lies inside the documented CUDA domain (rope ops: Dv <= 512;
+  /// quantize: 16-byte vector alignment); otherwise why not: the CUDA backend must then either
+  /// refuse it with qkvfuse::Error or compute it correctly.
   std::string outside_cuda;
+  /// Rope ops: whether the arguments meet the CUDA 16-byte vector kernels' rule (D a multiple of
+  /// 8 from 32; qkv_backward_fp8: Dv a multiple of 8 up to 256; every pointer and every stride
+  /// but the last a multiple of 16 bytes); if not, the element-pair kernels of the generic path
+  /// compute the case. For the log: the comparisons are the same.
+  bool vector_path = false;
 
   int64_t out_tokens() const { return paired ? 2 * tokens : tokens; }
   int64_t out_heads() const { return paired ? heads / 2 : heads; }
@@ -163,8 +171,10 @@ class Memory {
   /// The input on this memory, with the same strides (and, on CUDA, the same pointer alignment
   /// modulo 16 bytes as the host view has within its buffer).
   virtual TensorView input(const HostBuffer& host) = 0;
-  /// A contiguous output, every byte the dtype's poison, between guard bytes.
-  virtual TensorView output(const std::string& name, DType dtype, std::vector<int64_t> sizes) = 0;
+  /// A contiguous output, every byte the dtype's poison, between guard bytes; its first element
+  /// lies `offset` elements past a 16-byte aligned address.
+  virtual TensorView output(const std::string& name, DType dtype, std::vector<int64_t> sizes,
+                            int64_t offset = 0) = 0;
   /// Waits for the launched work (throws on a CUDA error).
   virtual void finish() = 0;
   /// The bytes of an output made by output().

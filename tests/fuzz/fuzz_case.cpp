@@ -164,7 +164,9 @@ float draw_scale(Rng& rng, bool allow_special) {
 
 // ---- drawing ---------------------------------------------------------------------------------------
 
-void draw_rope(Case& c, Rng& rng, bool cuda_rules, int64_t max_tokens) {
+/// `cuda_rules`: a GPU-mode case inside the CUDA domain; `cuda_outside`: a GPU-mode case drawn
+/// outside it where anything is left outside (Dv past 512); neither: a CPU-only case.
+void draw_rope(Case& c, Rng& rng, bool cuda_rules, bool cuda_outside, int64_t max_tokens) {
   const double mode = rng.unit();
   c.paired = mode >= 0.4 && mode < 0.7;
   c.key_offset = mode >= 0.7;
@@ -173,7 +175,14 @@ void draw_rope(Case& c, Rng& rng, bool cuda_rules, int64_t max_tokens) {
   const int64_t heads = h < 0.5 ? rng.range(1, 4) : h < 0.8 ? rng.range(5, 8) : rng.range(9, 16);
   c.heads = c.paired ? std::max<int64_t>(2, heads / 2 * 2) : heads;
   if (cuda_rules) {
-    c.head_dim = rng.chance(0.4) ? rng.pick<int64_t>({64, 96, 128}) : 8 * rng.range(4, 32);
+    // Every even width CUDA takes. About 60 % of draws are widths of the 16-byte vector kernels
+    // (multiples of 8 from 32: the first two branches, and a quarter of the last), the rest go
+    // to the element-pair kernels of the generic path.
+    const double u = rng.unit();
+    c.head_dim = u < 0.2    ? rng.pick<int64_t>({64, 96, 128})
+                 : u < 0.55 ? 8 * rng.range(4, 32)
+                 : u < 0.7  ? rng.pick<int64_t>({2, 4, 6, 8, 10, 16, 24, 30, 34, 254})
+                            : 2 * rng.range(1, 128);
   } else {
     const double u = rng.unit();
     c.head_dim = u < 0.4   ? 8 * rng.range(4, 32)
@@ -190,7 +199,17 @@ void draw_rope(Case& c, Rng& rng, bool cuda_rules, int64_t max_tokens) {
   }
   c.factor_dtype = rng.chance(0.3) ? DType::kFloat32 : DType::kBFloat16;
   if (c.op == Op::kQkvBackwardFp8) {
-    if (cuda_rules || rng.chance(0.5)) {
+    if (cuda_rules) {
+      // Dv in [1, 512]: about 70 % on the vector kernel's widths (multiples of 8 up to 256), the
+      // rest odd, not a multiple of 8, or past 256.
+      const double u = rng.unit();
+      c.v_dim = u < 0.25   ? 128
+                : u < 0.7  ? 8 * rng.range(1, 32)
+                : u < 0.8  ? rng.pick<int64_t>({1, 2, 3, 7, 9, 33, 130, 257, 264, 300, 511, 512})
+                           : rng.range(1, 512);
+    } else if (cuda_outside && rng.chance(0.5)) {
+      c.v_dim = rng.range(513, 1024);  // past what the CUDA backend takes
+    } else if (rng.chance(0.5)) {
       c.v_dim = rng.chance(0.3) ? 128 : 8 * rng.range(1, 32);
     } else {
       c.v_dim = rng.range(1, 256);
@@ -201,41 +220,59 @@ void draw_rope(Case& c, Rng& rng, bool cuda_rules, int64_t max_tokens) {
   // Keep tokens * features within the budget: long cases trade heads and widths for tokens.
   const int64_t budget = element_budget(c.tokens);
   const int64_t min_heads = c.paired ? 2 : 1;
-  const int64_t min_dim = cuda_rules ? 32 : 2;
+  // A width of the CUDA vector kernels stays one when it shrinks.
+  const bool vector_width = cuda_rules && c.head_dim % 8 == 0 && c.head_dim >= 32;
+  const int64_t min_dim = vector_width ? 32 : 2;
   const auto features = [&] { return 2 * c.heads * c.head_dim + c.heads * c.v_dim; };
   while (c.tokens * features() > budget) {
     if (c.heads > min_heads) {
       c.heads = std::max(min_heads, c.paired ? c.heads / 4 * 2 : c.heads / 2);
     } else if (c.head_dim > min_dim) {
-      const int64_t multiple = cuda_rules ? 8 : 2;
+      const int64_t multiple = vector_width ? 8 : 2;
       c.head_dim = std::max(min_dim, c.head_dim / 2 / multiple * multiple);
       c.rotary_dim = std::min(c.rotary_dim, c.head_dim);
       c.table_rotary = std::min(c.table_rotary, c.key_offset ? c.rotary_dim : c.head_dim);
     } else if (c.v_dim > 8) {
-      c.v_dim = std::max<int64_t>(8, c.v_dim / 2 / 8 * 8);
+      // Under the CUDA rules a V width off the multiples of 8 stays off them (the generic path).
+      c.v_dim = cuda_rules && c.v_dim % 8 != 0 ? c.v_dim / 2
+                                               : std::max<int64_t>(8, c.v_dim / 2 / 8 * 8);
     } else {
       c.tokens = std::max<int64_t>(1, budget / features());
     }
   }
 
-  const int64_t unit = cuda_rules ? 8 : 1;
+  // Pads and offsets: CPU-only cases take any (unit 1). Under the CUDA rules they are multiples
+  // of the 16-byte vector (`aligned` elements), except in about 20 % of cases ("misaligned"),
+  // where each tensor draws unit 1 with even odds: odd pads and offsets, pointers aligned to
+  // their elements only, which the generic path takes. Each tensor alone, or several at once.
+  const bool misaligned = cuda_rules && rng.chance(0.2);
+  const auto unit_for = [&](int64_t aligned) -> int64_t {
+    if (!cuda_rules) return 1;
+    return misaligned && rng.chance(0.5) ? 1 : aligned;
+  };
   const int64_t v_extra = c.heads * (c.v_dim ? c.v_dim : 128);
-  c.qk = random_heads_placement(rng, c.tokens, 2 * c.heads, c.head_dim, unit, v_extra);
-  c.grad = random_heads_placement(rng, c.out_tokens(), c.out_heads(), c.head_dim, unit, unit * 2);
+  const int64_t qk_unit = unit_for(8);
+  c.qk = random_heads_placement(rng, c.tokens, 2 * c.heads, c.head_dim, qk_unit, v_extra);
+  const int64_t grad_unit = unit_for(8);
+  c.grad = random_heads_placement(rng, c.out_tokens(), c.out_heads(), c.head_dim, grad_unit,
+                                  grad_unit * 2);
   if (c.op == Op::kQkvBackwardFp8) {
     if (rng.chance(0.2)) {
       // The V columns of a packed [T, qkv_dim] gradient buffer.
       const int64_t qk_features = 2 * c.heads * c.head_dim;
       c.v = heads_placement(c.tokens, c.heads, c.v_dim, 0, qk_features, qk_features);
     } else {
-      c.v = random_heads_placement(rng, c.tokens, c.heads, c.v_dim, unit, unit * 3);
+      const int64_t v_unit = unit_for(8);
+      c.v = random_heads_placement(rng, c.tokens, c.heads, c.v_dim, v_unit, v_unit * 3);
     }
   }
-  const int64_t factor_unit = cuda_rules ? (c.factor_dtype == DType::kFloat32 ? 4 : 8) : 1;
+  const int64_t factor_unit = unit_for(c.factor_dtype == DType::kFloat32 ? 4 : 8);
   const int64_t width = c.factor_width();
   c.factor = {{c.tokens, width},
               {width + maybe_pad(rng, 0.3, factor_unit), 1},
               rng.chance(0.2) ? factor_unit * rng.range(1, 4) : 0};
+  // Outputs (q, k, grad_qk: bf16; grad_row, grad_t: e4m3) 1 to 15 elements past 16 bytes.
+  if (misaligned && rng.chance(0.5)) c.out_offset = rng.range(1, 15);
   if (c.op == Op::kQkvBackwardFp8) {
     c.scales = {draw_scale(rng, true)};
     c.scale_ndim = int(rng.range(0, 1));
@@ -274,25 +311,37 @@ void draw_quantize(Case& c, Rng& rng, bool cuda_rules, int64_t max_tokens) {
 /// Why the case lies outside what the CUDA backend documents it takes; empty if inside.
 std::string cuda_domain_problem(const Case& c) {
   if (is_rope_op(c.op)) {
-    if (c.head_dim % 8 != 0 || c.head_dim < 32 || c.head_dim > 256) {
-      return "head width D = " + std::to_string(c.head_dim) +
-             " (CUDA takes multiples of 8 in [32, 256])";
+    // CUDA takes what the CPU takes (every even D in [2, 256], the only widths drawn; any
+    // strides, element-aligned pointers), but for Dv, which it bounds.
+    if (c.op == Op::kQkvBackwardFp8 && c.v_dim > 512) {
+      return "V width Dv = " + std::to_string(c.v_dim) + " (CUDA takes Dv in [1, 512])";
     }
-    if (c.op == Op::kQkvBackwardFp8 && (c.v_dim % 8 != 0 || c.v_dim > 256)) {
-      return "V width Dv = " + std::to_string(c.v_dim) + " (CUDA takes multiples of 8 in [8, 256])";
-    }
-    std::string problem = cuda_alignment_problem("qk", c.qk, 2);
-    const int64_t factor_size = c.factor_dtype == DType::kFloat32 ? 4 : 2;
-    if (problem.empty()) problem = cuda_alignment_problem("factors", c.factor, factor_size);
-    if (problem.empty() && c.op != Op::kRopeForward) {
-      problem = cuda_alignment_problem("grad_q/grad_k", c.grad, 2);
-    }
-    if (problem.empty() && c.op == Op::kQkvBackwardFp8) {
-      problem = cuda_alignment_problem("grad_v", c.v, 2);
-    }
-    return problem;
+    return "";
   }
   return cuda_alignment_problem("src", c.src, 2);
+}
+
+/// Whether a placement's first element and every stride but the last (of a dimension of more
+/// than one element) are multiples of 16 bytes.
+bool vector_aligned(const Placement& p, int64_t element) {
+  if (p.numel() == 0 || p.sizes.empty()) return true;
+  bool ok = (p.offset * element) % 16 == 0;
+  for (size_t d = 0; d + 1 < p.sizes.size(); ++d) {
+    ok = ok && (p.sizes[d] <= 1 || (p.strides[d] * element) % 16 == 0);
+  }
+  return ok;
+}
+
+/// Case::vector_path: the rule the CUDA backend picks its 16-byte vector kernels by.
+bool rope_vector_path(const Case& c) {
+  if (!is_rope_op(c.op)) return false;
+  const bool fp8 = c.op == Op::kQkvBackwardFp8;
+  const int64_t factor_size = c.factor_dtype == DType::kFloat32 ? 4 : 2;
+  bool ok = c.head_dim % 8 == 0 && c.head_dim >= 32 && (c.out_offset * (fp8 ? 1 : 2)) % 16 == 0 &&
+            vector_aligned(c.qk, 2) && vector_aligned(c.factor, factor_size);
+  if (c.op != Op::kRopeForward) ok = ok && vector_aligned(c.grad, 2);
+  if (fp8) ok = ok && c.v_dim % 8 == 0 && c.v_dim <= 256 && vector_aligned(c.v, 2);
+  return ok;
 }
 
 std::string specials_text(unsigned specials) {
@@ -513,6 +562,8 @@ std::string Case::describe() const {
         << "\n    qk " << qk.describe() << "; factors " << factor.describe();
     if (op != Op::kRopeForward) out << "; grad_q/grad_k " << grad.describe();
     if (op == Op::kQkvBackwardFp8) out << "; grad_v " << v.describe();
+    out << "; outputs offset " << out_offset;
+    if (!cpu_only) out << " (CUDA " << (vector_path ? "vector" : "generic") << " path)";
   } else {
     out << " B=" << batch << " M=" << rows << " N=" << cols << (with_amax ? " amax" : "")
         << "\n    src " << src.describe();
@@ -548,7 +599,7 @@ Case draw_case(const Options& options, int64_t index) {
   // that what the CUDA backend does not take is refused with a clear error (or computed right).
   const bool cuda_rules = !options.cpu_only && !rng.chance(0.03);
   if (is_rope_op(c.op)) {
-    draw_rope(c, rng, cuda_rules, options.max_tokens);
+    draw_rope(c, rng, cuda_rules, !options.cpu_only && !cuda_rules, options.max_tokens);
   } else {
     draw_quantize(c, rng, cuda_rules, options.max_tokens);
   }
@@ -557,6 +608,7 @@ Case draw_case(const Options& options, int64_t index) {
     if (is_rope_op(c.op) && rng.chance(0.3)) c.specials |= kFactors;
   }
   c.outside_cuda = cuda_domain_problem(c);
+  c.vector_path = rope_vector_path(c);
   return c;
 }
 

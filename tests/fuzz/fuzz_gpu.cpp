@@ -5,7 +5,8 @@
 // copied whole, poisoned padding included, at a 16-byte aligned address plus a random multiple of
 // 16 bytes plus the view's own offset: the kernels see pointers of every alignment the API
 // accepts, not only cudaMalloc's 256 bytes. Outputs are poisoned and sit between guard bytes
-// (a write past either end shows even without the sanitizer).
+// (a write past either end shows even without the sanitizer), at a 16-byte aligned address
+// plus the case's output offset.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -81,11 +82,13 @@ class GpuMemory final : public Memory {
     return view;
   }
 
-  TensorView output(const std::string& name, DType dtype, std::vector<int64_t> sizes) override {
+  TensorView output(const std::string& name, DType dtype, std::vector<int64_t> sizes,
+                    int64_t offset) override {
     int64_t count = 1;
     for (int64_t s : sizes) count *= s;
     const size_t size = size_t(count) * dtype_size(dtype);
-    const size_t front = kGuardBytes + random_pad();
+    // The offset's bytes count as guard: a write before the output shows there.
+    const size_t front = kGuardBytes + random_pad() + size_t(offset) * dtype_size(dtype);
     char* base = allocate(front + size + kGuardBytes);
     char* data = base + front;
     check(cudaMemsetAsync(base, kGuardByte, front, stream_), "cudaMemsetAsync (guard)");

@@ -34,15 +34,17 @@ class CpuMemory final : public Memory {
   Stream stream() const override { return nullptr; }
   TensorView input(const HostBuffer& host) override { return host.view(); }
 
-  TensorView output(const std::string& name, DType dtype, std::vector<int64_t> sizes) override {
+  TensorView output(const std::string& name, DType dtype, std::vector<int64_t> sizes,
+                    int64_t offset) override {
     int64_t count = 1;
     for (int64_t s : sizes) count *= s;
+    const size_t element = dtype_size(dtype);
     Block block;
     block.name = name;
-    block.size = size_t(count) * dtype_size(dtype);
-    block.bytes.assign(block.size + 2 * kGuardBytes, kGuardByte);
-    uint8_t* data = block.bytes.data() + kGuardBytes;
-    const size_t element = dtype_size(dtype);
+    block.size = size_t(count) * element;
+    block.front = kGuardBytes + size_t(offset) * element;  // the offset is guard bytes too
+    block.bytes.assign(block.front + block.size + kGuardBytes, kGuardByte);
+    uint8_t* data = block.bytes.data() + block.front;
     for (size_t i = 0; i < block.size; i += element) {
       if (dtype == DType::kBFloat16) {
         std::memcpy(data + i, &kPoisonBF16, 2);
@@ -53,16 +55,17 @@ class CpuMemory final : public Memory {
       }
     }
     blocks_.push_back(std::move(block));
-    return contiguous_view(blocks_.back().bytes.data() + kGuardBytes, dtype, device(), sizes);
+    return contiguous_view(blocks_.back().bytes.data() + blocks_.back().front, dtype, device(),
+                           sizes);
   }
 
   void finish() override {}
 
   std::vector<uint8_t> read(const TensorView& view) override {
     for (const Block& block : blocks_) {
-      if (block.bytes.data() + kGuardBytes == view.data) {
-        return std::vector<uint8_t>(block.bytes.begin() + kGuardBytes,
-                                    block.bytes.begin() + long(kGuardBytes + block.size));
+      if (block.bytes.data() + block.front == view.data) {
+        return std::vector<uint8_t>(block.bytes.begin() + long(block.front),
+                                    block.bytes.begin() + long(block.front + block.size));
       }
     }
     throw std::logic_error("fuzz: read of an unknown output");
@@ -72,8 +75,9 @@ class CpuMemory final : public Memory {
     std::string damaged;
     for (const Block& block : blocks_) {
       bool ok = true;
-      for (size_t i = 0; i < kGuardBytes; ++i) {
-        ok = ok && block.bytes[i] == kGuardByte && block.bytes[kGuardBytes + block.size + i] == kGuardByte;
+      for (size_t i = 0; i < block.bytes.size(); ++i) {
+        const bool guard = i < block.front || i >= block.front + block.size;
+        ok = ok && (!guard || block.bytes[i] == kGuardByte);
       }
       if (!ok) damaged += (damaged.empty() ? "" : ", ") + block.name;
     }
@@ -84,6 +88,7 @@ class CpuMemory final : public Memory {
   struct Block {
     std::string name;
     size_t size = 0;
+    size_t front = 0;  ///< guard bytes before the output
     std::vector<uint8_t> bytes;
   };
   std::deque<Block> blocks_;
@@ -109,7 +114,7 @@ std::vector<Output> run_case(const Case& c, const Inputs& in, Memory& memory) {
   };
   std::vector<Made> made;
   const auto output = [&](const std::string& name, DType dtype, std::vector<int64_t> sizes) {
-    const TensorView view = memory.output(name, dtype, sizes);
+    const TensorView view = memory.output(name, dtype, sizes, is_rope_op(c.op) ? c.out_offset : 0);
     made.push_back({name, dtype, sizes, view});
     return view;
   };

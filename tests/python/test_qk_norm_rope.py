@@ -8,28 +8,42 @@ from conftest import DEVICES, assert_bf16_close, poison_allocator, requires_cuda
 
 BF16 = torch.bfloat16
 
-# (tokens, num_heads, qk_dim, rotary_dim, paired, key_offset); D >= 32 runs on CUDA too.
+# (tokens, num_heads, qk_dim, rotary_dim, paired, key_offset). Every even D in [2, 256] runs on
+# both devices: on CUDA, D a multiple of 8 from 32 with 16-byte aligned tensors takes the vector
+# kernels, everything else (NARROW_LAYOUTS, misaligned tensors) the generic path.
 LAYOUTS = {
     "plain": (33, 2, 32, 32, False, False),
     "paired": (17, 4, 32, 32, True, False),
     "key_offset": (19, 2, 64, 32, False, True),
 }
-CPU_ONLY_LAYOUTS = {
+NARROW_LAYOUTS = {
     "odd_plain": (7, 3, 8, 8, False, False),
     "one_token_key_offset": (1, 1, 6, 2, False, True),
     "narrow_paired": (3, 2, 2, 2, True, False),
+    "wide_key_offset": (33, 2, 34, 18, False, True),
 }
 
 
-def make_inputs(layout, device, factor_dtype=torch.float32, token_padding=8):
-    """qk [T, 2H, D] bf16 as a column slice of a wider buffer (a GEMM output's Q/K columns), and
-    the rotary tables ([T, 2D] when paired)."""
+def make_inputs(layout, device, factor_dtype=torch.float32, token_padding=8, column_offset=0):
+    """qk [T, 2H, D] bf16 as a column slice of a wider buffer (a GEMM output's Q/K columns),
+    starting `column_offset` columns into it, and the rotary tables ([T, 2D] when paired)."""
     tokens, heads, dim, rotary_dim, paired, _ = layout
-    wide = torch.randn(tokens, 2 * heads * dim + token_padding, device=device).to(BF16)
-    qk = wide[:, : 2 * heads * dim].view(tokens, 2 * heads, dim)
+    width = column_offset + 2 * heads * dim + token_padding
+    wide = torch.randn(tokens, width, device=device).to(BF16)
+    qk = wide[:, column_offset : column_offset + 2 * heads * dim].view(tokens, 2 * heads, dim)
     width = 2 * dim if paired else dim
     factor1, factor2 = ref.rotary_factors(tokens, width, rotary_dim, factor_dtype, device)
     return qk, factor1, factor2
+
+
+def misaligned(tensor):
+    """A copy of `tensor` one element into a buffer whose rows are 3 elements longer: the pointer
+    aligned to its elements only, the strides but the last odd."""
+    rows = tensor.reshape(-1, tensor.shape[-1])
+    buffer = tensor.new_empty(rows.shape[0], rows.shape[1] + 3)
+    out = buffer[:, 1 : 1 + rows.shape[1]]
+    out.copy_(rows)
+    return out.view(tensor.shape)
 
 
 def call_args(layout):
@@ -38,7 +52,7 @@ def call_args(layout):
 
 
 def layouts_on(device):
-    return {**LAYOUTS, **(CPU_ONLY_LAYOUTS if device == "cpu" else {})}
+    return {**LAYOUTS, **NARROW_LAYOUTS}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -55,6 +69,26 @@ def test_forward_matches_chain(device, factor_dtype):
         assert q.dtype == k.dtype == BF16 and q.is_contiguous() and k.is_contiguous()
         assert_bf16_close(q, q_ref)
         assert_bf16_close(k, k_ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_misaligned_tensors_match_chain(device):
+    """qk a column slice one element off, factors and gradients with odd strides one element into
+    their buffers: the generic path on CUDA, even at D = 32 and 64."""
+    for name, layout in layouts_on(device).items():
+        qk, factor1, factor2 = make_inputs(layout, device, token_padding=3, column_offset=1)
+        factor1, factor2 = misaligned(factor1), misaligned(factor2)
+        qk = qk.detach().requires_grad_()
+        q, k = qkvfuse.qk_norm_rope(qk, factor1, factor2, *call_args(layout))
+        q_ref, k_ref = ref.qk_norm_rope(qk.detach(), factor1, factor2, *call_args(layout))
+        assert_bf16_close(q, q_ref)
+        assert_bf16_close(k, k_ref)
+        grad_q, grad_k = misaligned(torch.randn_like(q)), misaligned(torch.randn_like(k))
+        (grad_qk,) = torch.autograd.grad((q, k), (qk,), (grad_q, grad_k))
+        expected = ref.qk_norm_rope_grad(grad_q, grad_k, qk.detach(), factor1, factor2,
+                                         *call_args(layout))
+        assert grad_qk.dtype == BF16, name
+        assert_bf16_close(grad_qk, expected)
 
 
 def test_rotary_dim_defaults_to_head_width():

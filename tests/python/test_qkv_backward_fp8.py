@@ -9,13 +9,19 @@ from conftest import DEVICES, assert_e4m3_close, opcheck, poison_allocator, raw_
 
 BF16 = torch.bfloat16
 
-# (tokens, num_heads, qk_dim, v_dim, rotary_dim, paired, key_offset)
+# (tokens, num_heads, qk_dim, v_dim, rotary_dim, paired, key_offset). Both devices take every
+# even D in [2, 256]; Dv >= 1 on the CPU, in [1, 512] on CUDA. GENERIC_LAYOUTS are off the CUDA
+# vector kernel's widths (D a multiple of 8 from 32, Dv a multiple of 8 up to 256).
 LAYOUTS = {
     "plain": (32, 2, 32, 32, 32, False, False),
     "paired": (16, 4, 32, 48, 32, True, False),
     "key_offset": (48, 2, 64, 32, 32, False, True),
 }
-CPU_ONLY_LAYOUTS = {"odd": (7, 3, 8, 6, 8, False, False)}
+GENERIC_LAYOUTS = {
+    "odd": (7, 3, 8, 6, 8, False, False),
+    "wide_v_key_offset": (33, 2, 34, 300, 18, False, True),
+    "odd_v_paired": (5, 2, 64, 1, 64, True, False),
+}
 
 
 def make_inputs(layout, device):
@@ -39,7 +45,7 @@ def make_inputs(layout, device):
 
 
 def layouts_on(device):
-    return {**LAYOUTS, **(CPU_ONLY_LAYOUTS if device == "cpu" else {})}
+    return {**LAYOUTS, **GENERIC_LAYOUTS}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -91,3 +97,16 @@ def test_errors_name_the_argument(device):
         call_with(0, args[0][:-1])
     with pytest.raises(RuntimeError, match="qkv_backward_fp8: qk"):
         call_with(3, args[3].float())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_v_width_past_512(device):
+    """CPU: any Dv >= 1; CUDA: Dv up to 512 (its generic kernel stages V in shared memory), past
+    that an error naming grad_v."""
+    args = make_inputs((4, 2, 32, 513, 32, False, False), device)
+    if device == "cpu":
+        grad_row, grad_t = qkvfuse.qkv_backward_fp8(*args)
+        assert grad_row.shape == (4, 2 * 2 * 32 + 2 * 513) and grad_t.shape == grad_row.shape[::-1]
+    else:
+        with pytest.raises(RuntimeError, match="qkv_backward_fp8: grad_v"):
+            qkvfuse.qkv_backward_fp8(*args)
