@@ -146,6 +146,7 @@ struct Options {
   std::string csv;
   int64_t tokens = 49152;
   int iters = 100;
+  std::string kernel;  ///< --kernel NAME: only that kernel's rows (qkvfuse_bench_kernels)
 };
 
 /// Parses argv into `options`; prints the usage and returns false on anything else.
@@ -158,8 +159,10 @@ inline bool parse_options(int argc, char** argv, Options& options) {
       options.tokens = std::atoll(argv[++i]);
     } else if (arg == "--iters" && i + 1 < argc) {
       options.iters = std::max(50, std::atoi(argv[++i]));
+    } else if (arg == "--kernel" && i + 1 < argc) {
+      options.kernel = argv[++i];
     } else {
-      std::fprintf(stderr, "usage: %s [--csv PATH] [--tokens T] [--iters N (>= 50)]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--csv PATH] [--tokens T] [--iters N (>= 50)] [--kernel NAME]\n", argv[0]);
       return false;
     }
   }

@@ -498,6 +498,10 @@ void write_csv(const std::string& path, const cudaDeviceProp& prop) {
 static int run(int argc, char** argv) {
   Options options;
   if (!parse_options(argc, argv, options)) return 2;
+  if (!options.kernel.empty()) {
+    std::fprintf(stderr, "qkvfuse_bench_fp8: --kernel is an option of qkvfuse_bench_kernels only\n");
+    return 2;
+  }
   const std::string& csv = options.csv;
   const int64_t tokens = options.tokens;
   const int iters = options.iters;

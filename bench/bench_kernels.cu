@@ -241,7 +241,7 @@ double fp8_bytes(const Shape& s) {
          2 * 2 * t * double(s.factor_width()) + 4 + 2 * t * double(s.qkv_dim());
 }
 
-void bench_shape(const Shape& s, cudaStream_t stream, int iters) {
+void bench_shape(const Shape& s, cudaStream_t stream, int iters, const std::string& only) {
   const double set_bytes = fp8_bytes(s) + forward_bytes(s) + backward_bytes(s);
   const int sets = rotation_sets(set_bytes / 3);
   std::vector<BufferSet> buffers;
@@ -252,6 +252,7 @@ void bench_shape(const Shape& s, cudaStream_t stream, int iters) {
   }
   const std::string note = std::to_string(sets) + " rotating sets";
   auto measure = [&](const char* kernel, double bytes, const std::function<void(const Views&)>& op) {
+    if (!only.empty() && only != kernel) return;
     Row row;
     row.kernel = kernel;
     row.mode = mode_name(s.mode);
@@ -348,7 +349,7 @@ int run(int argc, char** argv) {
   for (const Config c : {Config{6, 128}, Config{12, 64}, Config{6, 96}, Config{8, 128}, Config{6, 100}}) {
     for (Mode mode : modes) {
       try {
-        bench_shape({tokens, c.heads, c.head_dim, 128, mode}, stream, iters);
+        bench_shape({tokens, c.heads, c.head_dim, 128, mode}, stream, iters, options.kernel);
       } catch (const std::exception& e) {
         std::printf("H=%lld D=%lld %s: FAILED: %s\n", (long long)c.heads, (long long)c.head_dim,
                     mode_name(mode), e.what());

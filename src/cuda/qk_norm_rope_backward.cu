@@ -69,12 +69,13 @@ constexpr int backward_rows_per_group() {
 }
 
 /// Register budget as resident 128-thread blocks per SM, chosen so that ptxas spills nothing:
-/// 8 (<= 64 registers) for the plain bf16-factor kernel of one chunk per lane, fewer for the
-/// key-offset g_next chunks, fp32 factors and wider rows.
+/// 8 (<= 64 registers, 32 warps) for the bf16-factor kernels of one chunk per lane, key offset
+/// included (its g_next chunks fit: 64 registers, no spill), fewer for fp32 factors and wider
+/// rows.
 template <int C, bool kKeyOffset, typename FactorT>
 constexpr int backward_min_blocks() {
   constexpr bool kWideFactors = sizeof(FactorT) == 4;
-  if constexpr (C == 1) return kKeyOffset && kWideFactors ? 5 : (kKeyOffset || kWideFactors ? 6 : 8);
+  if constexpr (C == 1) return kKeyOffset && kWideFactors ? 5 : (kWideFactors ? 6 : 8);
   return kWideFactors || kKeyOffset ? 4 : 5;
 }
 
