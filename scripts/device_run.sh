@@ -132,8 +132,8 @@ if has ncu; then
   for kernel in qkv_backward_fp8_kernel qk_norm_rope_kernel qk_norm_rope_backward_kernel; do
     profile $kernel qkvfuse_bench_kernels
   done
-  # x's quantize tile kernel (the first the FP8 benchmark runs) and the weight bank's amax pass.
-  for kernel in quantize_tile_kernel entry_amax_kernel; do
+  # x's quantize tile kernel (the first the FP8 benchmark runs) and the weight bank's amax kernel.
+  for kernel in quantize_tile_kernel bank_scale_kernel; do
     profile $kernel qkvfuse_bench_fp8
   done
   note "ncu: $((SECONDS - start)) s"

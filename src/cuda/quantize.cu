@@ -39,18 +39,49 @@
 // atomicMax into the output, which is zeroed first on the stream. A max is exact and
 // order-independent, so the result is deterministic.
 //
-// Weight bank: scale[b] = amax[b] / 448 (1 when amax is 0) must exist before any element of
-// entry b can be quantized, so it takes a read-only amax pass (atomicMax into the scale buffer),
-// a B-thread finalize and then the quantize pass, all on the stream, no host round trip. The
-// quantize pass walks the entries in reverse so that it starts on the entries the amax pass read
-// last, which are the likeliest to still be in L2 (a bank of 10 x [2304, 768] is 35 MB, the H200
-// L2 50 MB). L2 cache hints make that reuse likelier: the amax pass loads with an evict_last
-// policy (keep these lines over ordinary traffic, the quantize pass's own stores included) and the
-// quantize pass loads with evict_first (last use: the lines may go as soon as they are read), so
-// no line is left with raised priority afterwards.
+// ---- the weight bank: two launches, no memset, no finalize, no scratch ---------------------------
+// scale[b] = amax[b] / 448 (1 when amax[b] is 0; NaN / inf propagate through the division, as the
+// CPU backend's) must exist before any element of entry b is quantized, so every element is read
+// twice. The previous pipeline took four launches (memset of the scale buffer, an atomicMax amax
+// pass, a B-thread finalize, the quantize pass): 36.1-36.8 us for the model bank 10 x [2304, 768]
+// on an H200 (45 % of copy bandwidth counting the source once, 70.8 MB). Now:
+//   1. bank_scale_kernel: one thread-block cluster of kBankClusterSize CTAs per entry. Each CTA
+//      reduces its share of the entry (16-byte loads, 8 in flight per thread, L2 evict_last); the
+//      cluster combines the CTAs' maxima through distributed shared memory and rank 0 writes
+//      scale[b] itself. Clusters are co-scheduled by the hardware, so the cluster barrier is safe
+//      by construction: no atomics, no zero-initialised buffer (hence no memset), no separate
+//      finalize, no workspace and no state shared between calls (any number of concurrent calls
+//      and CUDA-graph replays are independent). Each CTA executes griddepcontrol.launch_dependents
+//      once its loads have returned.
+//   2. the quantize pass (quantize_tile_kernel<false, true>, or the generic kernel), entries in
+//      reverse order, loads evict_first, launched with programmatic stream serialization: its CTAs
+//      start as soon as every amax CTA has triggered, issue their tile loads, and only then execute
+//      griddepcontrol.wait before reading scale[b] (the source is read-only, so loading it early is
+//      safe; the scale is read after the amax kernel has completed and flushed).
+// Measured on an H200 (microbenchmark with 4 rotating buffer sets, medians; the old pipeline in
+// the same runs): 33.9-34.3 us against 36.1-36.7 us; bench_weight_bank 34.6 us = 47.8 % of copy
+// (was 36.8 us, 45.0 %). Under ncu the amax kernel takes 14.7 us (DRAM 51 %: 80 CTAs, one per SM,
+// hold 10 MB of loads in flight, too few SMs for full bandwidth; clusters of 8 per entry cannot
+// spread a 10-entry bank over all 132 SMs) and the quantize pass 18.7 us (L2 hit rate 52 % over
+// its loads and stores together: much of the 35 MB the amax kernel read is gone from L2 when it
+// is read again). The 85 % target is not reached by this structure.
+//
+// What did not work (measured in this session, kept here so that it is not tried blindly again):
+// one cooperative kernel whose CTAs interleave amax units of entry b + k with quantize units of
+// entry b, the second read coming from L2 (64 % hit rate), with per-entry dependencies through
+// global memory (zeroed in-kernel behind one grid barrier, scratch in the caller's row buffer,
+// rewritten at the end). Every version lost more to synchronisation than it gained from L2: same-
+// address atomics serialise at ~1.1 ns each on the H200, so the grid barrier of 1729 CTAs cost
+// ~5 us and per-tile atomicAdd/atomicMax publishing blocked CTAs (35-39 us in total); per-tile
+// flag slots read by the quantize units (no atomics) were slower still (55-95 us), the waiting
+// warps crowding the slot lines. A version that reaches the 85 % target needs both the L2 reuse
+// of the interleaved schedule and much cheaper cross-CTA signalling (e.g. per-entry counters in
+// separate lines, published with red.release from a warp that does no tile work), or TMA bulk
+// loads in the amax kernel (more bytes in flight per SM) combined with an entry order that keeps
+// the re-read inside L2.
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 
 #include "backend.hpp"
@@ -61,12 +92,18 @@
 namespace qkvfuse::cuda {
 namespace {
 
+namespace cg = cooperative_groups;
+
 constexpr int kTile = 64;          // fast path: 64 x 64 elements per block
 constexpr int kTileThreads = 64;   // 2 warps
 // 16 blocks (1024 threads, 128 KB of loads in flight) per SM: caps registers at 64 per thread.
 constexpr int kTileMinBlocksPerSm = 16;
 constexpr int kSlowTile = 32;      // generic path: 32 x 32 elements, 32 x 8 threads
 constexpr int kSlowRowsPerPass = 8;
+// Weight bank: the amax kernel's clusters (one per entry; 8 CTAs is the portable cluster size).
+constexpr int kBankClusterSize = 8;
+constexpr int kBankThreads = 1024;
+constexpr int kBankUnroll = 8;  // 16-byte loads in flight per thread: 128 KB per CTA
 
 static_assert(kTile * kTile / 8 == 8 * kTileThreads, "phase 1: 8 loads of 8 elements per thread");
 static_assert((kTile / 4) * (kTile / 16) == kTileThreads,
@@ -116,9 +153,31 @@ __device__ __forceinline__ unsigned int abs_bits(float x) {
   return __float_as_uint(x) & 0x7fffffffu;
 }
 
+/// |bf16| as the fp32 bit pattern of its value (a bf16 is the high half of an fp32).
+__device__ __forceinline__ unsigned int bf16_abs_bits(uint32_t bf16) {
+  return (bf16 << 16) & 0x7fffffffu;
+}
+
 /// One NaN pattern for the merged result, whatever NaN payloads the data held.
 __device__ __forceinline__ unsigned int canonical_nan(unsigned int bits) {
   return bits > 0x7f800000u ? 0x7fffffffu : bits;
+}
+
+/// The weight bank's scale from its entry's amax bits: what the CPU backend computes.
+__device__ __forceinline__ float bank_scale(unsigned int amax_bits) {
+  const float amax = __uint_as_float(amax_bits);
+  return amax == 0.0f ? 1.0f : __fdiv_rn(amax, E4M3::kMax);
+}
+
+/// Programmatic dependent launch (sm_90): griddepcontrol.wait returns once the preceding kernel
+/// of the stream has completed and its memory is visible (at once when the launch was a plain
+/// one); launch_dependents lets the next kernel, launched with programmatic stream serialization,
+/// start before this one ends, once every CTA has executed it or exited.
+__device__ __forceinline__ void wait_for_preceding_grid() {
+  asm volatile("griddepcontrol.wait;" : : : "memory");
+}
+__device__ __forceinline__ void allow_dependent_grid() {
+  asm volatile("griddepcontrol.launch_dependents;" : : : "memory");
 }
 
 /// Max over the block (blockDim.x multiple of 32, at most 1024 threads) into amax_bits[b];
@@ -160,7 +219,9 @@ __device__ __forceinline__ void transpose_4x4_bytes(const uint32_t (&in)[4], uin
   out[3] = __byte_perm(hi01, hi23, 0x7632);
 }
 
-/// kLastUse: load the source with an evict_first L2 policy (the weight bank's second pass).
+/// kLastUse: the weight bank's quantize pass: the source loaded with an evict_first L2 policy
+/// (its last use), and the scale read only once the amax kernel before it has completed (the
+/// pass is launched with programmatic stream serialization: see quantize_weight_bank).
 template <bool kAmax, bool kLastUse>
 __global__ void __launch_bounds__(kTileThreads, kTileMinBlocksPerSm)
     quantize_tile_kernel(const QuantizeArgs args) {
@@ -175,7 +236,8 @@ __global__ void __launch_bounds__(kTileThreads, kTileMinBlocksPerSm)
   const int64_t n0 = int64_t(blockIdx.x % tiles_n) * kTile;
   const int tid = threadIdx.x;
   const uint16_t* src = args.src + b * args.src_batch_stride;
-  const E4m3Scaler scale{args.scale[b * args.scale_stride]};
+  // The scale as early as possible, except in the weight bank's pass (see kLastUse).
+  E4m3Scaler scale{kLastUse ? 1.0f : args.scale[b * args.scale_stride]};
 
   // ---- phase 1: load, quantize, stage in shared memory ----
   // Load j covers tile rows 8j..8j+7: thread tid reads row 8j + tid/8, columns 8*(tid%8)..+7.
@@ -198,6 +260,10 @@ __global__ void __launch_bounds__(kTileThreads, kTileMinBlocksPerSm)
     } else {
       loaded[j] = Vec16{{0u, 0u, 0u, 0u}};  // zeros: no effect on amax, never stored
     }
+  }
+  if constexpr (kLastUse) {
+    wait_for_preceding_grid();  // the loads are in flight
+    scale = E4m3Scaler{args.scale[b * args.scale_stride]};
   }
   unsigned int local_max = 0;
 #pragma unroll
@@ -267,7 +333,8 @@ __global__ void __launch_bounds__(kTileThreads, kTileMinBlocksPerSm)
 
 // ---- generic path: any M, N, element-wise ---------------------------------------------------
 
-template <bool kAmax>
+/// kLastUse: the weight bank's quantize pass (the scale read after the amax kernel completes).
+template <bool kAmax, bool kLastUse>
 __global__ void __launch_bounds__(kSlowTile * kSlowRowsPerPass)
     quantize_generic_kernel(const QuantizeArgs args) {
   __shared__ uint8_t tile[kSlowTile][kSlowTile + 1];
@@ -280,6 +347,7 @@ __global__ void __launch_bounds__(kSlowTile * kSlowRowsPerPass)
   const uint16_t* src = args.src + b * args.src_batch_stride;
   uint8_t* row = args.row + int64_t(b) * args.m * args.n;
   uint8_t* t = args.t + int64_t(b) * args.m * args.n;
+  if constexpr (kLastUse) wait_for_preceding_grid();
   const float scale = args.scale[b * args.scale_stride];
   const int tx = threadIdx.x, ty = threadIdx.y;
 
@@ -305,65 +373,93 @@ __global__ void __launch_bounds__(kSlowTile * kSlowRowsPerPass)
   }
 }
 
-// ---- weight bank: amax pass and scale finalize ------------------------------------------------
+// ---- weight bank: the amax kernel, one cluster per entry ---------------------------------------
 
-constexpr int kAmaxThreads = 256;
-constexpr int kAmaxUnroll = 4;  // 16-byte loads in flight per thread
-
-/// amax_bits[b] = max |src[b]| (bits), src as QuantizeArgs. grid (blocks per entry, B).
+/// scale[b] = bank_scale(max |src[b]|), by the cluster of kBankClusterSize CTAs of entry b
+/// (blockIdx.x / kBankClusterSize): each CTA reduces every kBankClusterSize-th span of
+/// kBankThreads units (16-byte chunks, or elements when !kVector) of the entry, and the cluster
+/// combines the CTAs' maxima through distributed shared memory. kVector needs N % 8 == 0, a
+/// 16-byte aligned source and row/batch strides multiples of 8 elements.
 template <bool kVector>
-__global__ void __launch_bounds__(kAmaxThreads) entry_amax_kernel(const QuantizeArgs args) {
-  __shared__ unsigned int warp_max[kAmaxThreads / 32];
-  const int b = int(blockIdx.y);
+__global__ void __cluster_dims__(kBankClusterSize, 1, 1) __launch_bounds__(kBankThreads, 1)
+    bank_scale_kernel(const QuantizeArgs args, float* scale_out) {
+  __shared__ unsigned int warp_max[kBankThreads / 32];
+  __shared__ unsigned int cta_max;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = int(cluster.block_rank());
+  const int b = int(blockIdx.x) / kBankClusterSize;
   const uint16_t* src = args.src + b * args.src_batch_stride;
+
+  // This thread's units: first, first + S, first + 2S, ... (S = threads of the cluster), as
+  // (row r, unit c of the row), advanced without a division per unit.
+  const int64_t per_row = kVector ? args.n / 8 : args.n;
+  const int64_t stride = int64_t(kBankClusterSize) * kBankThreads;
+  const int64_t stride_rows = stride / per_row, stride_units = stride % per_row;
+  const int64_t first = int64_t(rank) * kBankThreads + threadIdx.x;
+  int64_t r = first / per_row, c = first % per_row;
+  const auto advance = [&] {
+    c += stride_units;
+    r += stride_rows;
+    if (c >= per_row) {
+      c -= per_row;
+      ++r;
+    }
+  };
   unsigned int local_max = 0;
   if constexpr (kVector) {
-    // Units of 8 elements, row-major over (row, chunk): consecutive threads read consecutive
-    // 16-byte chunks of a row.
-    const int64_t chunks_per_row = args.n / 8;
-    const int64_t units = args.m * chunks_per_row;
-    const int64_t stride = int64_t(gridDim.x) * kAmaxThreads;
-    // Keep what this pass reads in L2 for the quantize pass that follows (see the header).
+    // Keep the lines in L2 for the quantize pass that follows (see the header).
     const uint64_t policy = l2_evict_last_policy();
-    for (int64_t base = int64_t(blockIdx.x) * kAmaxThreads * kAmaxUnroll + threadIdx.x;
-         base < units; base += stride * kAmaxUnroll) {
-      Vec16 v[kAmaxUnroll];
+    while (r < args.m) {
+      Vec16 v[kBankUnroll];
 #pragma unroll
-      for (int u = 0; u < kAmaxUnroll; ++u) {
-        const int64_t unit = base + int64_t(u) * kAmaxThreads;
-        v[u] = Vec16{{0u, 0u, 0u, 0u}};
-        if (unit < units) {
-          const int64_t r = unit / chunks_per_row, c = (unit % chunks_per_row) * 8;
-          v[u] = load16_with_policy(src + r * args.src_row_stride + c, policy);
-        }
+      for (int u = 0; u < kBankUnroll; ++u) {
+        v[u] = r < args.m ? load16_with_policy(src + r * args.src_row_stride + 8 * c, policy)
+                          : Vec16{{0u, 0u, 0u, 0u}};
+        advance();
       }
 #pragma unroll
-      for (int u = 0; u < kAmaxUnroll; ++u) {
+      for (int u = 0; u < kBankUnroll; ++u) {
 #pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          // Two bf16 per word; |bf16| bits shifted up are |fp32| bits.
-          local_max = max(local_max, (v[u].w[w] << 16) & 0x7fffffffu);
+        for (int w = 0; w < 4; ++w) {  // two bf16 per word
+          local_max = max(local_max, bf16_abs_bits(v[u].w[w]));
           local_max = max(local_max, v[u].w[w] & 0x7fff0000u);
         }
       }
     }
   } else {
-    const int64_t count = args.m * args.n;
-    for (int64_t i = int64_t(blockIdx.x) * kAmaxThreads + threadIdx.x; i < count;
-         i += int64_t(gridDim.x) * kAmaxThreads) {
-      const int64_t r = i / args.n, c = i % args.n;
-      local_max = max(local_max, (uint32_t(src[r * args.src_row_stride + c]) << 16) & 0x7fffffffu);
+    while (r < args.m) {
+      uint32_t v[kBankUnroll];
+#pragma unroll
+      for (int u = 0; u < kBankUnroll; ++u) {
+        v[u] = r < args.m ? uint32_t(src[r * args.src_row_stride + c]) : 0u;
+        advance();
+      }
+#pragma unroll
+      for (int u = 0; u < kBankUnroll; ++u) local_max = max(local_max, bf16_abs_bits(v[u]));
     }
   }
-  block_amax_merge(local_max, warp_max, args.amax_bits + b);
-}
+  // This thread's loads have returned: the quantize pass may start launching (its loads then
+  // find the source in L2). Only a scheduling hint: the pass reads scale[] after
+  // griddepcontrol.wait, i.e. after this kernel has completed.
+  allow_dependent_grid();
 
-/// scale[b] = amax[b] / 448, or 1 when amax[b] == 0; in place (the buffer held amax bits).
-__global__ void finalize_weight_scale_kernel(float* scale, int batch) {
-  for (int b = threadIdx.x; b < batch; b += blockDim.x) {
-    const float amax = scale[b];
-    scale[b] = amax == 0.0f ? 1.0f : __fdiv_rn(amax, E4M3::kMax);
+  local_max = __reduce_max_sync(0xffffffffu, local_max);
+  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x / 32] = local_max;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned int block_max = 0;
+    for (int w = 0; w < kBankThreads / 32; ++w) block_max = max(block_max, warp_max[w]);
+    cta_max = block_max;
   }
+  cluster.sync();  // every CTA's cta_max is written (release/acquire at cluster scope)
+  if (rank == 0 && threadIdx.x == 0) {
+    unsigned int entry_max = 0;
+    for (int i = 0; i < kBankClusterSize; ++i) {
+      entry_max = max(entry_max, *cluster.map_shared_rank(&cta_max, i));
+    }
+    scale_out[b] = bank_scale(canonical_nan(entry_max));
+  }
+  cluster.sync();  // the other CTAs' shared memory stays alive until rank 0 has read it
 }
 
 // ---- host side --------------------------------------------------------------------------------
@@ -406,33 +502,48 @@ bool fast_path_ok(const QuantizeArgs& args) {
 }
 
 /// Launches the quantize pass (amax merged into args.amax_bits when it is set). `last_use`: the
-/// source was just read by the weight bank's amax pass (evict_first loads on the fast path).
+/// weight bank's pass (kLastUse), launched with programmatic stream serialization so that it
+/// starts while the amax kernel before it finishes.
 void launch_quantize(QuantizeArgs args, cudaStream_t stream, bool last_use) {
   if (args.batch == 0 || args.m == 0 || args.n == 0) return;
   const bool amax = args.amax_bits != nullptr;
-  if (fast_path_ok(args)) {
-    args.tiles_n = (args.n + kTile - 1) / kTile;
-    const int64_t tiles = args.tiles_n * ((args.m + kTile - 1) / kTile);
-    QKVF_CHECK(tiles <= 0x7fffffff, "quantize: ", tiles, " tiles exceed the grid");
-    const dim3 grid(unsigned(tiles), unsigned(args.batch));
+  const bool fast = fast_path_ok(args);
+  const int tile = fast ? kTile : kSlowTile;
+  args.tiles_n = (args.n + tile - 1) / tile;
+  const int64_t tiles = args.tiles_n * ((args.m + tile - 1) / tile);
+  QKVF_CHECK(tiles <= 0x7fffffff, "quantize: ", tiles, " tiles exceed the grid");
+  const dim3 grid(unsigned(tiles), unsigned(args.batch));
+  const dim3 block = fast ? dim3(kTileThreads) : dim3(kSlowTile, kSlowRowsPerPass);
+  if (last_use) {
+    QKVF_CHECK(!amax, "quantize: the weight bank's pass merges no amax");
+    cudaLaunchAttribute attribute{};
+    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.stream = stream;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    const cudaError_t status =
+        fast ? cudaLaunchKernelEx(&config, quantize_tile_kernel<false, true>, args)
+             : cudaLaunchKernelEx(&config, quantize_generic_kernel<false, true>, args);
+    if (status != cudaSuccess) cudaGetLastError();  // not left for a later launch check to find
+    QKVF_CHECK(status == cudaSuccess, "launch of the weight bank's quantize pass failed: ",
+               cudaGetErrorName(status), ": ", cudaGetErrorString(status));
+    QKVF_CUDA_CHECK_LAUNCH("the weight bank's quantize pass");
+  } else if (fast) {
     if (amax) {
-      quantize_tile_kernel<true, false><<<grid, kTileThreads, 0, stream>>>(args);
-    } else if (last_use) {
-      quantize_tile_kernel<false, true><<<grid, kTileThreads, 0, stream>>>(args);
+      quantize_tile_kernel<true, false><<<grid, block, 0, stream>>>(args);
     } else {
-      quantize_tile_kernel<false, false><<<grid, kTileThreads, 0, stream>>>(args);
+      quantize_tile_kernel<false, false><<<grid, block, 0, stream>>>(args);
     }
     QKVF_CUDA_CHECK_LAUNCH("quantize_tile_kernel");
   } else {
-    args.tiles_n = (args.n + kSlowTile - 1) / kSlowTile;
-    const int64_t tiles = args.tiles_n * ((args.m + kSlowTile - 1) / kSlowTile);
-    QKVF_CHECK(tiles <= 0x7fffffff, "quantize: ", tiles, " tiles exceed the grid");
-    const dim3 grid(unsigned(tiles), unsigned(args.batch));
-    const dim3 block(kSlowTile, kSlowRowsPerPass);
     if (amax) {
-      quantize_generic_kernel<true><<<grid, block, 0, stream>>>(args);
+      quantize_generic_kernel<true, false><<<grid, block, 0, stream>>>(args);
     } else {
-      quantize_generic_kernel<false><<<grid, block, 0, stream>>>(args);
+      quantize_generic_kernel<false, false><<<grid, block, 0, stream>>>(args);
     }
     QKVF_CUDA_CHECK_LAUNCH("quantize_generic_kernel");
   }
@@ -468,34 +579,22 @@ void quantize_weight_bank(const QuantizeWeightBankParams& params) {
              params.scale.describe());
   DeviceGuard guard(params.src.device);
   const cudaStream_t stream = to_cuda(params.stream);
-  if (args.batch == 0) return;
+  // An empty src never gets here (the public entry point returns first); guard all the same.
+  if (args.batch == 0 || args.m == 0 || args.n == 0) return;
   float* scale = static_cast<float*>(params.scale.data);
 
-  // 1. amax per entry, merged by atomicMax into the scale buffer itself (zeroed first).
-  QKVF_CUDA_CHECK(cudaMemsetAsync(scale, 0, sizeof(float) * size_t(args.batch), stream));
-  if (args.m > 0 && args.n > 0) {
-    QuantizeArgs amax_args = args;
-    amax_args.amax_bits = reinterpret_cast<unsigned int*>(scale);
-    const bool vector = args.n % 8 == 0 && reinterpret_cast<uintptr_t>(args.src) % 16 == 0 &&
-                        (args.m <= 1 || args.src_row_stride % 8 == 0) &&
-                        (args.batch <= 1 || args.src_batch_stride % 8 == 0);
-    // About 4 resident blocks per SM across all entries (one wave, each block looping over
-    // several 16 KB spans), no more blocks than the work needs.
-    const int64_t per_block = vector ? int64_t(kAmaxThreads) * kAmaxUnroll * 8 : kAmaxThreads;
-    const int64_t needed = (args.m * args.n + per_block - 1) / per_block;
-    const int64_t fill = (int64_t(multiprocessor_count()) * 4 + args.batch - 1) / args.batch;
-    const dim3 grid(unsigned(std::max<int64_t>(1, std::min(needed, fill))), unsigned(args.batch));
-    if (vector) {
-      entry_amax_kernel<true><<<grid, kAmaxThreads, 0, stream>>>(amax_args);
-    } else {
-      entry_amax_kernel<false><<<grid, kAmaxThreads, 0, stream>>>(amax_args);
-    }
-    QKVF_CUDA_CHECK_LAUNCH("entry_amax_kernel");
+  // 1. scale[b] = amax / 448 (1 when amax is 0), one cluster per entry: no memset, no finalize.
+  const bool vector = args.n % 8 == 0 && reinterpret_cast<uintptr_t>(args.src) % 16 == 0 &&
+                      (args.m <= 1 || args.src_row_stride % 8 == 0) &&
+                      (args.batch <= 1 || args.src_batch_stride % 8 == 0);
+  const dim3 grid(unsigned(args.batch) * kBankClusterSize);  // a multiple of the cluster size
+  if (vector) {
+    bank_scale_kernel<true><<<grid, kBankThreads, 0, stream>>>(args, scale);
+  } else {
+    bank_scale_kernel<false><<<grid, kBankThreads, 0, stream>>>(args, scale);
   }
-  // 2. amax -> scale, in place.
-  finalize_weight_scale_kernel<<<1, 256, 0, stream>>>(scale, args.batch);
-  QKVF_CUDA_CHECK_LAUNCH("finalize_weight_scale_kernel");
-  // 3. quantize with the fresh scales (stream order makes them visible).
+  QKVF_CUDA_CHECK_LAUNCH("bank_scale_kernel");
+  // 2. the quantize pass with the fresh scales (read after griddepcontrol.wait).
   args.scale = scale;
   args.scale_stride = 1;
   args.amax_bits = nullptr;
