@@ -49,20 +49,14 @@ namespace {
 
 using rope::FactorChunk;
 
-// EXPERIMENT (A/B on the device; not to be committed as a knob).
-#ifndef QKVFUSE_FP8_THREADS
-#define QKVFUSE_FP8_THREADS 256
-#endif
-#ifndef QKVFUSE_FP8_TILE_TOKENS
-#define QKVFUSE_FP8_TILE_TOKENS 128
-#endif
-constexpr int kFp8Threads = QKVFUSE_FP8_THREADS;
-constexpr int kTileTokens = QKVFUSE_FP8_TILE_TOKENS;  // tokens per CTA
+// 128 tokens per CTA: 64-token tiles (twice the CTAs, a finer tail) measured the same or up to
+// 3 % slower on the H200 (bench/results/2026-11-30_23b89cc_h200_fp8_tile_ab.txt).
+constexpr int kFp8Threads = 256;
+constexpr int kTileTokens = 128;             // tokens per CTA: one full 128-byte line of grad_t
 constexpr int kTokenBlock = 16;              // tokens per 16-byte grad_t store
 constexpr int kTokenBlocks = kTileTokens / kTokenBlock;
-static_assert(kTileTokens % kTokenBlock == 0 && (kTokenBlocks == 8 || kTokenBlocks == 4),
-              "the shared-memory swizzle spreads 4 or 8 token blocks over the 32 banks");
-constexpr int kBlockSwizzleShift = kTokenBlocks == 8 ? 2 : 3;
+static_assert(kTileTokens % kTokenBlock == 0 && kTokenBlocks == 8,
+              "the shared-memory swizzle spreads 8 token blocks over the 32 banks");
 static_assert(kFp8Threads % 32 == 0, "whole warps");
 
 /// Everything the fused FP8 backward kernel reads. Strides in elements (multiples of 8).
@@ -105,9 +99,8 @@ struct QkvBackwardFp8KernelParams {
 /// (<= 128 registers).
 template <int C, typename FactorT>
 constexpr int fp8_min_blocks() {
-  constexpr int kScale = 256 / kFp8Threads;
-  if constexpr (C == 1) return (sizeof(FactorT) == 2 ? 4 : 3) * kScale;
-  return 2 * kScale;
+  if constexpr (C == 1) return sizeof(FactorT) == 2 ? 4 : 3;
+  return 2;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -117,8 +110,7 @@ constexpr int fp8_min_blocks() {
 /// XOR pattern of tile row r (bits 2-4 of the word index): token block r/16 in bits 2-4, r mod 4
 /// bit-reversed into bits 3-4. Bit 0 is never touched, so 8-byte pairs stay adjacent.
 __device__ __forceinline__ int tile_swizzle(int row) {
-  return (((row >> 4) & (kTokenBlocks - 1)) << kBlockSwizzleShift) ^
-         (((row & 1) << 4) | ((row & 2) << 2));
+  return (((row >> 4) & 7) << 2) ^ (((row & 1) << 4) | ((row & 2) << 2));
 }
 
 /// Byte address (offset into the tile) of word `word` of row `row`.
