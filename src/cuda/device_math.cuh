@@ -150,10 +150,10 @@ struct E4m3Scaler {
   }
 
   /// 8 bf16 values -> 8 e4m3 codes, the same codes as operator()(float[8]) of the unpacked values.
-  /// The clamp runs on bf16 pairs: |v| (a mask) against 512 s truncated to bf16 (min.NaN.bf16x2),
-  /// two instructions per two elements where the fp32 clamp takes two per element. The limit lies
-  /// in [508 s, 512 s]: every value it or the fp32 limit 512 s clamps divides to more than 464,
-  /// i.e. to the code of 448, so the codes are unchanged; NaN stays NaN.
+  /// The clamp runs on bf16 pairs (max.NaN / min.NaN .bf16x2: one instruction per two elements
+  /// where fp32 takes one per element) against 512 s truncated to bf16, which lies in
+  /// [508 s, 512 s]: every value clamped by it, or by the fp32 limit 512 s, divides to more than
+  /// 464, i.e. to the code of 448, so the codes are unchanged.
   __device__ __forceinline__ void bf16x8(const Vec16& v, uint32_t& lo, uint32_t& hi) const {
     float q[8];
     if (fast) {
