@@ -126,12 +126,7 @@ struct E4m3Scaler {
   /// `limit` = 512 s (exact), clamping to it changes no code. Passed in rather than kept as a
   /// member: one multiply per 8 elements, and one register fewer across the kernels' loops.
   __device__ __forceinline__ float quotient(float a, float limit) const {
-    return clamped_quotient(min_nan(max_nan(a, -limit), limit), a);
-  }
-
-  /// The quotient of an already clamped value (|clamped| <= about 512 s, or NaN), with the sign
-  /// of `a`.
-  __device__ __forceinline__ float clamped_quotient(float clamped, float a) const {
+    const float clamped = min_nan(max_nan(a, -limit), limit);
     const float r = divisor.reciprocal;
     const float q0 = __fmul_rn(clamped, r);
     const float q = __fmaf_rn(r, __fmaf_rn(-divisor.divisor, q0, clamped), q0);
@@ -147,35 +142,6 @@ struct E4m3Scaler {
   /// One value's quotient, for callers that convert elements one or two at a time.
   __device__ __forceinline__ float operator()(float a) const {
     return fast ? quotient(a, divisor.divisor * 512.0f) : __fdiv_rn(a, divisor.divisor);
-  }
-
-  /// 8 bf16 values -> 8 e4m3 codes, the same codes as operator()(float[8]) of the unpacked values.
-  /// The clamp runs on bf16 pairs (max.NaN / min.NaN .bf16x2: one instruction per two elements
-  /// where fp32 takes one per element) against 512 s truncated to bf16, which lies in
-  /// [508 s, 512 s]: every value clamped by it, or by the fp32 limit 512 s, divides to more than
-  /// 464, i.e. to the code of 448, so the codes are unchanged.
-  __device__ __forceinline__ void bf16x8(const Vec16& v, uint32_t& lo, uint32_t& hi) const {
-    float q[8];
-    if (fast) {
-      // The high half of 512 s (s > 0 here) in both halves of a word: bf16 truncation.
-      const uint32_t limit = __byte_perm(__float_as_uint(divisor.divisor * 512.0f), 0u, 0x3232);
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        // |v| clamped to the limit; the sign comes back from v in clamped_quotient.
-        uint32_t clamped;
-        asm("min.NaN.bf16x2 %0, %1, %2;" : "=r"(clamped) : "r"(v.w[w] & 0x7fff7fffu), "r"(limit));
-        q[2 * w] = clamped_quotient(__uint_as_float(clamped << 16), __uint_as_float(v.w[w] << 16));
-        q[2 * w + 1] = clamped_quotient(__uint_as_float(clamped & 0xffff0000u),
-                                        __uint_as_float(v.w[w] & 0xffff0000u));
-      }
-    } else {
-      float x[8];
-      bf16x8_to_float(v, x);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) q[i] = __fdiv_rn(x[i], divisor.divisor);
-    }
-    lo = float4_to_e4m3x4(q[0], q[1], q[2], q[3]);
-    hi = float4_to_e4m3x4(q[4], q[5], q[6], q[7]);
   }
 
   /// 8 values -> 8 e4m3 codes in two words, element 0 in the low byte of lo.

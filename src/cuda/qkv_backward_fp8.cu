@@ -237,8 +237,10 @@ __global__ void __launch_bounds__(kFp8Threads, fp8_min_blocks<Geom::C, FactorT>(
         for (int c = 0; c < C; ++c) {
           if (!chunk_ok[c]) continue;
           // Round to bf16 first (the aten chain materialized the QK gradient in bf16).
+          float rounded[8];
+          bf16x8_to_float(float_to_bf16x8(dx[c]), rounded);
           uint32_t lo, hi;
-          scale.bf16x8(float_to_bf16x8(dx[c]), lo, hi);
+          scale(rounded, lo, hi);
           rope::st_u64(out_row + d0[c], lo, hi);
           sts_u64(tile_base + tile_offset(row, (part * D + d0[c]) / 4, pitch), lo, hi);
         }
@@ -286,8 +288,10 @@ __global__ void __launch_bounds__(kFp8Threads, fp8_min_blocks<Geom::C, FactorT>(
       for (int m = 0; m < kUnroll; ++m) {
         const int u = base + m * kFp8Threads;
         if (!(u < tile_chunks && t0 + rows[m] < p.tokens)) continue;
+        float values[8];
+        bf16x8_to_float(v[m], values);
         uint32_t lo, hi;
-        scale.bf16x8(v[m], lo, hi);
+        scale(values, lo, hi);
         rope::st_u64(p.grad_row + (t0 + rows[m]) * p.qkv_dim + v_feature + cols[m], lo, hi);
         sts_u64(tile_base + tile_offset(rows[m], (2 * D + cols[m]) / 4, pitch), lo, hi);
       }

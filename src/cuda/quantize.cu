@@ -270,14 +270,14 @@ __global__ void __launch_bounds__(kTileThreads, kTileMinBlocksPerSm)
   for (int j = 0; j < 8; ++j) {
     const int r = (j * kTileThreads + tid) >> 3;
     const int c = ((j * kTileThreads + tid) & 7) * 8;
+    float x[8];
+    bf16x8_to_float(loaded[j], x);
     if constexpr (kAmax) {
-      float x[8];
-      bf16x8_to_float(loaded[j], x);
 #pragma unroll
       for (int e = 0; e < 8; ++e) local_max = max(local_max, abs_bits(x[e]));
     }
     uint2 packed;
-    scale.bf16x8(loaded[j], packed.x, packed.y);
+    scale(x, packed.x, packed.y);
     *reinterpret_cast<uint2*>(&tile[tile_word(r, c / 4)]) = packed;
   }
   if constexpr (kAmax) {
