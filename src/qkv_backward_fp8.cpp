@@ -2,6 +2,7 @@
 // dispatch.
 #include "qkvfuse/qkv_backward_fp8.hpp"
 
+#include <string>
 #include <vector>
 
 #include "backend.hpp"
@@ -30,10 +31,10 @@ Device validate_qkv_backward_fp8(const QkvBackwardFp8Params& p, const std::strin
   check.shape(p.grad_v, "grad_v", {tokens, heads, Dim::any("Dv")}, "(T and H from qk)");
   // CUDA stages a token tile's Q, K and V features in shared memory: Dv is bounded there.
   const bool cuda = device.type == DeviceType::kCUDA;
-  const int64_t max_v_dim = cuda::kMaxVWidth;
-  QKVF_CHECK(p.grad_v.sizes[2] >= 1 && (!cuda || p.grad_v.sizes[2] <= max_v_dim), op,
-             ": grad_v: expected a V head width Dv ", cuda ? "in [1, " + std::to_string(max_v_dim) + "]" : ">= 1",
-             " on ", device_name(device), ", got ", p.grad_v.describe());
+  const std::string v_range = cuda ? "in [1, " + std::to_string(cuda::kMaxVWidth) + "]" : ">= 1";
+  QKVF_CHECK(p.grad_v.sizes[2] >= 1 && (!cuda || p.grad_v.sizes[2] <= cuda::kMaxVWidth), op,
+             ": grad_v: expected a V head width Dv ", v_range, " on ", device_name(device),
+             ", got ", p.grad_v.describe());
   check.last_dim_contiguous(p.grad_v, "grad_v");
   check.element_aligned(p.grad_v, "grad_v");
   check.scalar_f32(p.grad_scale, "grad_scale");

@@ -185,7 +185,8 @@ __device__ __forceinline__ void backward_row(const Pairs& g, const Pairs& x, con
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const float n = __fmul_rn(x[j][e], rstd);
-      const float rotated = __fadd_rn(__fmul_rn(f1[j][e], g[j][e]), __fmul_rn(f2[j][e ^ 1], g[j][e ^ 1]));
+      const float rotated =
+          __fadd_rn(__fmul_rn(f1[j][e], g[j][e]), __fmul_rn(f2[j][e ^ 1], g[j][e ^ 1]));
       dx[j][e] = shifted ? __fadd_rn(g_next[j][e], first_token ? g[j][e] : 0.0f) : rotated;
       partial = fmaf(dx[j][e], n, partial);
     }
@@ -270,7 +271,8 @@ __device__ __forceinline__ void row_gradient(const RopeInputs& in, const GradInp
 // ------------------------------------------------------------------------------------------------
 
 template <bool kKeyOffset, typename FactorT>
-__global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant__ ForwardParams p) {
+__global__ void __launch_bounds__(kThreads)
+    forward_kernel(const __grid_constant__ ForwardParams p) {
   const RopeInputs& in = p.in;
   const int lane = int(threadIdx.x) % 32;
   const int64_t row = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
@@ -313,7 +315,8 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const __grid_constant
 }
 
 template <bool kKeyOffset, typename FactorT>
-__global__ void __launch_bounds__(kThreads) backward_kernel(const __grid_constant__ BackwardParams p) {
+__global__ void __launch_bounds__(kThreads)
+    backward_kernel(const __grid_constant__ BackwardParams p) {
   const RopeInputs& in = p.in;
   const int lane = int(threadIdx.x) % 32;
   const int64_t row = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
@@ -386,8 +389,9 @@ __global__ void __launch_bounds__(kThreads) fp8_kernel(const __grid_constant__ F
     const int c = u - token * Dv;
     const int64_t t = t0 + token;
     if (t >= in.tokens) continue;
-    const auto bits = __ldg(reinterpret_cast<const unsigned short*>(gv + t * p.grad_v_stride_t + c));
-    const uint32_t code = float2_to_e4m3x2(scale(__uint_as_float(uint32_t(bits) << 16)), 0.0f) & 0xffu;
+    const auto* element = reinterpret_cast<const unsigned short*>(gv + t * p.grad_v_stride_t + c);
+    const float value = __uint_as_float(uint32_t(__ldg(element)) << 16);
+    const uint32_t code = float2_to_e4m3x2(scale(value), 0.0f) & 0xffu;
     st_global_u8(p.grad_row + t * p.qkv_dim + v_feature + c, code);
     tile[token * pitch + 2 * D + c] = uint8_t(code);
   }

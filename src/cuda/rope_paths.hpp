@@ -59,7 +59,9 @@ inline bool vector_path(const QkNormRopeBackwardParams& p) {
 /// T % 16 != 0). Their base pointers must be 16-byte aligned.
 inline bool vector_path(const QkvBackwardFp8Params& p) {
   const int64_t v_dim = p.grad_v.sizes[2];
-  const auto aligned16 = [](const void* data) { return reinterpret_cast<uintptr_t>(data) % 16 == 0; };
+  const auto aligned16 = [](const void* data) {
+    return reinterpret_cast<uintptr_t>(data) % 16 == 0;
+  };
   return vector_head_width(p.qk.sizes[2]) && v_dim % 8 == 0 && v_dim <= 256 &&
          vector_rows({&p.grad_q, &p.grad_k, &p.grad_v, &p.qk, &p.factor1, &p.factor2}) &&
          aligned16(p.grad_row.data) && aligned16(p.grad_t.data);
