@@ -76,16 +76,16 @@ void head_width_switch(const char* op, int64_t D, F&& f) {
   }
 }
 
-/// The three compile-time choices every rope kernel is instantiated over, from their runtime
-/// values: f(Geom{}, KeyOffset{}, TypeTag<FactorT>{}) with Geom from head_width_switch, KeyOffset a
-/// std::bool_constant and FactorT the factor tables' element type (bf16 or fp32).
+/// The three compile-time choices every vector rope kernel is instantiated over, from their
+/// runtime values: f(Geom{}, KeyOffset{}, TypeTag<FactorT>{}) with Geom from head_width_switch
+/// and the other two from key_offset_factor_switch (static_switch.hpp).
 template <typename F>
 void kernel_switch(const char* op, int64_t head_dim, bool key_offset, DType factor_dtype, F&& f) {
   head_width_switch(op, head_dim, [&](auto geometry) {
-    bool_switch(key_offset, [&](auto key_offset_tag) {
-      factor_dtype_switch(op, factor_dtype,
-                          [&](auto factor_tag) { f(geometry, key_offset_tag, factor_tag); });
-    });
+    key_offset_factor_switch(op, key_offset, factor_dtype,
+                             [&](auto key_offset_tag, auto factor_tag) {
+                               f(geometry, key_offset_tag, factor_tag);
+                             });
   });
 }
 

@@ -419,14 +419,11 @@ __global__ void __launch_bounds__(kThreads) fp8_kernel(const __grid_constant__ F
 // Host side
 // ------------------------------------------------------------------------------------------------
 
-/// True when the view's pointer and every stride but the last are even in bf16 elements.
+/// True when every bf16 view's rows are 4-byte aligned (pointer and strides even in elements):
+/// its element pairs can move as one 4-byte access. fp32 factors load element by element.
 bool pairs_aligned(std::initializer_list<const TensorView*> views) {
   for (const TensorView* view : views) {
-    if (view->dtype != DType::kBFloat16) continue;  // fp32 factors load element by element
-    if (reinterpret_cast<uintptr_t>(view->data) % 4 != 0) return false;
-    for (int d = 0; d + 1 < view->ndim; ++d) {
-      if (view->sizes[d] > 1 && view->strides[d] % 2 != 0) return false;
-    }
+    if (view->dtype == DType::kBFloat16 && !rope::rows_aligned(*view, 4)) return false;
   }
   return true;
 }
@@ -468,14 +465,6 @@ unsigned row_blocks(const char* op, int64_t tokens, int64_t heads) {
   return unsigned(blocks);
 }
 
-/// f(KeyOffset{}, TypeTag<FactorT>{}) for the launch's compile-time choices.
-template <typename F>
-void generic_switch(const char* op, bool key_offset, DType factor_dtype, F&& f) {
-  bool_switch(key_offset, [&](auto key_offset_tag) {
-    factor_dtype_switch(op, factor_dtype, [&](auto factor_tag) { f(key_offset_tag, factor_tag); });
-  });
-}
-
 }  // namespace
 
 void qk_norm_rope(const QkNormRopeParams& params) {
@@ -488,13 +477,14 @@ void qk_norm_rope(const QkNormRopeParams& params) {
   kp.k = static_cast<__nv_bfloat16*>(params.k.data);
   const unsigned blocks = row_blocks("qk_norm_rope", kp.in.tokens, kp.in.num_heads);
   const cudaStream_t stream = to_cuda(params.stream);
-  generic_switch("qk_norm_rope", params.layout.key_offset, params.factor1.dtype,
-                 [&](auto key_offset, auto factor_tag) {
-                   using FactorT = typename decltype(factor_tag)::type;
-                   forward_kernel<decltype(key_offset)::value, FactorT>
-                       <<<blocks, kThreads, 0, stream>>>(kp);
-                   QKVF_CUDA_CHECK_LAUNCH("generic::forward_kernel");
-                 });
+  key_offset_factor_switch(
+      "qk_norm_rope", params.layout.key_offset, params.factor1.dtype,
+      [&](auto key_offset, auto factor_tag) {
+        using FactorT = typename decltype(factor_tag)::type;
+        forward_kernel<decltype(key_offset)::value, FactorT>
+            <<<blocks, kThreads, 0, stream>>>(kp);
+        QKVF_CUDA_CHECK_LAUNCH("generic::forward_kernel");
+      });
 }
 
 void qk_norm_rope_backward(const QkNormRopeBackwardParams& params) {
@@ -507,13 +497,14 @@ void qk_norm_rope_backward(const QkNormRopeBackwardParams& params) {
   kp.grad_qk = static_cast<__nv_bfloat16*>(params.grad_qk.data);
   const unsigned blocks = row_blocks("qk_norm_rope_backward", kp.in.tokens, kp.in.num_heads);
   const cudaStream_t stream = to_cuda(params.stream);
-  generic_switch("qk_norm_rope_backward", params.layout.key_offset, params.factor1.dtype,
-                 [&](auto key_offset, auto factor_tag) {
-                   using FactorT = typename decltype(factor_tag)::type;
-                   backward_kernel<decltype(key_offset)::value, FactorT>
-                       <<<blocks, kThreads, 0, stream>>>(kp);
-                   QKVF_CUDA_CHECK_LAUNCH("generic::backward_kernel");
-                 });
+  key_offset_factor_switch(
+      "qk_norm_rope_backward", params.layout.key_offset, params.factor1.dtype,
+      [&](auto key_offset, auto factor_tag) {
+        using FactorT = typename decltype(factor_tag)::type;
+        backward_kernel<decltype(key_offset)::value, FactorT>
+            <<<blocks, kThreads, 0, stream>>>(kp);
+        QKVF_CUDA_CHECK_LAUNCH("generic::backward_kernel");
+      });
 }
 
 void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
@@ -549,13 +540,14 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
   QKVF_CHECK(blocks <= int64_t(0x7fffffff), "qkv_backward_fp8 (CUDA): ", kp.in.tokens,
              " tokens need more blocks than one launch holds");
   const cudaStream_t stream = to_cuda(params.stream);
-  generic_switch("qkv_backward_fp8", params.layout.key_offset, params.factor1.dtype,
-                 [&](auto key_offset, auto factor_tag) {
-                   using FactorT = typename decltype(factor_tag)::type;
-                   fp8_kernel<decltype(key_offset)::value, FactorT>
-                       <<<unsigned(blocks), kThreads, smem, stream>>>(kp);
-                   QKVF_CUDA_CHECK_LAUNCH("generic::fp8_kernel");
-                 });
+  key_offset_factor_switch(
+      "qkv_backward_fp8", params.layout.key_offset, params.factor1.dtype,
+      [&](auto key_offset, auto factor_tag) {
+        using FactorT = typename decltype(factor_tag)::type;
+        fp8_kernel<decltype(key_offset)::value, FactorT>
+            <<<unsigned(blocks), kThreads, smem, stream>>>(kp);
+        QKVF_CUDA_CHECK_LAUNCH("generic::fp8_kernel");
+      });
 }
 
 }  // namespace qkvfuse::cuda::generic

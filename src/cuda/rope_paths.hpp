@@ -22,19 +22,21 @@
 
 namespace qkvfuse::cuda::rope {
 
-/// True when the view's data pointer and every stride but the last are multiples of 16 bytes.
-inline bool vector_rows(const TensorView& view) {
+/// True when the view's data pointer and every stride but the last (of dims longer than 1) are
+/// multiples of `bytes`: every row starts on a `bytes` boundary.
+inline bool rows_aligned(const TensorView& view, int64_t bytes) {
   const int64_t element = int64_t(dtype_size(view.dtype));
-  if (reinterpret_cast<uintptr_t>(view.data) % 16 != 0) return false;
+  if (int64_t(reinterpret_cast<uintptr_t>(view.data) % uint64_t(bytes)) != 0) return false;
   for (int d = 0; d + 1 < view.ndim; ++d) {
-    if (view.sizes[d] > 1 && (view.strides[d] * element) % 16 != 0) return false;
+    if (view.sizes[d] > 1 && (view.strides[d] * element) % bytes != 0) return false;
   }
   return true;
 }
 
+/// Every view's rows 16-byte aligned: what the vector kernels' LDG.128 / STG.128 need.
 inline bool vector_rows(std::initializer_list<const TensorView*> views) {
   for (const TensorView* view : views) {
-    if (!vector_rows(*view)) return false;
+    if (!rows_aligned(*view, 16)) return false;
   }
   return true;
 }

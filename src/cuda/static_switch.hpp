@@ -45,4 +45,13 @@ void factor_dtype_switch(const char* op, DType dtype, F&& f) {
   }
 }
 
+/// The rope kernels' two flags besides the head width: f(KeyOffset{}, TypeTag<FactorT>{}), with
+/// KeyOffset a std::bool_constant and FactorT the factor tables' element type.
+template <typename F>
+void key_offset_factor_switch(const char* op, bool key_offset, DType factor_dtype, F&& f) {
+  bool_switch(key_offset, [&](auto key_offset_tag) {
+    factor_dtype_switch(op, factor_dtype, [&](auto factor_tag) { f(key_offset_tag, factor_tag); });
+  });
+}
+
 }  // namespace qkvfuse::cuda
