@@ -184,6 +184,28 @@ struct FactorChunk<float> {
 // Row math
 // ------------------------------------------------------------------------------------------------
 
+/// The element formulas of SPEC.md sections 1-2, each operation rounded as the CPU backend rounds
+/// it. Both the vector kernels and the element-pair kernels (rope_generic.cu) compute with these.
+///   rstd = 1 / sqrt(mean(x^2) + eps)
+__device__ __forceinline__ float rstd_of_mean(float mean_square) {
+  return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean_square, kRmsNormEps)));
+}
+///   a*b + c*d: the rotation y[d] = f1[d]*n[d] + f2[d]*n[d^1] and its gradient
+///   dn[d] = f1[d]*g[d] + f2[d^1]*g[d^1]. forward_chunk and backward_row write it out instead of
+///   calling it: the call (the same operations) changed ptxas's instruction schedule of the
+///   measured forward and FP8 kernels, whose SASS is kept as benchmarked.
+__device__ __forceinline__ float rotate(float a, float b, float c, float d) {
+  return __fadd_rn(__fmul_rn(a, b), __fmul_rn(c, d));
+}
+///   key offset, stationary key dims: dn = g_next + (t == 0 ? g : 0)
+__device__ __forceinline__ float shifted_grad(float g_next, float g, bool first_token) {
+  return __fadd_rn(g_next, first_token ? g : 0.0f);
+}
+///   dx = rstd * (dn - n * correction), correction = sum(dn * n) / D
+__device__ __forceinline__ float norm_grad(float rstd, float dn, float n, float correction) {
+  return __fmul_rn(rstd, __fsub_rn(dn, __fmul_rn(n, correction)));
+}
+
 /// Sum over the G lanes of a lane group (aligned, consecutive lanes). Must be reached by all 32
 /// lanes of the warp (full mask): the kernels keep their loops warp-uniform and mask work
 /// instead of branching around it.
@@ -210,7 +232,7 @@ __device__ __forceinline__ float row_rstd(const Vec16 (&x_raw)[C], const Uniform
     for (int i = 0; i < 8; ++i) partial = fmaf(x[i], x[i], partial);
   }
   const float sum = group_sum<G>(partial);
-  return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(width(sum), kRmsNormEps)));
+  return rstd_of_mean(width(sum));
 }
 
 /// Forward of one chunk: n = x * rstd, y[d] = f1[d] * n[d] + f2[d] * n[d ^ 1], both as bf16.
@@ -227,7 +249,7 @@ __device__ __forceinline__ void forward_chunk(const Vec16& x_raw, float rstd,
   float y[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    y[i] = __fadd_rn(__fmul_rn(f1[i], n[i]), __fmul_rn(f2[i], n[i ^ 1]));
+    y[i] = __fadd_rn(__fmul_rn(f1[i], n[i]), __fmul_rn(f2[i], n[i ^ 1]));  // rotate, spelled out
   }
   y_out = float_to_bf16x8(y);
   if (n_out != nullptr) *n_out = float_to_bf16x8(n);
@@ -265,8 +287,9 @@ __device__ __forceinline__ void backward_row(const Vec16 (&g_raw)[C], const Vec1
     for (int i = 0; i < 8; ++i) {
       const float n = __fmul_rn(x[i], rstd);
       if constexpr (kKeepN) kept_n[c][i] = n;
+      // rotate(f1[c][i], g[i], f2[c][i ^ 1], g[i ^ 1]), spelled out: see rotate.
       const float rotated = __fadd_rn(__fmul_rn(f1[c][i], g[i]), __fmul_rn(f2[c][i ^ 1], g[i ^ 1]));
-      const float shifted = __fadd_rn(g_next[i], first_token ? g[i] : 0.0f);
+      const float shifted = shifted_grad(g_next[i], g[i], first_token);
       dx[c][i] = shift_row && i >= stationary_from[c] ? shifted : rotated;  // dn for now
       partial = fmaf(dx[c][i], n, partial);
     }
@@ -279,7 +302,7 @@ __device__ __forceinline__ void backward_row(const Vec16 (&g_raw)[C], const Vec1
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const float n = kKeepN ? kept_n[kKeepN ? c : 0][i] : __fmul_rn(x[i], rstd);
-      dx[c][i] = __fmul_rn(rstd, __fsub_rn(dx[c][i], __fmul_rn(n, correction)));
+      dx[c][i] = norm_grad(rstd, dx[c][i], n, correction);
     }
   }
 }

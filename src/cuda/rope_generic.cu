@@ -26,6 +26,7 @@
 #include "backend.hpp"
 #include "cuda/check.hpp"
 #include "cuda/device_math.cuh"
+#include "cuda/rope_common.cuh"
 #include "cuda/rope_paths.hpp"
 #include "cuda/static_switch.hpp"
 
@@ -150,15 +151,11 @@ __device__ __forceinline__ void load_row(const T* row, int lane, int pairs, bool
 }
 
 // ------------------------------------------------------------------------------------------------
-// Row math (the same operations as rope_common.cuh's forward_chunk / backward_row)
+// Row math: rope_common.cuh's element formulas over a warp's element pairs
 // ------------------------------------------------------------------------------------------------
 
 /// Sum over the warp; all 32 lanes must be present (rows are warp-uniform).
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
+__device__ __forceinline__ float warp_sum(float v) { return rope::group_sum<32>(v); }
 
 __device__ __forceinline__ float row_rstd(const Pairs& x, int width) {
   float partial = 0.0f;
@@ -167,8 +164,7 @@ __device__ __forceinline__ float row_rstd(const Pairs& x, int width) {
     partial = fmaf(x[j][0], x[j][0], partial);
     partial = fmaf(x[j][1], x[j][1], partial);
   }
-  const float mean = __fdiv_rn(warp_sum(partial), float(width));
-  return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, kRmsNormEps)));
+  return rope::rstd_of_mean(__fdiv_rn(warp_sum(partial), float(width)));
 }
 
 /// dx of one row (SPEC.md section 2). Pairs i >= `stationary_pair` of a `shift_row` take the
@@ -185,9 +181,8 @@ __device__ __forceinline__ void backward_row(const Pairs& g, const Pairs& x, con
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const float n = __fmul_rn(x[j][e], rstd);
-      const float rotated =
-          __fadd_rn(__fmul_rn(f1[j][e], g[j][e]), __fmul_rn(f2[j][e ^ 1], g[j][e ^ 1]));
-      dx[j][e] = shifted ? __fadd_rn(g_next[j][e], first_token ? g[j][e] : 0.0f) : rotated;
+      const float rotated = rope::rotate(f1[j][e], g[j][e], f2[j][e ^ 1], g[j][e ^ 1]);
+      dx[j][e] = shifted ? rope::shifted_grad(g_next[j][e], g[j][e], first_token) : rotated;
       partial = fmaf(dx[j][e], n, partial);
     }
   }
@@ -197,7 +192,7 @@ __device__ __forceinline__ void backward_row(const Pairs& g, const Pairs& x, con
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const float n = __fmul_rn(x[j][e], rstd);
-      dx[j][e] = __fmul_rn(rstd, __fsub_rn(dx[j][e], __fmul_rn(n, correction)));
+      dx[j][e] = rope::norm_grad(rstd, dx[j][e], n, correction);
     }
   }
 }
@@ -301,8 +296,8 @@ __global__ void __launch_bounds__(kThreads)
     if (i >= pairs) continue;
     const float n0 = __fmul_rn(x[j][0], rstd);
     const float n1 = __fmul_rn(x[j][1], rstd);
-    const float y0 = __fadd_rn(__fmul_rn(f1[j][0], n0), __fmul_rn(f2[j][0], n1));
-    const float y1 = __fadd_rn(__fmul_rn(f1[j][1], n1), __fmul_rn(f2[j][1], n0));
+    const float y0 = rope::rotate(f1[j][0], n0, f2[j][0], n1);
+    const float y1 = rope::rotate(f1[j][1], n1, f2[j][1], n0);
     if (shift_row && i >= stationary_pair) {
       // Stationary key dims: this row's own come from the warp of t-1 (t = 0 keeps y); the
       // row of t+1 gets this row's normalized values. Every element is written once.
