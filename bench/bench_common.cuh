@@ -147,6 +147,7 @@ struct Options {
   int64_t tokens = 49152;
   int iters = 100;
   std::string kernel;  ///< --kernel NAME: only that kernel's rows (qkvfuse_bench_kernels)
+  int64_t head_dim = 0;  ///< --head-dim D: only shapes of that width (qkvfuse_bench_kernels)
 };
 
 /// Parses argv into `options`; prints the usage and returns false on anything else.
@@ -161,8 +162,10 @@ inline bool parse_options(int argc, char** argv, Options& options) {
       options.iters = std::max(50, std::atoi(argv[++i]));
     } else if (arg == "--kernel" && i + 1 < argc) {
       options.kernel = argv[++i];
+    } else if (arg == "--head-dim" && i + 1 < argc) {
+      options.head_dim = std::atoll(argv[++i]);
     } else {
-      std::fprintf(stderr, "usage: %s [--csv PATH] [--tokens T] [--iters N (>= 50)] [--kernel NAME]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--csv PATH] [--tokens T] [--iters N (>= 50)] [--kernel NAME] [--head-dim D]\n", argv[0]);
       return false;
     }
   }
