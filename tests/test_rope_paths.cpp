@@ -140,22 +140,5 @@ TEST(RopePaths, Fp8BackwardAlsoNeedsVectorVWidthAndAlignedOutputs) {
   EXPECT_FALSE(cuda::rope::vector_path(transposed.fp8()));
 }
 
-TEST(RopePaths, Fp8BackwardTakesTokenStepsItsTileOffsetsHold) {
-  // The FP8 vector kernel adds row * step in 32 bits over a 128-token tile (+1 for key offset).
-  const int64_t limit = cuda::rope::kFp8MaxTokenStep;
-  Call fits;
-  fits.qk_row_pad = (limit - fits.qkv_dim()) / 8 * 8;  // qk's token stride just under the bound
-  EXPECT_TRUE(cuda::rope::vector_path(fits.fp8()));
-  Call too_far = fits;
-  too_far.qk_row_pad += 8;  // just over it
-  EXPECT_GT(too_far.qk().strides[0], limit);
-  EXPECT_FALSE(cuda::rope::vector_path(too_far.fp8()));
-  EXPECT_TRUE(cuda::rope::vector_path(too_far.forward()));  // the other kernels use 64-bit rows
-  Call wide_table;
-  wide_table.factor_row_pad = limit / 8 * 8;  // 16-byte rows, stride past the bound
-  EXPECT_TRUE(cuda::rope::vector_path(wide_table.backward()));
-  EXPECT_FALSE(cuda::rope::vector_path(wide_table.fp8()));
-}
-
 }  // namespace
 }  // namespace qkvfuse::test

@@ -58,8 +58,6 @@ constexpr int kTokenBlocks = kTileTokens / kTokenBlock;
 static_assert(kTileTokens % kTokenBlock == 0 && kTokenBlocks == 8,
               "the shared-memory swizzle spreads 8 token blocks over the 32 banks");
 static_assert(kFp8Threads % 32 == 0, "whole warps");
-static_assert((kTileTokens + 1) * rope::kFp8MaxTokenStep + 1024 < (int64_t(1) << 31),
-              "rope_paths.hpp's stride bound keeps the tile's 32-bit row offsets in range");
 
 /// Everything the fused FP8 backward kernel reads. Strides in elements (multiples of 8).
 struct QkvBackwardFp8KernelParams {
@@ -158,11 +156,6 @@ __global__ void __launch_bounds__(kFp8Threads, fp8_min_blocks<Geom::C, FactorT>(
   const E4m3Scaler scale{*p.grad_scale};
   const UniformDivisor width{float(D)};
   const int pitch = p.tile_pitch;
-  // Tokens from t0 on, capped at one past the tile: row < tile_rows is a tile row's bound check,
-  // row + 1 < tile_rows the key-offset neighbour's.
-  const int tile_rows = int(min(p.tokens - t0, int64_t(kTileTokens + 1)));
-  uint8_t* const out_tile = p.grad_row + t0 * p.qkv_dim;  // grad_row at token t0
-  const int out_step = int(p.qkv_dim);
 
   // ---- Phase A1: Q and K rows -------------------------------------------------------------
   {
@@ -183,39 +176,30 @@ __global__ void __launch_bounds__(kFp8Threads, fp8_min_blocks<Geom::C, FactorT>(
     const int out_head = h - sub_token * half;
     const int64_t gq_token_step = p.paired ? 2 * p.grad_q_stride_t : p.grad_q_stride_t;
     const int64_t gk_token_step = p.paired ? 2 * p.grad_k_stride_t : p.grad_k_stride_t;
+    const __nv_bfloat16* gq_base =
+        p.grad_q + sub_token * p.grad_q_stride_t + int64_t(out_head) * p.grad_q_stride_h;
+    const __nv_bfloat16* gk_base =
+        p.grad_k + sub_token * p.grad_k_stride_t + int64_t(out_head) * p.grad_k_stride_h;
+    const __nv_bfloat16* xq_base = p.qk + int64_t(h) * p.qk_stride_h;
+    const __nv_bfloat16* xk_base = p.qk + int64_t(H + h) * p.qk_stride_h;
     const int factor_offset = p.paired ? (h & 1) * D : 0;
-    // Every row pointer at the tile's first token, once per CTA (uniform registers); per thread
-    // and token only 32-bit element offsets row * step + d0 are added: 128 token steps of every
-    // stride fit in 31 bits (rope_paths.hpp sends larger strides to the element-pair kernel).
-    // With 64-bit t * stride per pointer and token the address math was ~100 of the loop's ~650
-    // instructions.
-    const __nv_bfloat16* gq_tile = p.grad_q + sub_token * p.grad_q_stride_t +
-                                   int64_t(out_head) * p.grad_q_stride_h + t0 * gq_token_step;
-    const __nv_bfloat16* gk_tile = p.grad_k + sub_token * p.grad_k_stride_t +
-                                   int64_t(out_head) * p.grad_k_stride_h + t0 * gk_token_step;
-    const __nv_bfloat16* xq_tile = p.qk + int64_t(h) * p.qk_stride_h + t0 * p.qk_stride_t;
-    const __nv_bfloat16* xk_tile = p.qk + int64_t(H + h) * p.qk_stride_h + t0 * p.qk_stride_t;
-    const FactorT* f1_tile =
-        static_cast<const FactorT*>(p.factor1) + factor_offset + t0 * p.factor1_stride_t;
-    const FactorT* f2_tile =
-        static_cast<const FactorT*>(p.factor2) + factor_offset + t0 * p.factor2_stride_t;
-    const int gq_step = int(gq_token_step), gk_step = int(gk_token_step);
-    const int x_step = int(p.qk_stride_t);
-    const int f1_step = int(p.factor1_stride_t), f2_step = int(p.factor2_stride_t);
-    const int q_feature = h * D;
-    const int k_feature = (H + h) * D;
+    const FactorT* factor1 = static_cast<const FactorT*>(p.factor1) + factor_offset;
+    const FactorT* factor2 = static_cast<const FactorT*>(p.factor2) + factor_offset;
+    const int64_t q_feature = int64_t(h) * D;
+    const int64_t k_feature = int64_t(H + h) * D;
 
 #pragma unroll 1
     for (int j = 0; j < kTokensPerGroup; ++j) {  // block-uniform trip count
       const int row = group + kGroups * j;       // consecutive groups: consecutive tokens
-      const bool token_ok = row < tile_rows;
+      const int64_t t = t0 + row;
+      const bool token_ok = t < p.tokens;
 
       FactorChunk<FactorT> f1[C];
       FactorChunk<FactorT> f2[C];
 #pragma unroll
       for (int c = 0; c < C; ++c) {
-        f1[c].load(f1_tile + (row * f1_step + d0[c]), token_ok && chunk_ok[c]);
-        f2[c].load(f2_tile + (row * f2_step + d0[c]), token_ok && chunk_ok[c]);
+        f1[c].load(factor1 + t * p.factor1_stride_t + d0[c], token_ok && chunk_ok[c]);
+        f2[c].load(factor2 + t * p.factor2_stride_t + d0[c], token_ok && chunk_ok[c]);
       }
 
       // One row: the Q row (part 0) or the K row (part 1) of the token; both share the factor
@@ -225,31 +209,30 @@ __global__ void __launch_bounds__(kFp8Threads, fp8_min_blocks<Geom::C, FactorT>(
         Vec16 g[C], x[C], g_next[C];
       };
       auto load_row = [&](const int part, RowLoads& r) {
-        const __nv_bfloat16* g_tile = part == 0 ? gq_tile : gk_tile;
-        const __nv_bfloat16* x_tile = part == 0 ? xq_tile : xk_tile;
-        const int g_offset = row * (part == 0 ? gq_step : gk_step);
-        const int x_offset = row * x_step;
-        const bool next_ok = kKeyOffset && part == 1 && row + 1 < tile_rows;
+        const __nv_bfloat16* g_row =
+            part == 0 ? gq_base + t * gq_token_step : gk_base + t * gk_token_step;
+        const __nv_bfloat16* x_row = (part == 0 ? xq_base : xk_base) + t * p.qk_stride_t;
+        const bool next_ok = kKeyOffset && part == 1 && token_ok && t + 1 < p.tokens;
 #pragma unroll
         for (int c = 0; c < C; ++c) {
           const bool ok = token_ok && chunk_ok[c];
           // Key offset: grad_k rows are read again as the previous token's g_next (by the
           // neighbouring lane group, at about the same time): keep them in L1.
-          const __nv_bfloat16* g = g_tile + (g_offset + d0[c]);
-          r.g[c] = ok ? (part == 1 && kKeyOffset ? rope::ld_cached(g) : rope::ld_stream(g))
+          r.g[c] = ok ? (part == 1 && kKeyOffset ? rope::ld_cached(g_row + d0[c])
+                                                 : rope::ld_stream(g_row + d0[c]))
                       : rope::zero_vec16();
-          r.x[c] = ok ? rope::ld_stream(x_tile + (x_offset + d0[c])) : rope::zero_vec16();
+          r.x[c] = ok ? rope::ld_stream(x_row + d0[c]) : rope::zero_vec16();
           r.g_next[c] = next_ok && chunk_ok[c] && stationary_from[c] < 8
-                            ? rope::ld_cached(g_tile + (g_offset + gk_step + d0[c]))
+                            ? rope::ld_cached(g_row + gk_token_step + d0[c])
                             : rope::zero_vec16();
         }
       };
       auto emit_row = [&](const int part, const RowLoads& r) {
         float dx[C][8];
         rope::backward_row<G, C>(r.g, r.x, f1, f2, r.g_next, stationary_from,
-                                 kKeyOffset && part == 1, t0 + row == 0, width, dx);
+                                 kKeyOffset && part == 1, t == 0, width, dx);
         if (!token_ok) return;
-        uint8_t* out_row = out_tile + (row * out_step + (part == 0 ? q_feature : k_feature));
+        uint8_t* out_row = p.grad_row + t * p.qkv_dim + (part == 0 ? q_feature : k_feature);
 #pragma unroll
         for (int c = 0; c < C; ++c) {
           if (!chunk_ok[c]) continue;
@@ -284,10 +267,8 @@ __global__ void __launch_bounds__(kFp8Threads, fp8_min_blocks<Geom::C, FactorT>(
     const int tile_chunks = kTileTokens * chunks_per_row;
     // u / chunks_per_row as a multiply-shift: exact for u < 2^12 and divisors <= 32.
     const uint32_t magic = ((1u << 20) + uint32_t(chunks_per_row) - 1) / uint32_t(chunks_per_row);
-    const __nv_bfloat16* gv_tile =
-        p.grad_v + int64_t(h) * p.grad_v_stride_h + t0 * p.grad_v_stride_t;
-    const int gv_step = int(p.grad_v_stride_t);
-    const int v_feature = 2 * H * D + h * Dv;
+    const __nv_bfloat16* gv_base = p.grad_v + int64_t(h) * p.grad_v_stride_h;
+    const int64_t v_feature = 2 * int64_t(H) * D + int64_t(h) * Dv;
     constexpr int kUnroll = 4;
 #pragma unroll 1
     for (int base = int(threadIdx.x); base < tile_chunks; base += kFp8Threads * kUnroll) {
@@ -299,18 +280,19 @@ __global__ void __launch_bounds__(kFp8Threads, fp8_min_blocks<Geom::C, FactorT>(
         const int u = base + m * kFp8Threads;
         rows[m] = int((uint32_t(u) * magic) >> 20);
         cols[m] = 8 * (u - rows[m] * chunks_per_row);
-        const bool ok = u < tile_chunks && rows[m] < tile_rows;
-        v[m] = ok ? rope::ld_stream(gv_tile + (rows[m] * gv_step + cols[m])) : rope::zero_vec16();
+        const bool ok = u < tile_chunks && t0 + rows[m] < p.tokens;
+        v[m] = ok ? rope::ld_stream(gv_base + (t0 + rows[m]) * p.grad_v_stride_t + cols[m])
+                  : rope::zero_vec16();
       }
 #pragma unroll
       for (int m = 0; m < kUnroll; ++m) {
         const int u = base + m * kFp8Threads;
-        if (!(u < tile_chunks && rows[m] < tile_rows)) continue;
+        if (!(u < tile_chunks && t0 + rows[m] < p.tokens)) continue;
         float values[8];
         bf16x8_to_float(v[m], values);
         uint32_t lo, hi;
         scale(values, lo, hi);
-        rope::st_u64(out_tile + (rows[m] * out_step + v_feature + cols[m]), lo, hi);
+        rope::st_u64(p.grad_row + (t0 + rows[m]) * p.qkv_dim + v_feature + cols[m], lo, hi);
         sts_u64(tile_base + tile_offset(rows[m], (2 * D + cols[m]) / 4, pitch), lo, hi);
       }
     }

@@ -56,33 +56,17 @@ inline bool vector_path(const QkNormRopeBackwardParams& p) {
          vector_rows({&p.grad_q, &p.grad_k, &p.qk, &p.factor1, &p.factor2, &p.grad_qk});
 }
 
-/// Largest token step (in elements) the FP8 vector kernel takes: inside a tile of 128 tokens it
-/// addresses rows as 32-bit offsets row * step + d from the tile's first token, for up to 129
-/// steps (the key-offset neighbour), so 160 steps must stay below 2^31.
-inline constexpr int64_t kFp8MaxTokenStep = (int64_t(1) << 31) / 160;
-
 /// The e4m3 outputs are contiguous: their row strides (qkv_dim and T bytes) need not be
 /// multiples of 16, the vector kernel handles that (8-byte row stores; grad_t byte by byte when
-/// T % 16 != 0). Their base pointers must be 16-byte aligned. Token strides (twice the grads'
-/// under paired placement) and qkv_dim at most kFp8MaxTokenStep.
+/// T % 16 != 0). Their base pointers must be 16-byte aligned.
 inline bool vector_path(const QkvBackwardFp8Params& p) {
-  const int64_t head_dim = p.qk.sizes[2];
   const int64_t v_dim = p.grad_v.sizes[2];
-  const int64_t heads = p.layout.num_heads;
   const auto aligned16 = [](const void* data) {
     return reinterpret_cast<uintptr_t>(data) % 16 == 0;
   };
-  const auto small_step = [](int64_t step) {
-    return step <= kFp8MaxTokenStep && step >= -kFp8MaxTokenStep;
-  };
-  const int64_t grad_factor = p.layout.paired ? 2 : 1;
-  return vector_head_width(head_dim) && v_dim % 8 == 0 && v_dim <= 256 &&
+  return vector_head_width(p.qk.sizes[2]) && v_dim % 8 == 0 && v_dim <= 256 &&
          vector_rows({&p.grad_q, &p.grad_k, &p.grad_v, &p.qk, &p.factor1, &p.factor2}) &&
-         aligned16(p.grad_row.data) && aligned16(p.grad_t.data) &&
-         small_step(grad_factor * p.grad_q.strides[0]) &&
-         small_step(grad_factor * p.grad_k.strides[0]) && small_step(p.grad_v.strides[0]) &&
-         small_step(p.qk.strides[0]) && small_step(p.factor1.strides[0]) &&
-         small_step(p.factor2.strides[0]) && small_step(heads * (2 * head_dim + v_dim));
+         aligned16(p.grad_row.data) && aligned16(p.grad_t.data);
 }
 
 }  // namespace qkvfuse::cuda::rope
