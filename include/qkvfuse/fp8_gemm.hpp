@@ -18,6 +18,11 @@ namespace qkvfuse {
 /// (cuBLASLt's FP8 requirements); anything else is refused before the call.
 /// fast_accum lets the tensor cores accumulate in reduced precision between promotions
 /// (cuBLASLt's FAST_ACCUM); the CPU backend always accumulates exactly in fp32 or better.
+/// On CUDA the first call of each shape (per process and device) times cuBLASLt's candidate
+/// algorithms on the call's stream and keeps the fastest, which takes a few milliseconds and one
+/// synchronization with that stream; later calls of the shape run that one algorithm. A first call
+/// made during CUDA-graph capture runs cuBLASLt's default choice instead (warm up before capturing).
+/// QKVFUSE_FP8_GEMM_AUTOTUNE=0 in the environment always runs the default choice.
 struct Fp8GemmParams {
   TensorView a;
   TensorView b;

@@ -57,8 +57,19 @@
 // and workspaces live for the life of the process: destroying them from a static destructor would
 // race the CUDA runtime's own teardown at exit.
 //
-// Heuristic. Asked for one algorithm with only MAX_WORKSPACE_BYTES (and the pointer alignments)
-// set, as torch._scaled_mm asks, so both get the same kernel. No REDUCTION_SCHEME_MASK: the old
+// Algorithm choice. The heuristic is asked with only MAX_WORKSPACE_BYTES (and the pointer
+// alignments) set, as torch._scaled_mm asks, and its first algorithm is what torch runs (the same
+// kernel in cuBLASLt's logs). It is not always the fastest it offers: on an H200 the forward GEMM
+// of the op ([49152, 768] x [2304, 768]^T) runs 12 % faster, and the D = 96 one 17 % faster, on
+// its sixth / fourth candidate (bench/results/2026-11-30_7486752_h200_gemm_algos.txt). So the
+// first call of each shape (per process and device) times the heuristic's first kTuneAlgos
+// candidates on the caller's stream, with the caller's operands, and keeps the fastest if it beats
+// the first candidate by more than kTuneMargin, else the first: a near-tie always resolves to the
+// heuristic's choice, so the pick is stable from run to run, and later calls run one fixed
+// algorithm (bit-identical results). The timing synchronizes with the stream once per shape; a
+// call made while the stream is being captured into a CUDA graph cannot synchronize, so it runs
+// the heuristic's first algorithm and caches nothing (warm up eagerly before capturing to get the
+// tuned one). QKVFUSE_FP8_GEMM_AUTOTUNE=0 in the environment turns the tuning off. No REDUCTION_SCHEME_MASK: the old
 // COMPUTE_TYPE-only mask kept split-K partial sums in fp32 (one bf16 rounding), but it can
 // exclude the kernel the heuristic ranks first, and the long-K wgrad ([3072, 768], K = 49152:
 // few output tiles for 132 SMs, where split-K pays) and the dgrad at D = 128 ran 5% slower than
@@ -106,6 +117,11 @@ constexpr size_t kOneScaleOffset = 128;     // bytes: 1.0f
 constexpr int kMaxDevices = 64;
 // Algorithms kept per shape for the retry after a launch-time NOT_SUPPORTED (asked for only then).
 constexpr int kFallbackAlgos = 8;
+// Autotuning (see the header): candidates timed, launches per timing, and the margin by which a
+// candidate must beat the heuristic's first choice to replace it.
+constexpr int kTuneAlgos = 8;
+constexpr int kTuneLaunches = 3;
+constexpr float kTuneMargin = 0.03f;
 
 // ---- RAII wrappers for the cuBLASLt descriptors ------------------------------------------------
 
@@ -293,6 +309,14 @@ int pointer_alignment(const void* pointer) {
   return alignment;
 }
 
+bool autotune_enabled() {
+  static const bool enabled = [] {
+    const char* value = std::getenv("QKVFUSE_FP8_GEMM_AUTOTUNE");
+    return value == nullptr || value[0] == '\0' || value[0] != '0';
+  }();
+  return enabled;
+}
+
 bool fp32_splitk_requested() {
   static const bool requested = [] {
     const char* value = std::getenv("QKVFUSE_FP8_GEMM_FP32_SPLITK");
@@ -367,6 +391,49 @@ std::vector<cublasLtMatmulAlgo_t> query_heuristic(cublasLtHandle_t handle, const
   QKVF_CHECK(!algos.empty(), "fp8_gemm: cuBLASLt's heuristic returned no usable algorithm for M=",
              key.m, " N=", key.n, " K=", key.k);
   return algos;
+}
+
+/// The autotuner's pick among `candidates` (best first by the heuristic): each is launched once
+/// (a launch cuBLASLt refuses is skipped), then timed over kTuneLaunches launches between two
+/// events on `stream`; the fastest replaces candidates[0] only when it is more than kTuneMargin
+/// faster. Every launch computes the caller's d, so the call's own launch that follows simply
+/// overwrites it with the same kind of result.
+template <typename Launch>
+cublasLtMatmulAlgo_t fastest_algorithm(const std::vector<cublasLtMatmulAlgo_t>& candidates,
+                                       const Launch& launch, const Operation& op,
+                                       cudaStream_t stream) {
+  struct Events {
+    cudaEvent_t start = nullptr, stop = nullptr;
+    ~Events() {
+      if (start) cudaEventDestroy(start);
+      if (stop) cudaEventDestroy(stop);
+    }
+  } events;
+  QKVF_CUDA_CHECK(cudaEventCreate(&events.start));
+  QKVF_CUDA_CHECK(cudaEventCreate(&events.stop));
+  float first_ms = -1.0f, best_ms = -1.0f;
+  size_t best = 0;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    if (launch(op, candidates[i]) != CUBLAS_STATUS_SUCCESS) continue;  // refused: nothing queued
+    QKVF_CUDA_CHECK(cudaEventRecord(events.start, stream));
+    bool launched = true;
+    for (int r = 0; r < kTuneLaunches && launched; ++r) {
+      launched = launch(op, candidates[i]) == CUBLAS_STATUS_SUCCESS;
+    }
+    QKVF_CUDA_CHECK(cudaEventRecord(events.stop, stream));
+    QKVF_CUDA_CHECK(cudaEventSynchronize(events.stop));
+    float ms = 0.0f;
+    QKVF_CUDA_CHECK(cudaEventElapsedTime(&ms, events.start, events.stop));
+    if (!launched) continue;
+    if (i == 0) first_ms = ms;
+    if (best_ms < 0.0f || ms < best_ms) {
+      best_ms = ms;
+      best = i;
+    }
+  }
+  if (best_ms < 0.0f) return candidates.front();  // all refused: the caller's retry path reports
+  if (first_ms >= 0.0f && best_ms > (1.0f - kTuneMargin) * first_ms) return candidates.front();
+  return candidates[best];
 }
 
 void check_scalar(const TensorView& view, const char* name) {
@@ -480,13 +547,23 @@ void fp8_gemm(const Fp8GemmParams& params) {
   bool stage = has_alpha || !aligned16(scale_a) || !aligned16(scale_b) || plan.stage_scales;
   auto [scale_of_b, scale_of_a] = scale_pointers(stage);
   Operation op(key, scale_of_b, scale_of_a);
+  bool cacheable = true;
   if (!cached) {
-    // Query outside the lock (tens of microseconds); a racing thread computes the same plan.
-    plan.algo = query_heuristic(handle, key, op, 1).front();
+    // Query (and tune) outside the lock; a racing thread computes a plan of its own, and the
+    // first one stored wins (emplace), so every later call runs the same algorithm.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    QKVF_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    if (autotune_enabled() && capture == cudaStreamCaptureStatusNone) {
+      plan.algo = fastest_algorithm(query_heuristic(handle, key, op, kTuneAlgos), launch, op,
+                                    stream);
+    } else {
+      plan.algo = query_heuristic(handle, key, op, 1).front();
+      cacheable = capture == cudaStreamCaptureStatusNone;
+    }
   }
   cublasStatus_t status = launch(op, plan.algo);
   if (status == CUBLAS_STATUS_SUCCESS) {
-    if (!cached) {
+    if (!cached && cacheable) {
       std::lock_guard<std::mutex> lock(g_plan_mutex);
       g_plans.emplace(key, plan);
     }
