@@ -387,7 +387,8 @@ const std::vector<Misalignment>& misalignments() {
 
 TEST(CudaQkNormRope, ForwardAllWidthsAndModes) {
   QKVF_REQUIRE_GPU();
-  // Vector kernels: 32/64/96/128/256 exact lane geometries; 40, 72, 136, 200, 248 masked ones.
+  // Vector kernels: 32/64/96/128/256 exact lane geometries (96: 4 lanes x 3 chunks); 40, 72, 136,
+  // 200, 248 masked ones.
   for (int64_t head_dim : {32, 64, 96, 128, 256, 40, 72, 136, 200, 248}) {
     for (int64_t tokens : {1, 3, 17}) {
       for (int64_t heads : {1, 2, 3, 6}) {

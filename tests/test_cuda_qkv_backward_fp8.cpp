@@ -541,7 +541,9 @@ TEST(CudaQkvBackwardFp8, KeyOffsetRotaryEdges) {
       check_fp8(c);
     }
   }
-  for (int64_t head_dim : {72, 96, 136, 184}) {  // 3-chunk geometries: 16 lanes under key offset
+  // Masked geometries under key offset (72, 96: 16 x 1; 136, 184: 16 x 2): chunks partly past
+  // rotary_dim and lanes past D.
+  for (int64_t head_dim : {72, 96, 136, 184}) {
     Fp8Case c;
     c.tokens = 37;
     c.heads = 2;

@@ -451,11 +451,16 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
   kp.tile_pitch = int((2 * head_dim + v_dim + 127) / 128 * 128);
 
   const cudaStream_t stream = to_cuda(params.stream);
-  rope::kernel_switch("qkv_backward_fp8", head_dim, layout.key_offset, params.factor1.dtype,
-                      [&](auto geometry, auto key_offset, auto factor_tag) {
-                        using FactorT = typename decltype(factor_tag)::type;
-                        launch_fp8<decltype(geometry), decltype(key_offset)::value, FactorT>(kp, stream);
-                      });
+  // D = 96 on 16 lanes x 1 chunk (12 active): the Q and K rows of a token are loaded together
+  // (the C == 1 path of phase A1) within the 64-register budget of 4 CTAs per SM. On 4 x 3 the
+  // kernel needs 126-128 registers (2 CTAs per SM) and measured 50.8 % of copy against 64.1 %
+  // (H200, bench/results/2026-11-30_0f61d58_h200_d96_geometry_ab.txt).
+  rope::kernel_switch<rope::Width96::kMasked16x1>(
+      "qkv_backward_fp8", head_dim, layout.key_offset, params.factor1.dtype,
+      [&](auto geometry, auto key_offset, auto factor_tag) {
+        using FactorT = typename decltype(factor_tag)::type;
+        launch_fp8<decltype(geometry), decltype(key_offset)::value, FactorT>(kp, stream);
+      });
 }
 
 }  // namespace qkvfuse::cuda

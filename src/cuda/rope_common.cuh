@@ -9,10 +9,13 @@
 // per-lane partial over 8*C values followed by a log2(G)-step xor-shuffle butterfly inside the
 // group; every lane ends with the same bits (a + b == b + a in IEEE arithmetic), so the result is
 // deterministic and identical across the group. Widths that are not 8*G*C exactly use the next
-// larger geometry with the missing chunks masked (loads return 0, stores are skipped): D = 96 runs
-// on 16 lanes x 1 chunk with 12 lanes active, which keeps 16 lanes' worth of loads per row and
-// shares each factor chunk among K rows (4 lanes x 3 chunks would spend two factor loads per row
-// chunk and give a row only 4 lanes).
+// larger geometry with the missing chunks masked (loads return 0, stores are skipped). D = 96, a
+// real model width that no power-of-two group holds in one chunk per lane, is the kernel's choice
+// (Width96): 16 lanes x 1 chunk with 12 lanes active keeps 16 lanes' worth of loads per row and
+// shares each factor chunk among the K rows of a unit, but a quarter of every warp's lanes and
+// load slots idle; 4 lanes x 3 chunks keeps every lane busy, at the price of one row per unit in
+// the row kernels (K * C <= 4: the factor chunks are loaded once per row, not per K rows) and of
+// a row held by 4 lanes only.
 //
 // Rounding. The CPU backend is the contract: the element-wise formulas of SPEC.md are evaluated
 // with explicitly rounded fp32 operations (__fmul_rn / __fadd_rn / __fdiv_rn / __fsqrt_rn, and
@@ -53,12 +56,20 @@ struct RowGeometry {
 inline constexpr int kMinHeadWidth = 32;
 inline constexpr int kMaxHeadWidth = 256;
 
+/// How a kernel runs D = 96 (see the header): each kernel states its choice at its call of
+/// kernel_switch, so that the geometry of every kernel is an A/B-able, per-kernel decision.
+enum class Width96 {
+  kMasked16x1,  ///< RowGeometry<16, 1>, 12 of 16 lanes active
+  kFull4x3,     ///< RowGeometry<4, 3>, every lane active
+};
+
 /// Calls f(RowGeometry<G, C>{}) for the geometry serving head width D. Exact geometries for 32
-/// (4 lanes x 1 chunk), 64 (8 x 1), 128 (16 x 1) and 256 (16 x 2); every other multiple of 8 in
-/// [32, 256] runs on the next larger one, masked (96: 16 x 1 with 12 lanes active). Other widths
-/// never get here: rope_paths.hpp sends them (and rows not 16-byte aligned) to the element-pair
-/// kernels of rope_generic.cu.
-template <typename F>
+/// (4 lanes x 1 chunk), 64 (8 x 1), 128 (16 x 1) and 256 (16 x 2), and for 96 under
+/// Width96::kFull4x3 (4 x 3); every other multiple of 8 in [32, 256] runs on the next larger one,
+/// masked (96 under Width96::kMasked16x1: 16 x 1 with 12 lanes active; 72 .. 88 stay on 16 x 1
+/// either way: on 4 x 3 they would be masked too). Other widths never get here: rope_paths.hpp
+/// sends them (and rows not 16-byte aligned) to the element-pair kernels of rope_generic.cu.
+template <Width96 kWidth96, typename F>
 void head_width_switch(const char* op, int64_t D, F&& f) {
   QKVF_CHECK(D % 8 == 0 && D >= kMinHeadWidth && D <= kMaxHeadWidth, op,
              " (CUDA): unsupported head width D = ", D,
@@ -66,7 +77,14 @@ void head_width_switch(const char* op, int64_t D, F&& f) {
   switch (D / 8) {
     case 4: f(RowGeometry<4, 1>{}); break;                                  // 32
     case 5: case 6: case 7: case 8: f(RowGeometry<8, 1>{}); break;          // 40 .. 64
-    case 9: case 10: case 11: case 12: case 13: case 14: case 15: case 16:
+    case 12:                                                                // 96
+      if constexpr (kWidth96 == Width96::kFull4x3) {
+        f(RowGeometry<4, 3>{});
+      } else {
+        f(RowGeometry<16, 1>{});
+      }
+      break;
+    case 9: case 10: case 11: case 13: case 14: case 15: case 16:
       f(RowGeometry<16, 1>{}); break;                                       // 72 .. 128
     case 17: case 18: case 19: case 20: case 21: case 22: case 23: case 24:
     case 25: case 26: case 27: case 28: case 29: case 30: case 31: case 32:
@@ -78,10 +96,10 @@ void head_width_switch(const char* op, int64_t D, F&& f) {
 
 /// The three compile-time choices every vector rope kernel is instantiated over, from their
 /// runtime values: f(Geom{}, KeyOffset{}, TypeTag<FactorT>{}) with Geom from head_width_switch
-/// and the other two from key_offset_factor_switch (static_switch.hpp).
-template <typename F>
+/// (D = 96 as kWidth96 says) and the other two from key_offset_factor_switch (static_switch.hpp).
+template <Width96 kWidth96, typename F>
 void kernel_switch(const char* op, int64_t head_dim, bool key_offset, DType factor_dtype, F&& f) {
-  head_width_switch(op, head_dim, [&](auto geometry) {
+  head_width_switch<kWidth96>(op, head_dim, [&](auto geometry) {
     key_offset_factor_switch(op, key_offset, factor_dtype,
                              [&](auto key_offset_tag, auto factor_tag) {
                                f(geometry, key_offset_tag, factor_tag);
