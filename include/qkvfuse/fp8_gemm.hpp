@@ -22,7 +22,8 @@ namespace qkvfuse {
 /// algorithms on the call's stream and keeps the fastest, which takes a few milliseconds and one
 /// synchronization with that stream; later calls of the shape run that one algorithm. A first call
 /// made during CUDA-graph capture runs cuBLASLt's default choice instead (warm up before capturing).
-/// QKVFUSE_FP8_GEMM_AUTOTUNE=0 in the environment always runs the default choice.
+/// QKVFUSE_FP8_GEMM_AUTOTUNE=0 in the environment always runs the default choice; =2 prints each
+/// shape's timings and pick to stderr.
 struct Fp8GemmParams {
   TensorView a;
   TensorView b;

@@ -63,13 +63,16 @@
 // of the op ([49152, 768] x [2304, 768]^T) runs 12 % faster, and the D = 96 one 17 % faster, on
 // its sixth / fourth candidate (bench/results/2026-11-30_7486752_h200_gemm_algos.txt). So the
 // first call of each shape (per process and device) times the heuristic's first kTuneAlgos
-// candidates on the caller's stream, with the caller's operands, and keeps the fastest if it beats
-// the first candidate by more than kTuneMargin, else the first: a near-tie always resolves to the
-// heuristic's choice, so the pick is stable from run to run, and later calls run one fixed
-// algorithm (bit-identical results). The timing synchronizes with the stream once per shape; a
-// call made while the stream is being captured into a CUDA graph cannot synchronize, so it runs
-// the heuristic's first algorithm and caches nothing (warm up eagerly before capturing to get the
-// tuned one). QKVFUSE_FP8_GEMM_AUTOTUNE=0 in the environment turns the tuning off. No REDUCTION_SCHEME_MASK: the old
+// candidates on the caller's stream, with the caller's operands (fastest_algorithm), and keeps
+// the fastest if it beats the first candidate by more than kTuneMargin, else the first: a
+// near-tie resolves to the heuristic's choice. Later calls of the shape run that one algorithm
+// (bit-identical results within the process). The timing synchronizes with the stream once per
+// shape; a call made while the stream is being captured into a CUDA graph cannot synchronize, so
+// it runs the heuristic's first algorithm and caches nothing (warm up eagerly before capturing
+// to get the tuned one). QKVFUSE_FP8_GEMM_AUTOTUNE=0 in the environment turns the tuning off
+// (=2 prints each shape's timings and pick).
+//
+// Split-K reductions. No REDUCTION_SCHEME_MASK: the old
 // COMPUTE_TYPE-only mask kept split-K partial sums in fp32 (one bf16 rounding), but it can
 // exclude the kernel the heuristic ranks first, and the long-K wgrad ([3072, 768], K = 49152:
 // few output tiles for 132 SMs, where split-K pays) and the dgrad at D = 128 ran 5% slower than
@@ -83,6 +86,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <cstdlib>
 #include <functional>
@@ -120,7 +124,8 @@ constexpr int kFallbackAlgos = 8;
 // Autotuning (see the header): candidates timed, launches per timing, and the margin by which a
 // candidate must beat the heuristic's first choice to replace it.
 constexpr int kTuneAlgos = 8;
-constexpr int kTuneLaunches = 3;
+constexpr int kTuneRounds = 3;    // every candidate timed once per round, rounds interleaved
+constexpr int kTuneLaunches = 3;  // launches per timing
 constexpr float kTuneMargin = 0.03f;
 
 // ---- RAII wrappers for the cuBLASLt descriptors ------------------------------------------------
@@ -309,12 +314,15 @@ int pointer_alignment(const void* pointer) {
   return alignment;
 }
 
-bool autotune_enabled() {
-  static const bool enabled = [] {
+/// QKVFUSE_FP8_GEMM_AUTOTUNE: unset or 1 tunes, 0 runs the heuristic's first algorithm, 2 tunes
+/// and prints each shape's timings and pick to stderr.
+int autotune_mode() {
+  static const int mode = [] {
     const char* value = std::getenv("QKVFUSE_FP8_GEMM_AUTOTUNE");
-    return value == nullptr || value[0] == '\0' || value[0] != '0';
+    if (value == nullptr || value[0] == '\0') return 1;
+    return value[0] == '0' ? 0 : value[0] == '2' ? 2 : 1;
   }();
-  return enabled;
+  return mode;
 }
 
 bool fp32_splitk_requested() {
@@ -393,15 +401,17 @@ std::vector<cublasLtMatmulAlgo_t> query_heuristic(cublasLtHandle_t handle, const
   return algos;
 }
 
-/// The autotuner's pick among `candidates` (best first by the heuristic): each is launched once
-/// (a launch cuBLASLt refuses is skipped), then timed over kTuneLaunches launches between two
-/// events on `stream`; the fastest replaces candidates[0] only when it is more than kTuneMargin
-/// faster. Every launch computes the caller's d, so the call's own launch that follows simply
-/// overwrites it with the same kind of result.
+/// The autotuner's pick among `candidates` (best first by the heuristic). Each is launched once
+/// (one cuBLASLt refuses is dropped: a refused launch enqueues nothing), then all are timed in
+/// kTuneRounds interleaved rounds, kTuneLaunches launches between two events per timing, and a
+/// candidate's time is its best round: interleaving keeps a clock ramp or a burst of other work
+/// from favouring whichever candidate happened to run first. The fastest replaces candidates[0]
+/// only when it is more than kTuneMargin faster. Every launch computes the caller's d, so the
+/// call's own launch that follows overwrites it with the same kind of result.
 template <typename Launch>
 cublasLtMatmulAlgo_t fastest_algorithm(const std::vector<cublasLtMatmulAlgo_t>& candidates,
                                        const Launch& launch, const Operation& op,
-                                       cudaStream_t stream) {
+                                       cudaStream_t stream, const PlanKey& key) {
   struct Events {
     cudaEvent_t start = nullptr, stop = nullptr;
     ~Events() {
@@ -411,29 +421,45 @@ cublasLtMatmulAlgo_t fastest_algorithm(const std::vector<cublasLtMatmulAlgo_t>& 
   } events;
   QKVF_CUDA_CHECK(cudaEventCreate(&events.start));
   QKVF_CUDA_CHECK(cudaEventCreate(&events.stop));
-  float first_ms = -1.0f, best_ms = -1.0f;
-  size_t best = 0;
+  std::vector<float> best_ms(candidates.size(), -1.0f);  // -1: refused
   for (size_t i = 0; i < candidates.size(); ++i) {
-    if (launch(op, candidates[i]) != CUBLAS_STATUS_SUCCESS) continue;  // refused: nothing queued
-    QKVF_CUDA_CHECK(cudaEventRecord(events.start, stream));
-    bool launched = true;
-    for (int r = 0; r < kTuneLaunches && launched; ++r) {
-      launched = launch(op, candidates[i]) == CUBLAS_STATUS_SUCCESS;
-    }
-    QKVF_CUDA_CHECK(cudaEventRecord(events.stop, stream));
-    QKVF_CUDA_CHECK(cudaEventSynchronize(events.stop));
-    float ms = 0.0f;
-    QKVF_CUDA_CHECK(cudaEventElapsedTime(&ms, events.start, events.stop));
-    if (!launched) continue;
-    if (i == 0) first_ms = ms;
-    if (best_ms < 0.0f || ms < best_ms) {
-      best_ms = ms;
-      best = i;
+    if (launch(op, candidates[i]) == CUBLAS_STATUS_SUCCESS) best_ms[i] = 0.0f;
+  }
+  for (int round = 0; round < kTuneRounds; ++round) {
+    for (size_t i = 0; i < candidates.size(); ++i) {
+      if (best_ms[i] < 0.0f) continue;
+      QKVF_CUDA_CHECK(cudaEventRecord(events.start, stream));
+      bool launched = true;
+      for (int r = 0; r < kTuneLaunches && launched; ++r) {
+        launched = launch(op, candidates[i]) == CUBLAS_STATUS_SUCCESS;
+      }
+      QKVF_CUDA_CHECK(cudaEventRecord(events.stop, stream));
+      QKVF_CUDA_CHECK(cudaEventSynchronize(events.stop));
+      float ms = 0.0f;
+      QKVF_CUDA_CHECK(cudaEventElapsedTime(&ms, events.start, events.stop));
+      if (!launched) {
+        best_ms[i] = -1.0f;
+      } else if (best_ms[i] == 0.0f || ms < best_ms[i]) {
+        best_ms[i] = ms;
+      }
     }
   }
-  if (best_ms < 0.0f) return candidates.front();  // all refused: the caller's retry path reports
-  if (first_ms >= 0.0f && best_ms > (1.0f - kTuneMargin) * first_ms) return candidates.front();
-  return candidates[best];
+  size_t best = 0;
+  for (size_t i = 1; i < candidates.size(); ++i) {
+    if (best_ms[i] > 0.0f && (best_ms[best] <= 0.0f || best_ms[i] < best_ms[best])) best = i;
+  }
+  const bool keep_first =
+      best_ms[best] <= 0.0f ||  // every candidate refused: the caller's retry path reports it
+      (best_ms[0] > 0.0f && best_ms[best] > (1.0f - kTuneMargin) * best_ms[0]);
+  const size_t pick = keep_first ? 0 : best;
+  if (autotune_mode() == 2) {
+    std::fprintf(stderr, "qkvfuse fp8_gemm autotune M=%lld N=%lld K=%lld fast_accum=%d: ms per "
+                 "launch", (long long)key.m, (long long)key.n, (long long)key.k,
+                 int(key.fast_accum));
+    for (const float ms : best_ms) std::fprintf(stderr, " %.4f", ms / kTuneLaunches);
+    std::fprintf(stderr, " -> candidate %zu\n", pick);
+  }
+  return candidates[pick];
 }
 
 void check_scalar(const TensorView& view, const char* name) {
@@ -553,9 +579,9 @@ void fp8_gemm(const Fp8GemmParams& params) {
     // first one stored wins (emplace), so every later call runs the same algorithm.
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     QKVF_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    if (autotune_enabled() && capture == cudaStreamCaptureStatusNone) {
+    if (autotune_mode() != 0 && capture == cudaStreamCaptureStatusNone) {
       plan.algo = fastest_algorithm(query_heuristic(handle, key, op, kTuneAlgos), launch, op,
-                                    stream);
+                                    stream, key);
     } else {
       plan.algo = query_heuristic(handle, key, op, 1).front();
       cacheable = capture == cudaStreamCaptureStatusNone;
