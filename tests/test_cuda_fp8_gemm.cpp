@@ -21,7 +21,8 @@
 //     accumulator (to be read off the printout on the H200), not of this code. The CPU backend
 //     accumulates in double: it is held to the same bound.
 //   - Shapes refused before the call (M = 17, misaligned operands) throw qkvfuse::Error.
-//   - Reruns are bitwise identical.
+//   - Reruns are bitwise identical, and the first call of a shape (which tunes the algorithm) is
+//     correct eagerly and under CUDA-graph capture.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -379,6 +380,61 @@ TEST(CudaFp8Gemm, RerunsAreBitwiseIdenticalOnAnyStream) {
       EXPECT_TRUE(first == second && first == third) << "M=" << p->m << " fast=" << fast;
     }
   }
+  cudaStreamDestroy(stream);
+}
+
+TEST(CudaFp8Gemm, FirstCallUnderGraphCaptureThenTunedEagerCalls) {
+  // fp8_gemm tunes its algorithm on the first eager call of a shape, which synchronizes; a first
+  // call during stream capture cannot, so it must run untuned, cache nothing, and stay correct
+  // in the graph after a later eager call has tuned the shape. Integer operands: every algorithm
+  // must give bf16(exact). The shape is used by no other test, so the capture is its first call.
+  QKVF_REQUIRE_GPU();
+  auto rng = rng_for_test();
+  const Problem p = make_problem(rng, 208, 176, 144, Values::kSmallIntegers, false, true);
+  std::vector<double> ref, abs_sum;
+  reference(p, ref, abs_sum);
+  DeviceBuffer a = DeviceBuffer::from(p.a);
+  DeviceBuffer b = DeviceBuffer::from(p.b);
+  DeviceBuffer scales = DeviceBuffer::from(std::vector<float>{p.scale_a, p.scale_b, p.alpha});
+  DeviceBuffer d(size_t(p.m * p.ldd) * 2);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  Fp8GemmParams params = make_params(p, kGPU, a.data(), b.data(), scales.data(), d.data());
+  params.stream = stream;
+  const auto mismatches = [&] {
+    const std::vector<uint16_t> out = d.to_host<uint16_t>();
+    int64_t bad = 0;
+    for (int64_t i = 0; i < p.m; ++i) {
+      for (int64_t j = 0; j < p.n; ++j) {
+        bad += out[size_t(i * p.ldd + j)] != float_to_bf16(float(ref[size_t(i * p.n + j)]));
+      }
+    }
+    return bad;
+  };
+
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  fp8_gemm(params);
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  fill_u16(d, kPoisonBF16);
+  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(mismatches(), 0) << "captured first call";
+
+  for (int call = 0; call < 2; ++call) {  // the first tunes, the second runs the tuned plan
+    fill_u16(d, kPoisonBF16);
+    fp8_gemm(params);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    EXPECT_EQ(mismatches(), 0) << "eager call " << call;
+  }
+  fill_u16(d, kPoisonBF16);
+  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(mismatches(), 0) << "graph replayed after tuning";
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
 }
 
