@@ -331,15 +331,7 @@ __global__ void __launch_bounds__(kFp8Threads, fp8_min_blocks<Geom::C, FactorT>(
         out[3].w[k] = __byte_perm(ab_hi, cd_hi, 0x7632);
       }
       // Tile feature 4*word + e -> packed feature (parts never straddle a word: D % 8 == 0).
-      const int f = 4 * word;
-      int64_t feature;
-      if (f < D) {
-        feature = int64_t(h) * D + f;
-      } else if (f < 2 * D) {
-        feature = int64_t(H + h) * D + (f - D);
-      } else {
-        feature = 2 * int64_t(H) * D + int64_t(h) * Dv + (f - 2 * D);
-      }
+      const int64_t feature = rope::packed_feature(4 * word, h, H, D, Dv);
       uint8_t* dst = p.grad_t + feature * p.tokens + t_first;
       if (aligned) {
 #pragma unroll

@@ -224,6 +224,15 @@ __device__ __forceinline__ float norm_grad(float rstd, float dn, float n, float 
   return __fmul_rn(rstd, __fsub_rn(dn, __fmul_rn(n, correction)));
 }
 
+/// Packed feature (row of grad_t, column of grad_row) of feature f of logical head h's slice
+/// [Q row (D) | K row (D) | V row (Dv)] in the fused FP8 backward's layout (SPEC.md section 3):
+/// Q h*D + d, K (H + h)*D + d, V 2*H*D + h*Dv + d.
+__device__ __forceinline__ int64_t packed_feature(int f, int h, int H, int D, int Dv) {
+  if (f < D) return int64_t(h) * D + f;
+  if (f < 2 * D) return int64_t(H + h) * D + (f - D);
+  return 2 * int64_t(H) * D + int64_t(h) * Dv + (f - 2 * D);
+}
+
 /// Sum over the G lanes of a lane group (aligned, consecutive lanes). Must be reached by all 32
 /// lanes of the warp (full mask): the kernels keep their loops warp-uniform and mask work
 /// instead of branching around it.

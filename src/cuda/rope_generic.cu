@@ -398,14 +398,7 @@ __global__ void __launch_bounds__(kThreads) fp8_kernel(const __grid_constant__ F
   const int64_t t = t0 + lane;
 #pragma unroll 1
   for (int f = warp; f < features; f += kWarps) {
-    int64_t feature;
-    if (f < D) {
-      feature = int64_t(h) * D + f;
-    } else if (f < 2 * D) {
-      feature = int64_t(H + h) * D + (f - D);
-    } else {
-      feature = v_feature + (f - 2 * D);
-    }
+    const int64_t feature = rope::packed_feature(f, h, H, D, Dv);
     if (t < in.tokens) st_global_u8(p.grad_t + feature * in.tokens + t, tile[lane * pitch + f]);
   }
 }
