@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -87,6 +88,12 @@ __global__ void spin_kernel(uint64_t nanoseconds) {
   do {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
   } while (now - start < nanoseconds);
+}
+
+/// Buffer sets to rotate through so that one pass over them touches at least 3x the L2 (no
+/// iteration reads what the previous ones left there), and at least `min_sets`.
+inline int rotation_sets(double set_bytes, size_t l2_bytes, int min_sets) {
+  return std::max(min_sets, int(std::ceil(3.0 * double(l2_bytes) / set_bytes)));
 }
 
 inline uint64_t g_seed = 1;

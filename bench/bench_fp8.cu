@@ -89,7 +89,7 @@ void add_error_row(const std::string& section, const std::string& name, const st
 
 /// Enough rotating sets that one pass over them exceeds 3x the L2.
 int rotation_sets(double set_bytes) {
-  return std::max(2, int(std::ceil(3.0 * double(g_l2_bytes) / set_bytes)));
+  return bench::rotation_sets(set_bytes, g_l2_bytes, 2);
 }
 
 std::string dims(std::initializer_list<int64_t> d) {

@@ -85,7 +85,7 @@ void add_row(Row row) {
 
 /// Enough rotating sets (at least 3) that one pass over them exceeds 3x the L2.
 int rotation_sets(double set_bytes) {
-  return std::max(3, int(std::ceil(3.0 * double(g_l2_bytes) / set_bytes)));
+  return bench::rotation_sets(set_bytes, g_l2_bytes, 3);
 }
 
 void bench_copy(cudaStream_t stream, int iters) {

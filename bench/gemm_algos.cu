@@ -134,7 +134,7 @@ void sweep(cublasLtHandle_t handle, const Shape& s, size_t l2_bytes, void* works
                             std::to_string(s.k);
   // Operands rotated over enough sets that one pass exceeds 3x the L2.
   const double set_bytes = double(s.m * s.k + s.n * s.k + 2 * s.m * s.n);
-  const int sets = std::max(2, int(std::ceil(3.0 * double(l2_bytes) / set_bytes)));
+  const int sets = rotation_sets(set_bytes, l2_bytes, 2);
   struct Set {
     Buffer a, b, d;
   };

@@ -127,7 +127,8 @@ __global__ void __launch_bounds__(kRowThreads, backward_min_blocks<Geom::C, kKey
   // Issue order, for ptxas's schedule: at C = 3 (D = 96 on 4 lanes) with the rows first, ptxas
   // issues the factor loads and the last g chunk after the rstd shuffles, i.e. after x has
   // arrived (a second memory latency per unit); with the factors first every row load precedes
-  // the shuffles. The other geometries keep the rows first (their SASS as measured).
+  // the shuffles. The other geometries keep the rows first (their SASS as measured). The loop is
+  // written twice on purpose: as one lambda called from both places it changed that SASS.
   if constexpr (C == 3) {
 #pragma unroll
     for (int c = 0; c < C; ++c) {
