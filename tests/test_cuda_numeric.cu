@@ -225,5 +225,75 @@ TEST(CudaNumeric, AllE4m3CodesDecode) {
   }
 }
 
+// ---- the branch-free row scalars of the rope kernels ------------------------------------------
+
+/// out[i] = divide_by_width(in[i], D) for D = 2 + blockIdx.y (2..256), and inv_sqrt[i] =
+/// reciprocal_sqrt_rn(in[i]) where in[i] is a valid argument (>= 2^-100, +inf, NaN).
+__global__ void row_scalar_kernel(const float* in, int64_t count, float* quotient,
+                                  float* inv_sqrt) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= count) return;
+  const int width = 2 + int(blockIdx.y);
+  const cuda::UniformDivisor divisor{float(width)};
+  quotient[int64_t(blockIdx.y) * count + i] = cuda::divide_by_width(in[i], divisor);
+  if (blockIdx.y == 0) inv_sqrt[i] = cuda::reciprocal_sqrt_rn(in[i]);
+}
+
+TEST(CudaNumeric, BranchFreeRowScalarsMatchIeee) {
+  // Host IEEE float arithmetic (x86 SSE: correctly rounded division and square root) is the
+  // reference: divide_by_width(a, D) == a / D bit for bit for every D in [2, 256] and every a
+  // whose quotient is not subnormal; reciprocal_sqrt_rn(v) == 1 / sqrt(v) for v >= 2^-100.
+  QKVF_REQUIRE_GPU();
+  auto rng = rng_for_test();
+  std::vector<float> in = boundary_values();
+  const std::vector<float> random = random_inputs(rng, size_t(1) << 16);
+  in.insert(in.end(), random.begin(), random.end());
+  for (int e = -149; e <= 127; ++e) in.push_back(std::ldexp(1.0f, e));  // every power of two
+  const int64_t count = int64_t(in.size());
+  constexpr int kWidths = 255;  // D = 2 .. 256
+  DeviceBuffer src = DeviceBuffer::from(in);
+  DeviceBuffer quotient(size_t(count) * kWidths * sizeof(float));
+  DeviceBuffer inv_sqrt(size_t(count) * sizeof(float));
+  row_scalar_kernel<<<dim3(unsigned((count + 255) / 256), kWidths), 256>>>(
+      static_cast<const float*>(src.data()), count, static_cast<float*>(quotient.data()),
+      static_cast<float*>(inv_sqrt.data()));
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  synchronize();
+  const std::vector<float> q = quotient.to_host<float>();
+  const std::vector<float> r = inv_sqrt.to_host<float>();
+  int64_t q_bad = 0, q_checked = 0, r_bad = 0, r_checked = 0;
+  for (int w = 0; w < kWidths; ++w) {
+    const float width = float(2 + w);
+    for (int64_t i = 0; i < count; ++i) {
+      const volatile float a = in[size_t(i)];
+      const float want = a / width;
+      if (std::fpclassify(want) == FP_SUBNORMAL) continue;  // documented exception
+      ++q_checked;
+      const float got = q[size_t(w * count + i)];
+      const bool ok = std::isnan(want) ? std::isnan(got) : float_bits(got) == float_bits(want);
+      if (!ok && q_bad++ < 5) {
+        ADD_FAILURE() << "divide_by_width(" << a << " (0x" << std::hex << float_bits(a)
+                      << "), " << std::dec << width << ") = " << got << ", IEEE " << want;
+      }
+    }
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    const volatile float v = in[size_t(i)];
+    if (!(v >= 0x1p-100f) && !std::isnan(v)) continue;  // outside the function's domain
+    ++r_checked;
+    const float want = 1.0f / std::sqrt(float(v));
+    const float got = r[size_t(i)];
+    const bool ok = std::isnan(want) ? std::isnan(got) : float_bits(got) == float_bits(want);
+    if (!ok && r_bad++ < 5) {
+      ADD_FAILURE() << "reciprocal_sqrt_rn(" << v << ") = " << got << ", IEEE " << want;
+    }
+  }
+  EXPECT_EQ(q_bad, 0) << "of " << q_checked;
+  EXPECT_EQ(r_bad, 0) << "of " << r_checked;
+  std::printf("[numeric] divide_by_width: %lld of %lld mismatches; reciprocal_sqrt_rn: %lld of "
+              "%lld\n", (long long)q_bad, (long long)q_checked, (long long)r_bad,
+              (long long)r_checked);
+}
+
 }  // namespace
 }  // namespace qkvfuse::test

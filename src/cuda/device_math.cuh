@@ -87,6 +87,48 @@ struct UniformDivisor {
   }
 };
 
+/// a / D as UniformDivisor(D) computes it, for the rope kernels' row widths D in [2, 256], with
+/// no branch: the per-row scalars of the row kernels then form one basic block, which ptxas can
+/// interleave with the next row's (a branch per division kept the Q and K rows of the FP8
+/// backward in sequence). Same bits as __fdiv_rn(a, D) for every a whose quotient is not
+/// subnormal:
+///   - |a| < 2^-40 (zeros included) is scaled by 2^64 into UniformDivisor's proven range and the
+///     quotient back by 2^-64: both power-of-two products are exact unless the quotient is below
+///     2^-126;
+///   - 2^-40 <= |a| < inf: the three FMAs of UniformDivisor (no intermediate overflows: D >= 2);
+///   - +-inf gives +-inf and NaN NaN (a * r), where the residual would make inf - inf;
+///   - the sign comes from a (the FMAs can turn -0 into +0).
+__device__ __forceinline__ float divide_by_width(float a, const UniformDivisor& width) {
+  const bool tiny = fabsf(a) < 0x1p-40f;
+  const float scaled = tiny ? __fmul_rn(a, 0x1p64f) : a;
+  const float r = width.reciprocal;
+  const float q0 = __fmul_rn(scaled, r);
+  const float q1 = __fmaf_rn(r, __fmaf_rn(-width.divisor, q0, scaled), q0);
+  const float q = isinf(a) ? __fmul_rn(a, r) : (tiny ? __fmul_rn(q1, 0x1p-64f) : q1);
+  uint32_t bits;  // |q| with the sign of a, one LOP3 (see E4m3Scaler::quotient)
+  asm("lop3.b32 %0, %1, 0x80000000, %2, 0xb8;"
+      : "=r"(bits)
+      : "r"(__float_as_uint(q)), "r"(__float_as_uint(a)));
+  return __uint_as_float(bits);
+}
+
+/// __fdiv_rn(1, __fsqrt_rn(v)) with no branch, for v >= 2^-100, +inf or NaN (the rope kernels'
+/// mean + eps, eps = kRmsNormEps). ptxas compiles __fsqrt_rn to MUFU.RSQ y, s = v*y corrected
+/// by one FMA step, and __fdiv_rn(1, s) to MUFU.RCP and four FMAs, each behind a check that sends
+/// operands of extreme exponents to a slow subroutine; for v in [2^-100, FLT_MAX] neither check
+/// fires, so the same instructions written out here give the same bits. +inf gives +0 and NaN
+/// NaN, as the slow paths do.
+__device__ __forceinline__ float reciprocal_sqrt_rn(float v) {
+  float y, r0;
+  asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(v));
+  const float s0 = __fmul_rn(v, y);
+  const float s = __fmaf_rn(__fmaf_rn(-s0, s0, v), __fmul_rn(y, 0.5f), s0);  // sqrt(v)
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(s));
+  const float r1 = __fmaf_rn(r0, __fmaf_rn(-s, r0, 1.0f), r0);
+  const float q = __fmaf_rn(r1, __fmaf_rn(-s, r1, 1.0f), r1);
+  return isinf(v) ? 0.0f : q;
+}
+
 /// max / min that return NaN when either operand is NaN (fmaxf / fminf return the other one).
 __device__ __forceinline__ float max_nan(float a, float b) {
   float r;
@@ -142,6 +184,24 @@ struct E4m3Scaler {
   /// One value's quotient, for callers that convert elements one or two at a time.
   __device__ __forceinline__ float operator()(float a) const {
     return fast ? quotient(a, divisor.divisor * 512.0f) : __fdiv_rn(a, divisor.divisor);
+  }
+
+  /// codes() with the fast / general choice made by the caller (kFast must equal `fast`): a
+  /// kernel that branches once on `fast` outside its loop keeps the loop free of the per-call
+  /// branch, so ptxas can schedule across consecutive rows.
+  template <bool kFast>
+  __device__ __forceinline__ void codes(const float (&v)[8], uint32_t& lo, uint32_t& hi) const {
+    float q[8];
+    if constexpr (kFast) {
+      const float limit = divisor.divisor * 512.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) q[i] = quotient(v[i], limit);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) q[i] = __fdiv_rn(v[i], divisor.divisor);
+    }
+    lo = float4_to_e4m3x4(q[0], q[1], q[2], q[3]);
+    hi = float4_to_e4m3x4(q[4], q[5], q[6], q[7]);
   }
 
   /// 8 values -> 8 e4m3 codes in two words, element 0 in the low byte of lo.

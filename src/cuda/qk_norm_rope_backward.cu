@@ -83,6 +83,16 @@ constexpr int backward_min_blocks() {
   return kWideFactors || kKeyOffset ? 4 : 5;
 }
 
+/// Branch-free row scalars (rope::backward_row) where they measured faster on the H200: key
+/// offset (D = 128: 80.7 against 77.6 % of copy, D = 64: 80.0 against 75.3 %) and 4 lanes x 3
+/// chunks (D = 96 plain 86.4 against 85.2 %, paired 88.0 against 84.7 %). The plain and paired
+/// kernels of one chunk per lane keep the branches: 86.9 against 93.0 % at D = 128 without them
+/// (bench/results/2026-11-30_289d2bb_h200_branch_free_ab.txt).
+template <int C, bool kKeyOffset>
+constexpr bool backward_branch_free() {
+  return kKeyOffset || C == 3;
+}
+
 template <class Geom, int K, bool kKeyOffset, typename FactorT>
 __global__ void __launch_bounds__(kRowThreads, backward_min_blocks<Geom::C, kKeyOffset, FactorT>())
     qk_norm_rope_backward_kernel(const __grid_constant__ QkNormRopeBackwardKernelParams p) {
@@ -179,8 +189,9 @@ __global__ void __launch_bounds__(kRowThreads, backward_min_blocks<Geom::C, kKey
     const int head2 = set + p.row_sets * k;
     const bool shift_row = kKeyOffset && head2 >= H;
     float dx[C][8];
-    rope::backward_row<G, C>(g_raw[k], x_raw[k], f1, f2, g_next_raw[k], stationary_from,
-                             shift_row, t == 0, width, dx);  // all lanes: shuffles
+    rope::backward_row<G, C, backward_branch_free<C, kKeyOffset>()>(
+        g_raw[k], x_raw[k], f1, f2, g_next_raw[k], stationary_from, shift_row, t == 0, width,
+        dx);  // all lanes: shuffles
     if (!(token_ok && head2 < 2 * H)) continue;
     __nv_bfloat16* out = p.grad_qk + (t * 2 * H + head2) * int64_t(D);
 #pragma unroll

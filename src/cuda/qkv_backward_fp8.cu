@@ -136,9 +136,36 @@ __device__ __forceinline__ void st_u8(void* p, uint32_t v) {
 // The kernel
 // ------------------------------------------------------------------------------------------------
 
-template <class Geom, bool kKeyOffset, typename FactorT>
-__global__ void __launch_bounds__(kFp8Threads, fp8_min_blocks<Geom::C, FactorT>())
-    qkv_backward_fp8_kernel(const __grid_constant__ QkvBackwardFp8KernelParams p) {
+/// How a tile's e4m3 codes divide by the grad scale: E4m3Scaler's own fast / general test on
+/// every call, or the fast or the general division as the kernel decided once for the launch.
+enum class ScaleDivision { kTestPerCall, kFast, kGeneral };
+
+template <ScaleDivision kDivision>
+__device__ __forceinline__ void encode_e4m3(const E4m3Scaler& scale, const float (&v)[8],
+                                            uint32_t& lo, uint32_t& hi) {
+  if constexpr (kDivision == ScaleDivision::kTestPerCall) {
+    scale(v, lo, hi);
+  } else {
+    scale.template codes<kDivision == ScaleDivision::kFast>(v, lo, hi);
+  }
+}
+
+/// Branch-free Q/K rows (rope::backward_row) and the scale test hoisted out of the token loop:
+/// with no branch left in the loop, ptxas overlaps the Q row's serial chain (sum, shuffles,
+/// divisions) with the K row's. Where it measured faster on the H200: 16-lane rows (D = 128 key
+/// offset 73.4 against 70.8 % of copy, plain and paired equal; D = 96 65.2 / 65.7 / 63.7 against
+/// 64.1 / 64.7 / 60.8 %) and key offset at D = 64 (71.6 against 70.5 %); D = 64 plain and paired
+/// lost 2-3 % with it (bench/results/2026-11-30_289d2bb_h200_branch_free_ab.txt).
+template <int G, bool kKeyOffset>
+constexpr bool fp8_branch_free() {
+  return G == 16 || kKeyOffset;
+}
+
+/// The kernel's work on its tile.
+template <class Geom, bool kKeyOffset, typename FactorT, bool kBranchFree,
+          ScaleDivision kDivision>
+__device__ __forceinline__ void fp8_tile(const QkvBackwardFp8KernelParams& p,
+                                         const E4m3Scaler& scale) {
   constexpr int G = Geom::G;
   constexpr int C = Geom::C;
   constexpr int kGroups = kFp8Threads / G;
@@ -153,7 +180,6 @@ __global__ void __launch_bounds__(kFp8Threads, fp8_min_blocks<Geom::C, FactorT>(
   const int Dv = p.v_dim;
   const int h = int(blockIdx.x % unsigned(H));
   const int64_t t0 = int64_t(blockIdx.x / unsigned(H)) * kTileTokens;
-  const E4m3Scaler scale{*p.grad_scale};
   const UniformDivisor width{float(D)};
   const int pitch = p.tile_pitch;
 
@@ -229,8 +255,8 @@ __global__ void __launch_bounds__(kFp8Threads, fp8_min_blocks<Geom::C, FactorT>(
       };
       auto emit_row = [&](const int part, const RowLoads& r) {
         float dx[C][8];
-        rope::backward_row<G, C>(r.g, r.x, f1, f2, r.g_next, stationary_from,
-                                 kKeyOffset && part == 1, t == 0, width, dx);
+        rope::backward_row<G, C, kBranchFree>(r.g, r.x, f1, f2, r.g_next, stationary_from,
+                                              kKeyOffset && part == 1, t == 0, width, dx);
         if (!token_ok) return;
         uint8_t* out_row = p.grad_row + t * p.qkv_dim + (part == 0 ? q_feature : k_feature);
 #pragma unroll
@@ -240,7 +266,7 @@ __global__ void __launch_bounds__(kFp8Threads, fp8_min_blocks<Geom::C, FactorT>(
           float rounded[8];
           bf16x8_to_float(float_to_bf16x8(dx[c]), rounded);
           uint32_t lo, hi;
-          scale(rounded, lo, hi);
+          encode_e4m3<kDivision>(scale, rounded, lo, hi);
           rope::st_u64(out_row + d0[c], lo, hi);
           sts_u64(tile_base + tile_offset(row, (part * D + d0[c]) / 4, pitch), lo, hi);
         }
@@ -291,7 +317,7 @@ __global__ void __launch_bounds__(kFp8Threads, fp8_min_blocks<Geom::C, FactorT>(
         float values[8];
         bf16x8_to_float(v[m], values);
         uint32_t lo, hi;
-        scale(values, lo, hi);
+        encode_e4m3<kDivision>(scale, values, lo, hi);
         rope::st_u64(p.grad_row + (t0 + rows[m]) * p.qkv_dim + v_feature + cols[m], lo, hi);
         sts_u64(tile_base + tile_offset(rows[m], (2 * D + cols[m]) / 4, pitch), lo, hi);
       }
@@ -348,6 +374,21 @@ __global__ void __launch_bounds__(kFp8Threads, fp8_min_blocks<Geom::C, FactorT>(
         }
       }
     }
+  }
+}
+
+template <class Geom, bool kKeyOffset, typename FactorT>
+__global__ void __launch_bounds__(kFp8Threads, fp8_min_blocks<Geom::C, FactorT>())
+    qkv_backward_fp8_kernel(const __grid_constant__ QkvBackwardFp8KernelParams p) {
+  const E4m3Scaler scale{*p.grad_scale};
+  if constexpr (fp8_branch_free<Geom::G, kKeyOffset>()) {
+    if (scale.fast) {
+      fp8_tile<Geom, kKeyOffset, FactorT, true, ScaleDivision::kFast>(p, scale);
+    } else {
+      fp8_tile<Geom, kKeyOffset, FactorT, true, ScaleDivision::kGeneral>(p, scale);
+    }
+  } else {
+    fp8_tile<Geom, kKeyOffset, FactorT, false, ScaleDivision::kTestPerCall>(p, scale);
   }
 }
 

@@ -248,7 +248,10 @@ __device__ __forceinline__ float group_sum(float v) {
 /// rstd = 1 / sqrt(sum(x*x) / D + eps) of a row held as bf16 chunks, true fp32 division and
 /// square root. The fp32 values are re-derived from the bf16 bits where they are needed (a shift
 /// or a mask), so no fp32 copy of the row stays live across the shuffles.
-template <int G, int C>
+/// kBranchFree: the same bits through divide_by_width and reciprocal_sqrt_rn, with no branch
+/// (backward_row's choice; the forward keeps the branches: without them ptxas spilled in some of
+/// its instantiations at their register budgets).
+template <int G, int C, bool kBranchFree = false>
 __device__ __forceinline__ float row_rstd(const Vec16 (&x_raw)[C], const UniformDivisor& width) {
   float partial = 0.0f;
 #pragma unroll
@@ -259,7 +262,12 @@ __device__ __forceinline__ float row_rstd(const Vec16 (&x_raw)[C], const Uniform
     for (int i = 0; i < 8; ++i) partial = fmaf(x[i], x[i], partial);
   }
   const float sum = group_sum<G>(partial);
-  return rstd_of_mean(width(sum));
+  if constexpr (kBranchFree) {
+    // rstd_of_mean(width(sum)) without a branch (device_math.cuh): mean + eps >= eps.
+    return reciprocal_sqrt_rn(__fadd_rn(divide_by_width(sum, width), kRmsNormEps));
+  } else {
+    return rstd_of_mean(width(sum));
+  }
 }
 
 /// Forward of one chunk: n = x * rstd, y[d] = f1[d] * n[d] + f2[d] * n[d ^ 1], both as bf16.
@@ -289,7 +297,10 @@ __device__ __forceinline__ void forward_chunk(const Vec16& x_raw, float rstd,
 /// `stationary_from` is, per chunk, the first element index (0..8) at or beyond rotary_dim;
 /// those elements take the key-offset path when `shift_row` (a key row under key offset), and
 /// only they read `g_next`.
-template <int G, int C, typename FactorT>
+/// kBranchFree: the row's divisions and square root without branches (divide_by_width,
+/// reciprocal_sqrt_rn: the same bits), so that ptxas can schedule across the row scalars. A
+/// per-kernel choice, as measured on the H200 (the kernels' launch code says which and why).
+template <int G, int C, bool kBranchFree, typename FactorT>
 __device__ __forceinline__ void backward_row(const Vec16 (&g_raw)[C], const Vec16 (&x_raw)[C],
                                              const FactorChunk<FactorT> (&f1)[C],
                                              const FactorChunk<FactorT> (&f2)[C],
@@ -299,7 +310,7 @@ __device__ __forceinline__ void backward_row(const Vec16 (&g_raw)[C], const Vec1
                                              float (&dx)[C][8]) {
   // One chunk per lane: keep n (8 registers); wider rows recompute it from the bf16 bits.
   constexpr bool kKeepN = C == 1;
-  const float rstd = row_rstd<G, C>(x_raw, width);
+  const float rstd = row_rstd<G, C, kBranchFree>(x_raw, width);
   float kept_n[kKeepN ? C : 1][8];
   float partial = 0.0f;
 #pragma unroll
@@ -321,7 +332,13 @@ __device__ __forceinline__ void backward_row(const Vec16 (&g_raw)[C], const Vec1
       partial = fmaf(dx[c][i], n, partial);
     }
   }
-  const float correction = width(group_sum<G>(partial));
+  const float sum = group_sum<G>(partial);
+  float correction;
+  if constexpr (kBranchFree) {
+    correction = divide_by_width(sum, width);
+  } else {
+    correction = width(sum);
+  }
 #pragma unroll
   for (int c = 0; c < C; ++c) {
     float x[8];
