@@ -134,12 +134,16 @@ __global__ void __launch_bounds__(kRowThreads, backward_min_blocks<Geom::C, kKey
   Vec16 g_next_raw[K][C];
   FactorChunk<FactorT> f1[C];
   FactorChunk<FactorT> f2[C];
-  // Issue order, for ptxas's schedule: at C = 3 (D = 96 on 4 lanes) with the rows first, ptxas
-  // issues the factor loads and the last g chunk after the rstd shuffles, i.e. after x has
-  // arrived (a second memory latency per unit); with the factors first every row load precedes
-  // the shuffles. The other geometries keep the rows first (their SASS as measured). The loop is
-  // written twice on purpose: as one lambda called from both places it changed that SASS.
-  if constexpr (C == 3) {
+  // Issue order, for ptxas's schedule: at C = 3 (D = 96 on 4 lanes) and under key offset, with
+  // the rows first, ptxas issues a factor load (and at C = 3 the last g chunk) after the rstd
+  // shuffles, i.e. after x has arrived (a second memory latency per unit); with the factors
+  // first the row loads precede the shuffles (key offset on the H200: D = 128 82.1 against
+  // 80.5 %, D = 64 81.2 against 79.8 % of copy, bench/results/2026-11-30_ef35459_h200_fp8_v_ab.txt).
+  // The plain and paired kernels of one chunk per lane keep the rows first (their SASS as
+  // measured). The loop is written twice on purpose: as one lambda called from both places it
+  // changed the C = 3 SASS.
+  constexpr bool kFactorsFirst = C == 3 || kKeyOffset;
+  if constexpr (kFactorsFirst) {
 #pragma unroll
     for (int c = 0; c < C; ++c) {
       f1[c].load(factor1 + t * p.factor1_stride_t + d0[c], token_ok && chunk_ok[c]);
@@ -175,7 +179,7 @@ __global__ void __launch_bounds__(kRowThreads, backward_min_blocks<Geom::C, kKey
                              : rope::zero_vec16();
     }
   }
-  if constexpr (C != 3) {
+  if constexpr (!kFactorsFirst) {
 #pragma unroll
     for (int c = 0; c < C; ++c) {
       f1[c].load(factor1 + t * p.factor1_stride_t + d0[c], token_ok && chunk_ok[c]);
