@@ -95,10 +95,10 @@ struct QkvBackwardFp8KernelParams {
 /// fit the 227 KB of shared memory) with one chunk per lane and bf16 factors, so that 32 warps
 /// per SM keep their loads in flight and the CTAs' phases (loads, transposed stores) overlap;
 /// fp32 factor chunks take 8 more registers (3: <= 80); wider rows hold 2C more 16-byte chunks
-/// per token (Q and K rows, g and x), so they get 2 (<= 128 registers). The branch-free 16-lane
-/// kernels with bf16 factors spill 12-16 bytes at 64 registers; at 3 CTAs per SM (80 registers,
-/// no spill) they measured 1-2 % slower (bench/results/2026-11-30_289d2bb_h200_branch_free_ab.txt,
-/// fp8_b3). Every other instantiation spills nothing.
+/// per token (Q and K rows, g and x), so they get 2 (<= 128 registers). The branch-free kernels
+/// with bf16 factors (16 lanes; 8 and 4 lanes under key offset) spill 12-16 bytes at 64
+/// registers; at 3 CTAs per SM (80 registers, no spill) they measured 1-2 % slower
+/// (bench/results/2026-11-30_289d2bb_h200_branch_free_ab.txt, fp8_b3). The others spill nothing.
 template <int C, typename FactorT>
 constexpr int fp8_min_blocks() {
   if constexpr (C == 1) return sizeof(FactorT) == 2 ? 4 : 3;
