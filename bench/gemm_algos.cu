@@ -80,14 +80,21 @@ struct Shape {
   bool fast_accum;
 };
 
+/// Reads a configuration attribute of `algo` into `value`; false where the query fails (e.g. the
+/// cluster shape of an algorithm that has none).
+template <typename T>
+bool query_config(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attribute,
+                  T& value) {
+  size_t written = 0;
+  return cublasLtMatmulAlgoConfigGetAttribute(&algo, attribute, &value, sizeof(value),
+                                              &written) == CUBLAS_STATUS_SUCCESS;
+}
+
 /// One algorithm's identity, each field '-' when its query fails.
 std::vector<std::string> algo_identity(const cublasLtMatmulAlgo_t& algo) {
   const auto get = [&](cublasLtMatmulAlgoConfigAttributes_t attribute, auto zero) {
     decltype(zero) value = zero;
-    size_t written = 0;
-    const cublasStatus_t status =
-        cublasLtMatmulAlgoConfigGetAttribute(&algo, attribute, &value, sizeof(value), &written);
-    return status == CUBLAS_STATUS_SUCCESS ? std::to_string(value) : std::string("-");
+    return query_config(algo, attribute, value) ? std::to_string(value) : std::string("-");
   };
   return {get(CUBLASLT_ALGO_CONFIG_ID, int32_t(0)),
           get(CUBLASLT_ALGO_CONFIG_TILE_ID, uint32_t(0)),
@@ -207,16 +214,12 @@ std::string join(const std::vector<T>& values) {
   return text;
 }
 
-/// A configuration attribute of `algo`, or `fallback` where the query fails (e.g. the cluster
-/// shape of an algorithm that has none).
+/// A configuration attribute of `algo`, or `fallback` where the query fails.
 template <typename T>
 T config_value(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attribute,
                T fallback) {
   T value = fallback;
-  size_t written = 0;
-  const cublasStatus_t status =
-      cublasLtMatmulAlgoConfigGetAttribute(&algo, attribute, &value, sizeof(value), &written);
-  return status == CUBLAS_STATUS_SUCCESS ? value : fallback;
+  return query_config(algo, attribute, value) ? value : fallback;
 }
 
 /// A scalar capability of `algo`, or `fallback` where the query fails.

@@ -87,6 +87,16 @@ struct UniformDivisor {
   }
 };
 
+/// |magnitude| with the sign bit of `sign`, as one LOP3 (select by the constant mask; ptxas emits
+/// two for the equivalent (m & 0x7fffffff) | (s & 0x80000000)).
+__device__ __forceinline__ float magnitude_with_sign_of(float magnitude, float sign) {
+  uint32_t bits;
+  asm("lop3.b32 %0, %1, 0x80000000, %2, 0xb8;"
+      : "=r"(bits)
+      : "r"(__float_as_uint(magnitude)), "r"(__float_as_uint(sign)));
+  return __uint_as_float(bits);
+}
+
 /// a / D as UniformDivisor(D) computes it, for the rope kernels' row widths D in [2, 256], with
 /// no branch: the per-row scalars of the row kernels then form one basic block, which ptxas can
 /// interleave with the next row's (a branch per division kept the Q and K rows of the FP8
@@ -105,11 +115,7 @@ __device__ __forceinline__ float divide_by_width(float a, const UniformDivisor& 
   const float q0 = __fmul_rn(scaled, r);
   const float q1 = __fmaf_rn(r, __fmaf_rn(-width.divisor, q0, scaled), q0);
   const float q = isinf(a) ? __fmul_rn(a, r) : (tiny ? __fmul_rn(q1, 0x1p-64f) : q1);
-  uint32_t bits;  // |q| with the sign of a, one LOP3 (see E4m3Scaler::quotient)
-  asm("lop3.b32 %0, %1, 0x80000000, %2, 0xb8;"
-      : "=r"(bits)
-      : "r"(__float_as_uint(q)), "r"(__float_as_uint(a)));
-  return __uint_as_float(bits);
+  return magnitude_with_sign_of(q, a);
 }
 
 /// __fdiv_rn(1, __fsqrt_rn(v)) with no branch, for v >= 2^-100, +inf or NaN (the rope kernels'
@@ -172,13 +178,7 @@ struct E4m3Scaler {
     const float r = divisor.reciprocal;
     const float q0 = __fmul_rn(clamped, r);
     const float q = __fmaf_rn(r, __fmaf_rn(-divisor.divisor, q0, clamped), q0);
-    // The magnitude bits of q, the sign bit of a: one LOP3 (select by the constant mask; ptxas
-    // emits two for the equivalent (q & 0x7fffffff) | (a & 0x80000000)).
-    uint32_t bits;
-    asm("lop3.b32 %0, %1, 0x80000000, %2, 0xb8;"
-        : "=r"(bits)
-        : "r"(__float_as_uint(q)), "r"(__float_as_uint(a)));
-    return __uint_as_float(bits);
+    return magnitude_with_sign_of(q, a);
   }
 
   /// One value's quotient, for callers that convert elements one or two at a time.
@@ -204,7 +204,10 @@ struct E4m3Scaler {
     hi = float4_to_e4m3x4(q[4], q[5], q[6], q[7]);
   }
 
-  /// 8 values -> 8 e4m3 codes in two words, element 0 in the low byte of lo.
+  /// 8 values -> 8 e4m3 codes in two words, element 0 in the low byte of lo: codes<kFast> with
+  /// the test of `fast` made here. Written out rather than calling codes<>: that form compiled
+  /// the D = 64 FP8 backward's loop 8-16 instructions longer, which was never timed on the GPU,
+  /// so the measured SASS is kept.
   __device__ __forceinline__ void operator()(const float (&v)[8], uint32_t& lo,
                                              uint32_t& hi) const {
     float q[8];
