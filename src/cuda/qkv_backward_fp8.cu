@@ -28,11 +28,17 @@
 //   into bits 3-4). The transposed read (8 token blocks x 4 feature words per warp and
 //   instruction) then hits 32 distinct banks, and the 8-byte row writes of groups of 4 or 8
 //   lanes (two or four tokens per half-warp) land on disjoint banks.
+// - A CTA has one token step's loads in flight at a time (64 registers: 4 CTAs per SM), and no
+//   load at all while it waits at its barrier and stores grad_t. L2 prefetches, which hold no
+//   register, cover part of that: the next step's rows during the current one, and, in the
+//   kernels where it measured faster, the V rows and the first step of the CTA that will take
+//   this one's place (Fp8Prefetch).
 // - When T is not a multiple of 16 the rows of grad_t are not 16-byte aligned: the same blocks
 //   are written byte by byte (correct, slower; the model's T is a multiple of 128).
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -89,6 +95,7 @@ struct QkvBackwardFp8KernelParams {
   int rotary_dim;               ///< key offset: dims >= rotary_dim of keys; even, in [0, D]
   bool paired;
   int tile_pitch;               ///< bytes per token row of the shared tile: roundup(2D + Dv, 128)
+  int resident_blocks;          ///< CTAs the device holds at once for this launch (>= 1)
 };
 
 /// Register budget, as resident 256-thread CTAs per SM: 4 (<= 64 registers; 4 x 48 KB of tile
@@ -163,6 +170,70 @@ constexpr bool fp8_branch_free() {
   return G == 16 || kKeyOffset;
 }
 
+/// L2 prefetches of the token loop (rope::prefetch_l2; they hold no register). Each thread issues
+/// the next token step's Q/K rows and factor chunks after its current loads, so that every step
+/// after the first loads from L2; the kernels with spare issue slots also fetch the V rows during
+/// the second half of the loop and, after it, the first token step of the CTA that will take this
+/// one's place (blockIdx + resident CTAs: blocks start in index order as others retire). On the
+/// H200 (bench/results/2026-11-30_54fbd6c_h200_fp8_prefetch_ab.txt), against no prefetch: the
+/// next step's rows 4-7 % faster in every mode at D = 64 and 128 (a further prefetch distance of
+/// two steps spilled and was slower); the next CTA's first step and the V rows another 1-3 % for
+/// plain and paired rows, slower under key offset except the V rows at D = 64 (G = 8); the V rows
+/// fetched at the tile's start (bulk prefetch) were slower everywhere.
+template <int G, bool kKeyOffset>
+struct Fp8Prefetch {
+  static constexpr bool kNextCta = !kKeyOffset;
+  static constexpr bool kVRows = !kKeyOffset || G == 8;
+};
+
+/// The Q and K rows of logical head h: where token 0's rows start and how far apart consecutive
+/// tokens are (grad_q and grad_k at their output position, plain (t, h), paired
+/// (2t + h / (H/2), h mod (H/2))), and the head's factor columns.
+template <typename FactorT>
+struct QkRowBases {
+  const __nv_bfloat16* gq;
+  const __nv_bfloat16* gk;
+  int64_t gq_step;
+  int64_t gk_step;
+  const __nv_bfloat16* xq;
+  const __nv_bfloat16* xk;
+  const FactorT* factor1;
+  const FactorT* factor2;
+
+  __device__ __forceinline__ QkRowBases(const QkvBackwardFp8KernelParams& p, int h) {
+    const int H = p.num_heads;
+    const int half = H / 2;
+    const int sub_token = p.paired && h >= half ? 1 : 0;
+    const int out_head = h - sub_token * half;
+    gq_step = p.paired ? 2 * p.grad_q_stride_t : p.grad_q_stride_t;
+    gk_step = p.paired ? 2 * p.grad_k_stride_t : p.grad_k_stride_t;
+    gq = p.grad_q + sub_token * p.grad_q_stride_t + int64_t(out_head) * p.grad_q_stride_h;
+    gk = p.grad_k + sub_token * p.grad_k_stride_t + int64_t(out_head) * p.grad_k_stride_h;
+    xq = p.qk + int64_t(h) * p.qk_stride_h;
+    xk = p.qk + int64_t(H + h) * p.qk_stride_h;
+    const int factor_offset = p.paired ? (h & 1) * p.head_dim : 0;
+    factor1 = static_cast<const FactorT*>(p.factor1) + factor_offset;
+    factor2 = static_cast<const FactorT*>(p.factor2) + factor_offset;
+  }
+
+  /// L2 prefetch of token t's chunks at d0 (the lines this lane will load), if t exists.
+  template <int C>
+  __device__ __forceinline__ void prefetch(const QkvBackwardFp8KernelParams& p, int64_t t,
+                                           const int (&d0)[C], const bool (&chunk_ok)[C]) const {
+    if (t >= p.tokens) return;
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      if (!chunk_ok[c]) continue;
+      rope::prefetch_l2(gq + t * gq_step + d0[c]);
+      rope::prefetch_l2(xq + t * p.qk_stride_t + d0[c]);
+      rope::prefetch_l2(gk + t * gk_step + d0[c]);
+      rope::prefetch_l2(xk + t * p.qk_stride_t + d0[c]);
+      rope::prefetch_l2(factor1 + t * p.factor1_stride_t + d0[c]);
+      rope::prefetch_l2(factor2 + t * p.factor2_stride_t + d0[c]);
+    }
+  }
+};
+
 /// The kernel's work on its tile.
 template <class Geom, bool kKeyOffset, typename FactorT, bool kBranchFree,
           ScaleDivision kDivision>
@@ -198,36 +269,33 @@ __device__ __forceinline__ void fp8_tile(const QkvBackwardFp8KernelParams& p,
       chunk_ok[c] = d0[c] < D;
       stationary_from[c] = kKeyOffset ? rope::stationary_start(d0[c], p.rotary_dim) : 8;
     }
-    // Output position of head h's rows (plain (t, h); paired (2t + h/(H/2), h mod (H/2))).
-    const int half = H / 2;
-    const int sub_token = p.paired && h >= half ? 1 : 0;
-    const int out_head = h - sub_token * half;
-    const int64_t gq_token_step = p.paired ? 2 * p.grad_q_stride_t : p.grad_q_stride_t;
-    const int64_t gk_token_step = p.paired ? 2 * p.grad_k_stride_t : p.grad_k_stride_t;
-    const __nv_bfloat16* gq_base =
-        p.grad_q + sub_token * p.grad_q_stride_t + int64_t(out_head) * p.grad_q_stride_h;
-    const __nv_bfloat16* gk_base =
-        p.grad_k + sub_token * p.grad_k_stride_t + int64_t(out_head) * p.grad_k_stride_h;
-    const __nv_bfloat16* xq_base = p.qk + int64_t(h) * p.qk_stride_h;
-    const __nv_bfloat16* xk_base = p.qk + int64_t(H + h) * p.qk_stride_h;
-    const int factor_offset = p.paired ? (h & 1) * D : 0;
-    const FactorT* factor1 = static_cast<const FactorT*>(p.factor1) + factor_offset;
-    const FactorT* factor2 = static_cast<const FactorT*>(p.factor2) + factor_offset;
+    const QkRowBases<FactorT> rows(p, h);
     const int64_t q_feature = int64_t(h) * D;
     const int64_t k_feature = int64_t(H + h) * D;
+    // V rows in the loop's second half: at step j >= kTokensPerGroup / 2 the group fetches the
+    // rows of its tokens of steps j - kTokensPerGroup / 2 and j, one 128-byte line per lane.
+    auto prefetch_v_row = [&](const int64_t tv) {
+      if (tv >= p.tokens) return;
+      const __nv_bfloat16* v_row = p.grad_v + int64_t(h) * p.grad_v_stride_h + tv * p.grad_v_stride_t;
+      for (int d = 64 * lane; d < Dv; d += 64 * G) rope::prefetch_l2(v_row + d);
+    };
 
 #pragma unroll 1
     for (int j = 0; j < kTokensPerGroup; ++j) {  // block-uniform trip count
       const int row = group + kGroups * j;       // consecutive groups: consecutive tokens
       const int64_t t = t0 + row;
       const bool token_ok = t < p.tokens;
+      if (Fp8Prefetch<G, kKeyOffset>::kVRows && j >= kTokensPerGroup / 2) {
+        prefetch_v_row(t - kTileTokens / 2);
+        prefetch_v_row(t);
+      }
 
       FactorChunk<FactorT> f1[C];
       FactorChunk<FactorT> f2[C];
 #pragma unroll
       for (int c = 0; c < C; ++c) {
-        f1[c].load(factor1 + t * p.factor1_stride_t + d0[c], token_ok && chunk_ok[c]);
-        f2[c].load(factor2 + t * p.factor2_stride_t + d0[c], token_ok && chunk_ok[c]);
+        f1[c].load(rows.factor1 + t * p.factor1_stride_t + d0[c], token_ok && chunk_ok[c]);
+        f2[c].load(rows.factor2 + t * p.factor2_stride_t + d0[c], token_ok && chunk_ok[c]);
       }
 
       // One row: the Q row (part 0) or the K row (part 1) of the token; both share the factor
@@ -237,9 +305,8 @@ __device__ __forceinline__ void fp8_tile(const QkvBackwardFp8KernelParams& p,
         Vec16 g[C], x[C], g_next[C];
       };
       auto load_row = [&](const int part, RowLoads& r) {
-        const __nv_bfloat16* g_row =
-            part == 0 ? gq_base + t * gq_token_step : gk_base + t * gk_token_step;
-        const __nv_bfloat16* x_row = (part == 0 ? xq_base : xk_base) + t * p.qk_stride_t;
+        const __nv_bfloat16* g_row = part == 0 ? rows.gq + t * rows.gq_step : rows.gk + t * rows.gk_step;
+        const __nv_bfloat16* x_row = (part == 0 ? rows.xq : rows.xk) + t * p.qk_stride_t;
         const bool next_ok = kKeyOffset && part == 1 && token_ok && t + 1 < p.tokens;
 #pragma unroll
         for (int c = 0; c < C; ++c) {
@@ -251,7 +318,7 @@ __device__ __forceinline__ void fp8_tile(const QkvBackwardFp8KernelParams& p,
                       : rope::zero_vec16();
           r.x[c] = ok ? rope::ld_stream(x_row + d0[c]) : rope::zero_vec16();
           r.g_next[c] = next_ok && chunk_ok[c] && stationary_from[c] < 8
-                            ? rope::ld_cached(g_row + gk_token_step + d0[c])
+                            ? rope::ld_cached(g_row + rows.gk_step + d0[c])
                             : rope::zero_vec16();
         }
       };
@@ -277,14 +344,24 @@ __device__ __forceinline__ void fp8_tile(const QkvBackwardFp8KernelParams& p,
         RowLoads q_row, k_row;
         load_row(0, q_row);
         load_row(1, k_row);
+        if (j + 1 < kTokensPerGroup) rows.prefetch(p, t + kGroups, d0, chunk_ok);
         emit_row(0, q_row);
         emit_row(1, k_row);
       } else {
         RowLoads r;
         load_row(0, r);
+        if (j + 1 < kTokensPerGroup) rows.prefetch(p, t + kGroups, d0, chunk_ok);
         emit_row(0, r);
         load_row(1, r);
         emit_row(1, r);
+      }
+    }
+    if constexpr (Fp8Prefetch<G, kKeyOffset>::kNextCta) {
+      const unsigned next = blockIdx.x + unsigned(p.resident_blocks);
+      if (next < gridDim.x) {
+        const int next_h = int(next % unsigned(H));
+        const int64_t next_t0 = int64_t(next / unsigned(H)) * kTileTokens;
+        QkRowBases<FactorT>(p, next_h).prefetch(p, next_t0 + group, d0, chunk_ok);
       }
     }
   }
@@ -421,14 +498,36 @@ void opt_in_max_shared_memory() {
   }
 }
 
+/// CTAs of `kKernel` with `smem` bytes of tile the current device holds at once (occupancy x
+/// SMs), for the next-CTA prefetch; cached per device and tile size (a multiple of 128 bytes per
+/// token up to kMaxTileBytes). Call after opt_in_max_shared_memory: the carveout counts.
+template <auto kKernel>
+int resident_blocks(size_t smem) {
+  constexpr size_t kSizes = kMaxTileBytes / (kTileTokens * 128) + 1;
+  static std::array<std::atomic<int>, 64 * kSizes> cache{};
+  int device = 0;
+  QKVF_CUDA_CHECK(cudaGetDevice(&device));
+  QKVF_CHECK(device < 64, "device ordinal ", device, " beyond the supported 64");
+  std::atomic<int>& slot = cache[size_t(device) * kSizes + smem / (kTileTokens * 128)];
+  int blocks = slot.load(std::memory_order_relaxed);
+  if (blocks == 0) {
+    int per_sm = 0;
+    QKVF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kFp8Threads, smem));
+    blocks = std::max(per_sm, 1) * multiprocessor_count();
+    slot.store(blocks, std::memory_order_relaxed);
+  }
+  return blocks;
+}
+
 template <class Geom, bool kKeyOffset, typename FactorT>
-void launch_fp8(const QkvBackwardFp8KernelParams& kp, cudaStream_t stream) {
+void launch_fp8(QkvBackwardFp8KernelParams kp, cudaStream_t stream) {
   constexpr auto kernel = qkv_backward_fp8_kernel<Geom, kKeyOffset, FactorT>;
   const size_t smem = size_t(kTileTokens) * size_t(kp.tile_pitch);
   QKVF_CHECK(smem <= kMaxTileBytes, "qkv_backward_fp8 (CUDA): tile of ", smem, " bytes");
   // Above 48 KB a kernel must opt in to its dynamic shared memory; done for every kernel so that
   // the carveout preference applies at 48 KB too.
   opt_in_max_shared_memory<kernel>();
+  kp.resident_blocks = resident_blocks<kernel>(smem);
   const int64_t tiles = (kp.tokens + kTileTokens - 1) / kTileTokens;
   const int64_t blocks = tiles * kp.num_heads;
   QKVF_CHECK(blocks <= int64_t(0x7fffffff), "qkv_backward_fp8 (CUDA): ", kp.tokens,

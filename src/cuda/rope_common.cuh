@@ -132,6 +132,14 @@ __device__ __forceinline__ Vec16 ld_cached(const void* p) {
   return v;
 }
 
+/// Asks L2 for the line that holds p (prefetch.global.L2): no register is held and there is no
+/// completion to wait for, so the lines a thread will load one token step later, or that the CTA
+/// which takes this one's place will load first, are on their way from DRAM while the thread
+/// computes. p must lie inside an allocation (the kernels guard the token index).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 __device__ __forceinline__ void st_vec16(void* p, const Vec16& v) {
   asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.w[0]), "r"(v.w[1]),
                "r"(v.w[2]), "r"(v.w[3])
