@@ -2,7 +2,8 @@
 # One call on the GPU machine: build (C++ + CUDA + PyTorch extension), run the GPU tests, the
 # sanitizers and the benchmarks, and print a short table last. Logs and result files go to $OUT.
 #
-#   scripts/device_run.sh [stage ...]     stages: build test sanitize fuzz python ncu train train2 bench
+#   scripts/device_run.sh [stage ...]     stages: build test sanitize fuzz python profile ncu train train2
+#                                         bench
 #                                         (default: build test python bench)
 # Needs, carried next to the tree (git-ignored): .gtest/ (GoogleTest sources; the GPU machine has
 # no network) and .seed/reference_triton.py (the reference implementation, for side-by-side runs).
@@ -102,6 +103,14 @@ if has fuzz; then
   seed=${QKVFUSE_FUZZ_SEED:-$RANDOM}
   $build/tests/fuzz/qkvfuse_fuzz --cases "${QKVFUSE_FUZZ_CASES:-10000}" --seed "$seed" >"$LOG/fuzz.log" 2>&1
   note "fuzz: rc=$? seed $seed: $(grep -E '^fuzz:' "$LOG/fuzz.log" | tail -1) in $((SECONDS - start)) s"
+fi
+
+if has profile; then
+  # One packed-op step replayed as a CUDA graph, kernel by kernel, qkvfuse and the reference
+  # (needs the python stage); before the benchmarks, whose long full-power run lowers the clock.
+  python3 bench/profile_packed.py --reference .seed/reference_triton.py \
+    >"$LOG/profile_packed.txt" 2>&1
+  note "profile_packed: rc=$? $(grep -E 'busy' "$LOG/profile_packed.txt" | tr -s ' ' | paste -sd ';')"
 fi
 
 if has bench; then
