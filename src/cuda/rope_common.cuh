@@ -140,9 +140,44 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
+/// prefetch_l2 at L2 evict-last priority: the line should outlive the evict-first traffic around
+/// it until its load comes.
+__device__ __forceinline__ void prefetch_l2_evict_last(const void* p) {
+  asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p));
+}
+
+/// The L2 cache policy "evict first" for .L2::cache_hint accesses: the value that
+/// createpolicy.fractional.L2::evict_first.b64 with fraction 1.0 produces (CUTLASS's
+/// CacheHintSm90::EVICT_FIRST). As a constant it costs no register (the policy from createpolicy
+/// made ptxas spill in the FP8 backward).
+constexpr uint64_t kL2EvictFirst = 0x12F0000000000000ull;
+
+/// ld_stream whose line is the first L2 evicts: read once, never again.
+__device__ __forceinline__ Vec16 ld_stream_evict_first(const void* p) {
+  Vec16 v;
+  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+      : "=r"(v.w[0]), "=r"(v.w[1]), "=r"(v.w[2]), "=r"(v.w[3])
+      : "l"(p), "l"(kL2EvictFirst));
+  return v;
+}
+
 __device__ __forceinline__ void st_vec16(void* p, const Vec16& v) {
   asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.w[0]), "r"(v.w[1]),
                "r"(v.w[2]), "r"(v.w[3])
+               : "memory");
+}
+
+/// Stores of outputs no kernel of the launch reads again, marked L2 evict-first so that they do
+/// not push out lines that are still to be loaded.
+__device__ __forceinline__ void st_vec16_evict_first(void* p, const Vec16& v) {
+  asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(p),
+               "r"(v.w[0]), "r"(v.w[1]), "r"(v.w[2]), "r"(v.w[3]), "l"(kL2EvictFirst)
+               : "memory");
+}
+
+__device__ __forceinline__ void st_u64_evict_first(void* p, uint32_t lo, uint32_t hi) {
+  asm volatile("st.global.L2::cache_hint.v2.u32 [%0], {%1, %2}, %3;" ::"l"(p), "r"(lo), "r"(hi),
+               "l"(kL2EvictFirst)
                : "memory");
 }
 
