@@ -32,7 +32,8 @@
 //   load at all while it waits at its barrier and stores grad_t. L2 prefetches, which hold no
 //   register, cover part of that: the next step's rows during the current one, and, in the
 //   kernels where it measured faster, the V rows and the first step of the CTA that will take
-//   this one's place (Fp8Prefetch).
+//   this one's place (Fp8Prefetch). Read-once loads and the outputs are marked L2 evict-first,
+//   the prefetched rows evict-last, so that 226 MB of stores do not evict them before use.
 // - When T is not a multiple of 16 the rows of grad_t are not 16-byte aligned: the same blocks
 //   are written byte by byte (correct, slower; the model's T is a multiple of 128).
 #include <cuda_bf16.h>
@@ -170,24 +171,25 @@ constexpr bool fp8_branch_free() {
   return G == 16 || kKeyOffset;
 }
 
-/// L2 traffic. The kernel reads its inputs once and writes 226 MB of outputs that no kernel of
-/// the launch reads: those loads and stores are marked L2 evict-first, and the rows prefetched for
-/// the next step evict-last, so that the stream of stores does not push them out of L2 before
-/// their loads come; the factor rows (read by the H CTAs of a tile) and the V-row prefetches keep
-/// the normal priority. 1-2.6 % faster in every mode and width than the same kernel without the
-/// hints (bench/results/2026-11-30_8cc1e2f_h200_fp8_evict_ab.txt: D = 128 plain 0.1841 against
-/// 0.1879 ms; evict-first loads or stores alone gained less than half of that).
-///
 /// L2 prefetches of the token loop (rope::prefetch_l2; they hold no register). Each thread issues
 /// the next token step's Q/K rows and factor chunks after its current loads, so that every step
-/// after the first loads from L2; the kernels with spare issue slots also fetch the V rows during
-/// the second half of the loop and, after it, the first token step of the CTA that will take this
-/// one's place (blockIdx + resident CTAs: blocks start in index order as others retire). On the
-/// H200 (bench/results/2026-11-30_54fbd6c_h200_fp8_prefetch_ab.txt), against no prefetch: the
-/// next step's rows 4-7 % faster in every mode at D = 64 and 128 (a further prefetch distance of
-/// two steps spilled and was slower); the next CTA's first step and the V rows another 1-3 % for
-/// plain and paired rows, slower under key offset except the V rows at D = 64 (G = 8); the V rows
-/// fetched at the tile's start (bulk prefetch) were slower everywhere.
+/// after the first loads from L2. Where it measured faster, the kernel also fetches the V rows
+/// during the second half of the loop and, after it, the first token step of the CTA that will
+/// take this one's place (blockIdx + resident CTAs: blocks start in index order as others
+/// retire). On the H200 (bench/results/2026-11-30_421a627_h200_fp8_prefetch_ab.txt), against no
+/// prefetch: the next step's rows and factors 5-8 % faster at D = 64 and 128, 2-4 % at D = 96 (two
+/// steps ahead spilled and was slower); the next CTA's first step and the V rows another 0-3 % for
+/// plain and paired rows; under key offset the next CTA's step was 5 % slower and the V rows 2.5 %
+/// faster at D = 64 (G = 8) but 3 % slower at D = 96 and 128; the tile's V rows fetched at its
+/// start (bulk prefetch) were slower everywhere.
+///
+/// L2 eviction priority. The kernel reads its inputs once and writes 226 MB of outputs that no
+/// kernel of the launch reads: those loads and stores are marked evict-first, and the Q/K rows
+/// prefetched for the next step evict-last, so that the stream of stores does not push them out
+/// of L2 before their loads come; the factor rows (read by the H CTAs of a tile) and the V-row
+/// prefetches keep the normal priority. 1-2.6 % faster in every mode and width than without the
+/// hints (bench/results/2026-11-30_8cc1e2f_h200_fp8_evict_ab.txt: D = 128 plain 0.1841 against
+/// 0.1879 ms); evict-first loads or stores alone gained less than half of that.
 template <int G, bool kKeyOffset>
 struct Fp8Prefetch {
   static constexpr bool kNextCta = !kKeyOffset;
@@ -277,14 +279,15 @@ __device__ __forceinline__ void fp8_tile(const QkvBackwardFp8KernelParams& p,
       chunk_ok[c] = d0[c] < D;
       stationary_from[c] = kKeyOffset ? rope::stationary_start(d0[c], p.rotary_dim) : 8;
     }
-    const QkRowBases<FactorT> rows(p, h);
+    const QkRowBases<FactorT> bases(p, h);
     const int64_t q_feature = int64_t(h) * D;
     const int64_t k_feature = int64_t(H + h) * D;
     // V rows in the loop's second half: at step j >= kTokensPerGroup / 2 the group fetches the
     // rows of its tokens of steps j - kTokensPerGroup / 2 and j, one 128-byte line per lane.
     auto prefetch_v_row = [&](const int64_t tv) {
       if (tv >= p.tokens) return;
-      const __nv_bfloat16* v_row = p.grad_v + int64_t(h) * p.grad_v_stride_h + tv * p.grad_v_stride_t;
+      const __nv_bfloat16* v_row =
+          p.grad_v + int64_t(h) * p.grad_v_stride_h + tv * p.grad_v_stride_t;
       for (int d = 64 * lane; d < Dv; d += 64 * G) rope::prefetch_l2(v_row + d);
     };
 
@@ -302,8 +305,8 @@ __device__ __forceinline__ void fp8_tile(const QkvBackwardFp8KernelParams& p,
       FactorChunk<FactorT> f2[C];
 #pragma unroll
       for (int c = 0; c < C; ++c) {
-        f1[c].load(rows.factor1 + t * p.factor1_stride_t + d0[c], token_ok && chunk_ok[c]);
-        f2[c].load(rows.factor2 + t * p.factor2_stride_t + d0[c], token_ok && chunk_ok[c]);
+        f1[c].load(bases.factor1 + t * p.factor1_stride_t + d0[c], token_ok && chunk_ok[c]);
+        f2[c].load(bases.factor2 + t * p.factor2_stride_t + d0[c], token_ok && chunk_ok[c]);
       }
 
       // One row: the Q row (part 0) or the K row (part 1) of the token; both share the factor
@@ -313,8 +316,9 @@ __device__ __forceinline__ void fp8_tile(const QkvBackwardFp8KernelParams& p,
         Vec16 g[C], x[C], g_next[C];
       };
       auto load_row = [&](const int part, RowLoads& r) {
-        const __nv_bfloat16* g_row = part == 0 ? rows.gq + t * rows.gq_step : rows.gk + t * rows.gk_step;
-        const __nv_bfloat16* x_row = (part == 0 ? rows.xq : rows.xk) + t * p.qk_stride_t;
+        const __nv_bfloat16* g_row =
+            part == 0 ? bases.gq + t * bases.gq_step : bases.gk + t * bases.gk_step;
+        const __nv_bfloat16* x_row = (part == 0 ? bases.xq : bases.xk) + t * p.qk_stride_t;
         const bool next_ok = kKeyOffset && part == 1 && token_ok && t + 1 < p.tokens;
 #pragma unroll
         for (int c = 0; c < C; ++c) {
@@ -326,7 +330,7 @@ __device__ __forceinline__ void fp8_tile(const QkvBackwardFp8KernelParams& p,
                       : rope::zero_vec16();
           r.x[c] = ok ? rope::ld_stream_evict_first(x_row + d0[c]) : rope::zero_vec16();
           r.g_next[c] = next_ok && chunk_ok[c] && stationary_from[c] < 8
-                            ? rope::ld_cached(g_row + rows.gk_step + d0[c])
+                            ? rope::ld_cached(g_row + bases.gk_step + d0[c])
                             : rope::zero_vec16();
         }
       };
@@ -352,13 +356,13 @@ __device__ __forceinline__ void fp8_tile(const QkvBackwardFp8KernelParams& p,
         RowLoads q_row, k_row;
         load_row(0, q_row);
         load_row(1, k_row);
-        if (j + 1 < kTokensPerGroup) rows.prefetch(p, t + kGroups, d0, chunk_ok);
+        if (j + 1 < kTokensPerGroup) bases.prefetch(p, t + kGroups, d0, chunk_ok);
         emit_row(0, q_row);
         emit_row(1, k_row);
       } else {
         RowLoads r;
         load_row(0, r);
-        if (j + 1 < kTokensPerGroup) rows.prefetch(p, t + kGroups, d0, chunk_ok);
+        if (j + 1 < kTokensPerGroup) bases.prefetch(p, t + kGroups, d0, chunk_ok);
         emit_row(0, r);
         load_row(1, r);
         emit_row(1, r);
@@ -394,7 +398,8 @@ __device__ __forceinline__ void fp8_tile(const QkvBackwardFp8KernelParams& p,
         rows[m] = int((uint32_t(u) * magic) >> 20);
         cols[m] = 8 * (u - rows[m] * chunks_per_row);
         const bool ok = u < tile_chunks && t0 + rows[m] < p.tokens;
-        v[m] = ok ? rope::ld_stream_evict_first(gv_base + (t0 + rows[m]) * p.grad_v_stride_t + cols[m])
+        v[m] = ok ? rope::ld_stream_evict_first(gv_base + (t0 + rows[m]) * p.grad_v_stride_t +
+                                                cols[m])
                   : rope::zero_vec16();
       }
 #pragma unroll
@@ -405,7 +410,8 @@ __device__ __forceinline__ void fp8_tile(const QkvBackwardFp8KernelParams& p,
         bf16x8_to_float(v[m], values);
         uint32_t lo, hi;
         encode_e4m3<kDivision>(scale, values, lo, hi);
-        rope::st_u64_evict_first(p.grad_row + (t0 + rows[m]) * p.qkv_dim + v_feature + cols[m], lo, hi);
+        rope::st_u64_evict_first(p.grad_row + (t0 + rows[m]) * p.qkv_dim + v_feature + cols[m],
+                                 lo, hi);
         sts_u64(tile_base + tile_offset(rows[m], (2 * D + cols[m]) / 4, pitch), lo, hi);
       }
     }
@@ -520,7 +526,8 @@ int resident_blocks(size_t smem) {
   int blocks = slot.load(std::memory_order_relaxed);
   if (blocks == 0) {
     int per_sm = 0;
-    QKVF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kFp8Threads, smem));
+    QKVF_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kFp8Threads, smem));
     blocks = std::max(per_sm, 1) * multiprocessor_count();
     slot.store(blocks, std::memory_order_relaxed);
   }
