@@ -489,19 +489,25 @@ __global__ void __launch_bounds__(kFp8Threads, fp8_min_blocks<Geom::C, FactorT>(
 /// features, 2*256 + 256 bytes per token.
 constexpr size_t kMaxTileBytes = size_t(kTileTokens) * ((2 * 256 + 256 + 127) / 128 * 128);
 
-/// Opts `kKernel` in to kMaxTileBytes of dynamic shared memory and the largest shared-memory
-/// carveout, once per kernel instantiation and device (the attributes belong to the function on
-/// the current device). The limit is set once
-/// to the maximum any launch needs rather than to each launch's size: a cache keyed by the
-/// launcher (several launchers share a kernel) or a limit lowered by a smaller launch let a
-/// later, larger launch fail with cudaErrorInvalidValue. The limit does not change occupancy,
-/// which follows the bytes a launch actually asks for.
+/// Once per kernel instantiation and device (the current one, `device`): opts `kKernel` in to
+/// kMaxTileBytes of dynamic shared memory and the largest shared-memory carveout (the attributes
+/// belong to the function on the current device). The limit is set once to the maximum any
+/// launch needs rather than to each launch's size: a cache keyed by the launcher (several
+/// launchers share a kernel) or a limit lowered by a smaller launch let a later, larger launch
+/// fail with cudaErrorInvalidValue. The limit does not change occupancy, which follows the bytes
+/// a launch actually asks for.
+///
+/// Returns the CTAs with `smem` bytes of tile the device holds at once (occupancy x SMs, under
+/// the carveout just set), for the next-CTA prefetch; cached per device and tile size (a
+/// multiple of 128 bytes per token up to kMaxTileBytes).
 template <auto kKernel>
-void opt_in_max_shared_memory() {
-  static std::array<std::atomic<bool>, 64> opted_in{};
-  int device = 0;
-  QKVF_CUDA_CHECK(cudaGetDevice(&device));
-  QKVF_CHECK(device < int(opted_in.size()), "device ordinal ", device, " beyond the supported 64");
+int prepare_kernel(int device, size_t smem) {
+  constexpr int kDevices = 64;
+  constexpr size_t kSizes = kMaxTileBytes / (kTileTokens * 128) + 1;
+  static std::array<std::atomic<bool>, kDevices> opted_in{};
+  static std::array<std::atomic<int>, kDevices * kSizes> resident{};
+  QKVF_CHECK(device >= 0 && device < kDevices, "device ordinal ", device,
+             " beyond the supported 64");
   if (!opted_in[device].load(std::memory_order_acquire)) {
     QKVF_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          int(kMaxTileBytes)));
@@ -510,19 +516,7 @@ void opt_in_max_shared_memory() {
                                          int(cudaSharedmemCarveoutMaxShared)));
     opted_in[device].store(true, std::memory_order_release);
   }
-}
-
-/// CTAs of `kKernel` with `smem` bytes of tile the current device holds at once (occupancy x
-/// SMs), for the next-CTA prefetch; cached per device and tile size (a multiple of 128 bytes per
-/// token up to kMaxTileBytes). Call after opt_in_max_shared_memory: the carveout counts.
-template <auto kKernel>
-int resident_blocks(size_t smem) {
-  constexpr size_t kSizes = kMaxTileBytes / (kTileTokens * 128) + 1;
-  static std::array<std::atomic<int>, 64 * kSizes> cache{};
-  int device = 0;
-  QKVF_CUDA_CHECK(cudaGetDevice(&device));
-  QKVF_CHECK(device < 64, "device ordinal ", device, " beyond the supported 64");
-  std::atomic<int>& slot = cache[size_t(device) * kSizes + smem / (kTileTokens * 128)];
+  std::atomic<int>& slot = resident[size_t(device) * kSizes + smem / (kTileTokens * 128)];
   int blocks = slot.load(std::memory_order_relaxed);
   if (blocks == 0) {
     int per_sm = 0;
@@ -535,14 +529,13 @@ int resident_blocks(size_t smem) {
 }
 
 template <class Geom, bool kKeyOffset, typename FactorT>
-void launch_fp8(QkvBackwardFp8KernelParams kp, cudaStream_t stream) {
+void launch_fp8(QkvBackwardFp8KernelParams kp, int device, cudaStream_t stream) {
   constexpr auto kernel = qkv_backward_fp8_kernel<Geom, kKeyOffset, FactorT>;
   const size_t smem = size_t(kTileTokens) * size_t(kp.tile_pitch);
   QKVF_CHECK(smem <= kMaxTileBytes, "qkv_backward_fp8 (CUDA): tile of ", smem, " bytes");
   // Above 48 KB a kernel must opt in to its dynamic shared memory; done for every kernel so that
   // the carveout preference applies at 48 KB too.
-  opt_in_max_shared_memory<kernel>();
-  kp.resident_blocks = resident_blocks<kernel>(smem);
+  kp.resident_blocks = prepare_kernel<kernel>(device, smem);
   const int64_t tiles = (kp.tokens + kTileTokens - 1) / kTileTokens;
   const int64_t blocks = tiles * kp.num_heads;
   QKVF_CHECK(blocks <= int64_t(0x7fffffff), "qkv_backward_fp8 (CUDA): ", kp.tokens,
@@ -608,7 +601,8 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
       "qkv_backward_fp8", head_dim, layout.key_offset, params.factor1.dtype,
       [&](auto geometry, auto key_offset, auto factor_tag) {
         using FactorT = typename decltype(factor_tag)::type;
-        launch_fp8<decltype(geometry), decltype(key_offset)::value, FactorT>(kp, stream);
+        launch_fp8<decltype(geometry), decltype(key_offset)::value, FactorT>(
+            kp, params.qk.device.index, stream);
       });
 }
 
