@@ -135,12 +135,7 @@ __device__ __forceinline__ float reciprocal_sqrt_rn(float v) {
   return isinf(v) ? 0.0f : q;
 }
 
-/// max / min that return NaN when either operand is NaN (fmaxf / fminf return the other one).
-__device__ __forceinline__ float max_nan(float a, float b) {
-  float r;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
+/// min that returns NaN when either operand is NaN (fminf returns the other one).
 __device__ __forceinline__ float min_nan(float a, float b) {
   float r;
   asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
@@ -154,8 +149,8 @@ __device__ __forceinline__ float min_nan(float a, float b) {
 /// of UniformDivisor's three FMAs for any a, where UniformDivisor sends zeros, tiny and huge
 /// values to __fdiv_rn one element at a time (a branch and a convergence barrier per element;
 /// removing them made the FP8 backward 3.4 % faster on the H200):
-///   - a is first clamped to [-512 s, 512 s] (NaN kept): beyond that the quotient saturates to
-///     +-448 either way, and an infinite a can no longer make inf - inf in the residual;
+///   - |a| is first clamped to 512 s (NaN kept): beyond that the quotient saturates to 448
+///     either way, and an infinite a can no longer make inf - inf in the residual;
 ///   - the sign of the result is taken from a (s > 0): the three FMAs can turn -0 into +0;
 ///   - 2^-40 <= |a| <= 512 s is inside UniformDivisor's proven range: the quotient has the bits
 ///     of __fdiv_rn;
@@ -174,7 +169,10 @@ struct E4m3Scaler {
   /// `limit` = 512 s (exact), clamping to it changes no code. Passed in rather than kept as a
   /// member: one multiply per 8 elements, and one register fewer across the kernels' loops.
   __device__ __forceinline__ float quotient(float a, float limit) const {
-    const float clamped = min_nan(max_nan(a, -limit), limit);
+    // |a| clamped to limit (one FMNMX, the absolute value is an operand modifier): under
+    // round-to-nearest the quotient of -a is exactly minus that of a, and the sign of a is
+    // copied onto the result below, so this gives the codes of clamping a to [-limit, limit].
+    const float clamped = min_nan(fabsf(a), limit);
     const float r = divisor.reciprocal;
     const float q0 = __fmul_rn(clamped, r);
     const float q = __fmaf_rn(r, __fmaf_rn(-divisor.divisor, q0, clamped), q0);
