@@ -330,7 +330,7 @@ __device__ __forceinline__ void fp8_tile(const QkvBackwardFp8KernelParams& p,
                       : rope::zero_vec16();
           if constexpr (G == 16) {
             // The same load with its address named first: at G = 16 ptxas then issues the six
-            // loads of a token step back to back instead of over ~160 instructions, 1-2.5 %
+            // loads of a token step back to back instead of over ~160 instructions, 0.5-2.4 %
             // faster; at G = 8 under key offset this source spilled more, so the other widths
             // keep the SASS they were measured with
             // (bench/results/2026-11-30_c3427a5_h200_fp8_xsrc_abs_ab.txt).
