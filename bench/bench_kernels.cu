@@ -104,6 +104,34 @@ void bench_copy(cudaStream_t stream, int iters) {
 
 __global__ void empty_kernel() {}
 
+/// Hand-written copies, to tell whether cudaMemcpyAsync is the ceiling of the timing method at a
+/// size or merely one copy: 16-byte vectors, read-once loads that bypass L1, every thread's
+/// kUnroll loads issued before its stores. One-shot grid (one thread per kUnroll vectors, like the
+/// rope kernels' plain grids) when `persistent_blocks` is 0, else that many CTAs striding.
+template <int kUnroll>
+__global__ void __launch_bounds__(256) copy_kernel(const uint4* src, uint4* dst, size_t n,
+                                                   unsigned persistent_blocks) {
+  const size_t stride = persistent_blocks ? size_t(persistent_blocks) * 256 * kUnroll
+                                          : size_t(gridDim.x) * 256 * kUnroll;
+  for (size_t base = size_t(blockIdx.x) * 256 * kUnroll + threadIdx.x; base < n; base += stride) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const size_t i = base + size_t(k) * 256;
+      if (i < n) {
+        asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+            : "=r"(v[k].x), "=r"(v[k].y), "=r"(v[k].z), "=r"(v[k].w)
+            : "l"(src + i));
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const size_t i = base + size_t(k) * 256;
+      if (i < n) dst[i] = v[k];
+    }
+  }
+}
+
 /// What the timing method itself allows at the kernels' sizes: cudaMemcpyAsync of exactly the
 /// bytes a kernel moves (half read, half written), timed like the kernels (own events, GPU held by
 /// the spin kernel, buffers rotated past L2), against the 2 GiB copy; and an empty kernel, the
@@ -139,6 +167,40 @@ void bench_copy_sizes(cudaStream_t stream, int iters) {
     std::printf("%-22s %-11s %-26s %9.4f %9.1f %8.0f %7.1f  same-size copy, %d rotating sets\n",
                 "copy", "D2D", (std::to_string(int(total_mb)) + " MB moved").c_str(), ms,
                 2.0 * double(half) / 1e6, gbps, 100.0 * gbps / g_copy_gbps, sets);
+    // The hand-written copies of the same bytes, same buffers, same timing.
+    const size_t vectors = half / 16;
+    int sms = 0;
+    BENCH_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    struct Variant {
+      const char* name;
+      void (*kernel)(const uint4*, uint4*, size_t, unsigned);
+      int unroll;
+      unsigned persistent;
+    };
+    const Variant variants[] = {
+        {"kernel x2", copy_kernel<2>, 2, 0},
+        {"kernel x4", copy_kernel<4>, 4, 0},
+        {"kernel x8", copy_kernel<8>, 8, 0},
+        {"kernel x4 8/SM", copy_kernel<4>, 4, unsigned(8 * sms)},
+    };
+    for (const Variant& variant : variants) {
+      const size_t per_block = size_t(256) * size_t(variant.unroll);
+      const unsigned blocks = variant.persistent
+                                  ? variant.persistent
+                                  : unsigned((vectors + per_block - 1) / per_block);
+      const float kernel_ms = time_median(
+          [&](int i) {
+            variant.kernel<<<blocks, 256, 0, stream>>>(
+                static_cast<const uint4*>(src[size_t(i % sets)].get()),
+                static_cast<uint4*>(dst[size_t(i % sets)].get()), vectors, variant.persistent);
+            BENCH_CUDA(cudaGetLastError());
+          },
+          stream, iters, true);
+      const double kernel_gbps = 2.0 * double(half) / (kernel_ms * 1e-3) / 1e9;
+      std::printf("%-22s %-11s %-26s %9.4f %9.1f %8.0f %7.1f  same-size copy kernel\n", "copy",
+                  variant.name, (std::to_string(int(total_mb)) + " MB moved").c_str(), kernel_ms,
+                  2.0 * double(half) / 1e6, kernel_gbps, 100.0 * kernel_gbps / g_copy_gbps);
+    }
   }
 }
 
