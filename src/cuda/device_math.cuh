@@ -87,6 +87,20 @@ struct UniformDivisor {
   }
 };
 
+/// a / W for a row width W that is a power of two known at compile time (the model's 32, 64, 128
+/// and 256): one multiplication by 1/W, which gives the bits of __fdiv_rn(a, W) for every a. The
+/// exact quotient is a scaled by a power of two, and a product rounds that exact value as the
+/// division does: subnormal results, zeros (with their sign), inf and NaN included. UniformDivisor
+/// and divide_by_width spend 5-12 instructions per division for a width known only at run time.
+template <int kWidth>
+struct PowerOfTwoWidth {
+  static_assert(kWidth > 0 && (kWidth & (kWidth - 1)) == 0 && kWidth <= (1 << 20),
+                "a power of two whose reciprocal is a normal fp32");
+  __device__ __forceinline__ float operator()(float a) const {
+    return __fmul_rn(a, 1.0f / float(kWidth));
+  }
+};
+
 /// |magnitude| with the sign bit of `sign`, as one LOP3 (select by the constant mask; ptxas emits
 /// two for the equivalent (m & 0x7fffffff) | (s & 0x80000000)).
 __device__ __forceinline__ float magnitude_with_sign_of(float magnitude, float sign) {
@@ -116,6 +130,12 @@ __device__ __forceinline__ float divide_by_width(float a, const UniformDivisor& 
   const float q1 = __fmaf_rn(r, __fmaf_rn(-width.divisor, q0, scaled), q0);
   const float q = isinf(a) ? __fmul_rn(a, r) : (tiny ? __fmul_rn(q1, 0x1p-64f) : q1);
   return magnitude_with_sign_of(q, a);
+}
+
+/// divide_by_width for a power-of-two width known at compile time: the same bits, one FMUL.
+template <int kWidth>
+__device__ __forceinline__ float divide_by_width(float a, const PowerOfTwoWidth<kWidth>& width) {
+  return width(a);
 }
 
 /// __fdiv_rn(1, __fsqrt_rn(v)) with no branch, for v >= 2^-100, +inf or NaN (the rope kernels'

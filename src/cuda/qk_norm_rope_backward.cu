@@ -93,7 +93,8 @@ constexpr bool backward_branch_free() {
   return kKeyOffset || C == 3;
 }
 
-template <class Geom, int K, bool kKeyOffset, typename FactorT>
+/// kFullWidth: rows of exactly Geom's full width (rope::has_full_width).
+template <class Geom, int K, bool kKeyOffset, typename FactorT, bool kFullWidth>
 __global__ void __launch_bounds__(kRowThreads, backward_min_blocks<Geom::C, kKeyOffset, FactorT>())
     qk_norm_rope_backward_kernel(const __grid_constant__ QkNormRopeBackwardKernelParams p) {
   constexpr int G = Geom::G;
@@ -108,8 +109,8 @@ __global__ void __launch_bounds__(kRowThreads, backward_min_blocks<Geom::C, kKey
   // Groups past the last unit load and store nothing but still execute every shuffle.
   const bool token_ok = unit < p.units;
   const int H = p.num_heads;
-  const int D = p.head_dim;
-  const UniformDivisor width{float(D)};
+  const int D = rope::row_width<Geom, kFullWidth>(p.head_dim);
+  const auto width = rope::row_width_divisor<Geom, kFullWidth>(D);
 
   int d0[C];
   bool chunk_ok[C];
@@ -205,10 +206,10 @@ __global__ void __launch_bounds__(kRowThreads, backward_min_blocks<Geom::C, kKey
   }
 }
 
-template <class Geom, bool kKeyOffset, typename FactorT>
+template <class Geom, bool kKeyOffset, typename FactorT, bool kFullWidth>
 void launch_backward(QkNormRopeBackwardKernelParams kp, cudaStream_t stream) {
   constexpr int K = backward_rows_per_group<Geom::C>();
-  constexpr auto kernel = qk_norm_rope_backward_kernel<Geom, K, kKeyOffset, FactorT>;
+  constexpr auto kernel = qk_norm_rope_backward_kernel<Geom, K, kKeyOffset, FactorT, kFullWidth>;
   const rope::RowWork work =
       rope::plan_row_work(kp.tokens, 2 * int64_t(kp.num_heads), K, Geom::G);
   kp.row_sets = work.row_sets;
@@ -258,8 +259,12 @@ void qk_norm_rope_backward(const QkNormRopeBackwardParams& params) {
   rope::kernel_switch<rope::Width96::kFull4x3>(
       "qk_norm_rope_backward", head_dim, layout.key_offset, params.factor1.dtype,
       [&](auto geometry, auto key_offset, auto factor_tag) {
+        using Geom = decltype(geometry);
         using FactorT = typename decltype(factor_tag)::type;
-        launch_backward<decltype(geometry), decltype(key_offset)::value, FactorT>(kp, stream);
+        rope::full_width_switch<Geom>(head_dim, [&](auto full_width) {
+          launch_backward<Geom, decltype(key_offset)::value, FactorT,
+                          decltype(full_width)::value>(kp, stream);
+        });
       });
 }
 

@@ -246,7 +246,7 @@ struct QkRowBases {
 
 /// The kernel's work on its tile.
 template <class Geom, bool kKeyOffset, typename FactorT, bool kBranchFree,
-          ScaleDivision kDivision>
+          ScaleDivision kDivision, bool kFullWidth>
 __device__ __forceinline__ void fp8_tile(const QkvBackwardFp8KernelParams& p,
                                          const E4m3Scaler& scale) {
   constexpr int G = Geom::G;
@@ -259,11 +259,11 @@ __device__ __forceinline__ void fp8_tile(const QkvBackwardFp8KernelParams& p,
   const uint32_t tile_base = uint32_t(__cvta_generic_to_shared(tile));
 
   const int H = p.num_heads;
-  const int D = p.head_dim;
+  const int D = rope::row_width<Geom, kFullWidth>(p.head_dim);
   const int Dv = p.v_dim;
   const int h = int(blockIdx.x % unsigned(H));
   const int64_t t0 = int64_t(blockIdx.x / unsigned(H)) * kTileTokens;
-  const UniformDivisor width{float(D)};
+  const auto width = rope::row_width_divisor<Geom, kFullWidth>(D);
   const int pitch = p.tile_pitch;
 
   // ---- Phase A1: Q and K rows -------------------------------------------------------------
@@ -480,18 +480,19 @@ __device__ __forceinline__ void fp8_tile(const QkvBackwardFp8KernelParams& p,
   }
 }
 
-template <class Geom, bool kKeyOffset, typename FactorT>
+/// kFullWidth: rows of exactly Geom's full width (rope::has_full_width).
+template <class Geom, bool kKeyOffset, typename FactorT, bool kFullWidth>
 __global__ void __launch_bounds__(kFp8Threads, fp8_min_blocks<Geom::C, FactorT>())
     qkv_backward_fp8_kernel(const __grid_constant__ QkvBackwardFp8KernelParams p) {
   const E4m3Scaler scale{*p.grad_scale};
   if constexpr (fp8_branch_free<Geom::G, kKeyOffset>()) {
     if (scale.fast) {
-      fp8_tile<Geom, kKeyOffset, FactorT, true, ScaleDivision::kFast>(p, scale);
+      fp8_tile<Geom, kKeyOffset, FactorT, true, ScaleDivision::kFast, kFullWidth>(p, scale);
     } else {
-      fp8_tile<Geom, kKeyOffset, FactorT, true, ScaleDivision::kGeneral>(p, scale);
+      fp8_tile<Geom, kKeyOffset, FactorT, true, ScaleDivision::kGeneral, kFullWidth>(p, scale);
     }
   } else {
-    fp8_tile<Geom, kKeyOffset, FactorT, false, ScaleDivision::kTestPerCall>(p, scale);
+    fp8_tile<Geom, kKeyOffset, FactorT, false, ScaleDivision::kTestPerCall, kFullWidth>(p, scale);
   }
 }
 
@@ -538,9 +539,9 @@ int prepare_kernel(int device, size_t smem) {
   return blocks;
 }
 
-template <class Geom, bool kKeyOffset, typename FactorT>
+template <class Geom, bool kKeyOffset, typename FactorT, bool kFullWidth>
 void launch_fp8(QkvBackwardFp8KernelParams kp, int device, cudaStream_t stream) {
-  constexpr auto kernel = qkv_backward_fp8_kernel<Geom, kKeyOffset, FactorT>;
+  constexpr auto kernel = qkv_backward_fp8_kernel<Geom, kKeyOffset, FactorT, kFullWidth>;
   const size_t smem = size_t(kTileTokens) * size_t(kp.tile_pitch);
   QKVF_CHECK(smem <= kMaxTileBytes, "qkv_backward_fp8 (CUDA): tile of ", smem, " bytes");
   // Above 48 KB a kernel must opt in to its dynamic shared memory; done for every kernel so that
@@ -610,9 +611,12 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
   rope::kernel_switch<rope::Width96::kMasked16x1>(
       "qkv_backward_fp8", head_dim, layout.key_offset, params.factor1.dtype,
       [&](auto geometry, auto key_offset, auto factor_tag) {
+        using Geom = decltype(geometry);
         using FactorT = typename decltype(factor_tag)::type;
-        launch_fp8<decltype(geometry), decltype(key_offset)::value, FactorT>(
-            kp, params.qk.device.index, stream);
+        rope::full_width_switch<Geom>(head_dim, [&](auto full_width) {
+          launch_fp8<Geom, decltype(key_offset)::value, FactorT, decltype(full_width)::value>(
+              kp, params.qk.device.index, stream);
+        });
       });
 }
 

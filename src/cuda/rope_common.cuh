@@ -28,6 +28,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/check.hpp"
 #include "cuda/device_math.cuh"
@@ -91,6 +92,42 @@ void head_width_switch(const char* op, int64_t D, F&& f) {
       f(RowGeometry<16, 2>{}); break;                                       // 136 .. 256
     default:
       QKVF_FAIL(op, " (CUDA): no kernel for head width D = ", D);
+  }
+}
+
+/// Whether the kernels have a full-width form for Geom: rows of exactly 8GC elements (32, 64, 128,
+/// 256; every model width but 96), a power of two. In that form D is a compile-time constant:
+/// no chunk is masked, the offsets that depend on D fold, and each division of a row sum by D is
+/// one FMUL (PowerOfTwoWidth) instead of UniformDivisor's 5-12 instructions. On the H200 against
+/// the run-time width (bench/results/2026-11-30_4933b51_h200_full_width_ab.txt): the key-offset
+/// bf16 backward 4.8 % faster at D = 128 and 5.4 % at D = 64, the FP8 backward 0.2-2.7 %, the
+/// forward (memory-bound) unchanged within 1 %; the masked kernels keep their SASS.
+template <class Geom>
+constexpr bool has_full_width() {
+  return (Geom::kMaxWidth & (Geom::kMaxWidth - 1)) == 0;
+}
+
+/// Host side: f(std::true_type{}) when rows of width D take Geom's full-width form, else
+/// f(std::false_type{}). Each form is its own kernel (own register allocation).
+template <class Geom, typename F>
+void full_width_switch(int64_t D, F&& f) {
+  if constexpr (has_full_width<Geom>()) {
+    if (D == Geom::kMaxWidth) return f(std::true_type{});
+  }
+  f(std::false_type{});
+}
+
+/// Device side: the row width the kernel computes with, and the divisor of its row sums.
+template <class Geom, bool kFullWidth>
+__device__ __forceinline__ int row_width(int head_dim) {
+  return kFullWidth ? Geom::kMaxWidth : head_dim;
+}
+template <class Geom, bool kFullWidth>
+__device__ __forceinline__ auto row_width_divisor(int D) {
+  if constexpr (kFullWidth) {
+    return PowerOfTwoWidth<Geom::kMaxWidth>{};
+  } else {
+    return UniformDivisor{float(D)};
   }
 }
 
@@ -293,9 +330,10 @@ __device__ __forceinline__ float group_sum(float v) {
 /// or a mask), so no fp32 copy of the row stays live across the shuffles.
 /// kBranchFree: the same bits through divide_by_width and reciprocal_sqrt_rn, with no branch
 /// (backward_row's choice; the forward keeps the branches: without them ptxas spilled in some of
-/// its instantiations at their register budgets).
-template <int G, int C, bool kBranchFree = false>
-__device__ __forceinline__ float row_rstd(const Vec16 (&x_raw)[C], const UniformDivisor& width) {
+/// its instantiations at their register budgets). `width` divides by D: UniformDivisor, or
+/// PowerOfTwoWidth in the full-width kernels (row_width_divisor).
+template <int G, int C, bool kBranchFree = false, typename Width>
+__device__ __forceinline__ float row_rstd(const Vec16 (&x_raw)[C], const Width& width) {
   float partial = 0.0f;
 #pragma unroll
   for (int c = 0; c < C; ++c) {
@@ -343,13 +381,14 @@ __device__ __forceinline__ void forward_chunk(const Vec16& x_raw, float rstd,
 /// kBranchFree: the row's divisions and square root without branches (divide_by_width,
 /// reciprocal_sqrt_rn: the same bits), so that ptxas can schedule across the row scalars. A
 /// per-kernel choice, as measured on the H200 (the kernels' launch code says which and why).
-template <int G, int C, bool kBranchFree, typename FactorT>
+/// `width` as in row_rstd.
+template <int G, int C, bool kBranchFree, typename FactorT, typename Width>
 __device__ __forceinline__ void backward_row(const Vec16 (&g_raw)[C], const Vec16 (&x_raw)[C],
                                              const FactorChunk<FactorT> (&f1)[C],
                                              const FactorChunk<FactorT> (&f2)[C],
                                              const Vec16 (&g_next_raw)[C],
                                              const int (&stationary_from)[C], bool shift_row,
-                                             bool first_token, const UniformDivisor& width,
+                                             bool first_token, const Width& width,
                                              float (&dx)[C][8]) {
   // One chunk per lane: keep n (8 registers); wider rows recompute it from the bf16 bits.
   constexpr bool kKeepN = C == 1;
