@@ -295,5 +295,65 @@ TEST(CudaNumeric, BranchFreeRowScalarsMatchIeee) {
               (long long)r_checked);
 }
 
+/// quotient[j * count + i] = PowerOfTwoWidth<2^(j+1)>(in[i]), j = 0 .. 7 (widths 2 .. 256).
+template <int kWidth>
+__device__ float divide_by_power_of_two(float a) {
+  return cuda::PowerOfTwoWidth<kWidth>{}(a);
+}
+
+__global__ void power_of_two_width_kernel(const float* in, int64_t count, float* quotient) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= count) return;
+  const float a = in[i];
+  quotient[0 * count + i] = divide_by_power_of_two<2>(a);
+  quotient[1 * count + i] = divide_by_power_of_two<4>(a);
+  quotient[2 * count + i] = divide_by_power_of_two<8>(a);
+  quotient[3 * count + i] = divide_by_power_of_two<16>(a);
+  quotient[4 * count + i] = divide_by_power_of_two<32>(a);
+  quotient[5 * count + i] = divide_by_power_of_two<64>(a);
+  quotient[6 * count + i] = divide_by_power_of_two<128>(a);
+  quotient[7 * count + i] = divide_by_power_of_two<256>(a);
+}
+
+TEST(CudaNumeric, PowerOfTwoWidthMatchesIeee) {
+  // The full-width rope kernels divide their row sums by D = 2^k with one multiplication: the
+  // same bits as IEEE a / D for every a, subnormal quotients, zeros, infinities and NaN included.
+  QKVF_REQUIRE_GPU();
+  auto rng = rng_for_test();
+  std::vector<float> in = boundary_values();
+  const std::vector<float> random = random_inputs(rng, size_t(1) << 18);
+  in.insert(in.end(), random.begin(), random.end());
+  for (int e = -149; e <= 127; ++e) in.push_back(std::ldexp(1.0f, e));
+  for (uint32_t bits = 1; bits < (1u << 16); ++bits) in.push_back(bits_float(bits * 97u));  // subnormals
+  for (const float nan : nan_values()) in.push_back(nan);
+  const int64_t count = int64_t(in.size());
+  DeviceBuffer src = DeviceBuffer::from(in);
+  DeviceBuffer quotient(size_t(count) * 8 * sizeof(float));
+  power_of_two_width_kernel<<<unsigned((count + 255) / 256), 256>>>(
+      static_cast<const float*>(src.data()), count, static_cast<float*>(quotient.data()));
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  synchronize();
+  const std::vector<float> q = quotient.to_host<float>();
+  int64_t bad = 0, subnormal = 0;
+  for (int j = 0; j < 8; ++j) {
+    const float width = float(2 << j);
+    for (int64_t i = 0; i < count; ++i) {
+      const volatile float a = in[size_t(i)];
+      const float want = a / width;
+      subnormal += std::fpclassify(want) == FP_SUBNORMAL;
+      const float got = q[size_t(j * count + i)];
+      const bool ok = std::isnan(want) ? std::isnan(got) : float_bits(got) == float_bits(want);
+      if (!ok && bad++ < 5) {
+        ADD_FAILURE() << "PowerOfTwoWidth<" << width << ">(" << a << " (0x" << std::hex
+                      << float_bits(a) << std::dec << ")) = " << got << ", IEEE " << want;
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0) << "of " << 8 * count;
+  EXPECT_GT(subnormal, 1000) << "the inputs must reach subnormal quotients";
+  std::printf("[numeric] PowerOfTwoWidth: %lld of %lld mismatches (%lld subnormal quotients)\n",
+              (long long)bad, (long long)(8 * count), (long long)subnormal);
+}
+
 }  // namespace
 }  // namespace qkvfuse::test
