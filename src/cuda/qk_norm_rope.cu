@@ -220,13 +220,10 @@ void qk_norm_rope(const QkNormRopeParams& params) {
   // 83.2 % of copy against 80.2 % at H = 6 plain on the H200 (key offset 80.6 against 75.5 %).
   rope::kernel_switch<rope::Width96::kFull4x3>(
       "qk_norm_rope", head_dim, layout.key_offset, params.factor1.dtype,
-      [&](auto geometry, auto key_offset, auto factor_tag) {
-        using Geom = decltype(geometry);
+      [&](auto geometry, auto full_width, auto key_offset, auto factor_tag) {
         using FactorT = typename decltype(factor_tag)::type;
-        rope::full_width_switch<Geom>(head_dim, [&](auto full_width) {
-          launch_forward<Geom, decltype(key_offset)::value, FactorT, decltype(full_width)::value>(
-              kp, stream);
-        });
+        launch_forward<decltype(geometry), decltype(key_offset)::value, FactorT,
+                       decltype(full_width)::value>(kp, stream);
       });
 }
 

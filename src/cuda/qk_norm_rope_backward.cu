@@ -258,13 +258,10 @@ void qk_norm_rope_backward(const QkNormRopeBackwardParams& params) {
   // 84.7 % of copy against 78.8 % at H = 6 plain on the H200 (key offset 85.5 against 61.0 %).
   rope::kernel_switch<rope::Width96::kFull4x3>(
       "qk_norm_rope_backward", head_dim, layout.key_offset, params.factor1.dtype,
-      [&](auto geometry, auto key_offset, auto factor_tag) {
-        using Geom = decltype(geometry);
+      [&](auto geometry, auto full_width, auto key_offset, auto factor_tag) {
         using FactorT = typename decltype(factor_tag)::type;
-        rope::full_width_switch<Geom>(head_dim, [&](auto full_width) {
-          launch_backward<Geom, decltype(key_offset)::value, FactorT,
-                          decltype(full_width)::value>(kp, stream);
-        });
+        launch_backward<decltype(geometry), decltype(key_offset)::value, FactorT,
+                        decltype(full_width)::value>(kp, stream);
       });
 }
 

@@ -610,13 +610,10 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
   // (H200, bench/results/2026-11-30_0f61d58_h200_d96_geometry_ab.txt).
   rope::kernel_switch<rope::Width96::kMasked16x1>(
       "qkv_backward_fp8", head_dim, layout.key_offset, params.factor1.dtype,
-      [&](auto geometry, auto key_offset, auto factor_tag) {
-        using Geom = decltype(geometry);
+      [&](auto geometry, auto full_width, auto key_offset, auto factor_tag) {
         using FactorT = typename decltype(factor_tag)::type;
-        rope::full_width_switch<Geom>(head_dim, [&](auto full_width) {
-          launch_fp8<Geom, decltype(key_offset)::value, FactorT, decltype(full_width)::value>(
-              kp, params.qk.device.index, stream);
-        });
+        launch_fp8<decltype(geometry), decltype(key_offset)::value, FactorT,
+                   decltype(full_width)::value>(kp, params.qk.device.index, stream);
       });
 }
 

@@ -131,16 +131,19 @@ __device__ __forceinline__ auto row_width_divisor(int D) {
   }
 }
 
-/// The three compile-time choices every vector rope kernel is instantiated over, from their
-/// runtime values: f(Geom{}, KeyOffset{}, TypeTag<FactorT>{}) with Geom from head_width_switch
-/// (D = 96 as kWidth96 says) and the other two from key_offset_factor_switch (static_switch.hpp).
+/// The four compile-time choices every vector rope kernel is instantiated over, from their
+/// runtime values: f(Geom{}, FullWidth{}, KeyOffset{}, TypeTag<FactorT>{}) with Geom from
+/// head_width_switch (D = 96 as kWidth96 says), FullWidth from full_width_switch and the other two
+/// from key_offset_factor_switch (static_switch.hpp).
 template <Width96 kWidth96, typename F>
 void kernel_switch(const char* op, int64_t head_dim, bool key_offset, DType factor_dtype, F&& f) {
   head_width_switch<kWidth96>(op, head_dim, [&](auto geometry) {
-    key_offset_factor_switch(op, key_offset, factor_dtype,
-                             [&](auto key_offset_tag, auto factor_tag) {
-                               f(geometry, key_offset_tag, factor_tag);
-                             });
+    full_width_switch<decltype(geometry)>(head_dim, [&](auto full_width) {
+      key_offset_factor_switch(op, key_offset, factor_dtype,
+                               [&](auto key_offset_tag, auto factor_tag) {
+                                 f(geometry, full_width, key_offset_tag, factor_tag);
+                               });
+    });
   });
 }
 
