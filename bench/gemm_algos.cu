@@ -13,7 +13,8 @@
 // 32 algorithms; each usable one is timed (median of --iters, all iterations queued behind a spin
 // kernel, operands rotated over enough copies that one pass touches > 3x the L2). A second query,
 // "ws1MiB", caps the workspace at 1 MiB (as torch._scaled_mm does when its cuBLASLt workspace is
-// small) and times its rank-0 pick, to show whether a smaller workspace changes the choice.
+// small) and times its rank-0 pick, to show whether a smaller workspace changes the choice; a
+// third, "ws0", allows no workspace and times its first 8 candidates (graph form included).
 // --shapes d128 or d96 keeps only that head dimension's three shapes (default: all six).
 //
 // --sweep asks whether configurations OUTSIDE the heuristic's short list are faster. After the
@@ -38,6 +39,11 @@
 // Runtime: each configuration costs (6 + sweep-iters) GEMMs of 0.11-0.16 ms, the spin kernel
 // (0.8 ms at 20), host work and, the first time a kernel runs, its lazy module load: ~6-10 ms, so
 // ~3-4 s a shape at the defaults and ~20-40 s for all six (half with --shapes d128).
+//
+// Each heuristic candidate is also run in the form a CUDA graph gives it (graph=, memsets=,
+// kernels=): the memset and kernel nodes one launch adds to a captured graph (some cuBLASLt kernels
+// zero part of their workspace before each launch) and the per-launch median of replays of a
+// graph of 8 launches, which includes what a memset node and the gap after it cost.
 //
 // Output: one line per algorithm or configuration on stdout; --csv PATH writes the same rows.
 #include <cublasLt.h>
@@ -67,6 +73,8 @@ using namespace qkvfuse::bench;
 constexpr size_t kWorkspaceBytes = size_t(32) << 20;  // the library's cuBLASLt workspace
 constexpr size_t kSmallWorkspaceBytes = size_t(1) << 20;
 constexpr int kRequestedAlgos = 32;
+// Launches per captured graph in the graph-form timing.
+constexpr int kGraphLaunches = 8;
 
 void lt_check(cublasStatus_t status, const char* what) {
   if (status != CUBLAS_STATUS_SUCCESS) {
@@ -113,6 +121,10 @@ struct Row {
   std::vector<std::string> identity;
   size_t workspace = 0;
   bool fastest = false;
+  // CUDA-graph form (heuristic rows): memset and kernel nodes that one launch adds to a captured
+  // graph, and the per-launch median of a replayed graph of kGraphLaunches launches.
+  int memsets = -1, kernels = -1;
+  double graph_ms = NAN;
 };
 
 std::vector<Row> g_rows;
@@ -124,13 +136,18 @@ void print_row(const Row& r) {
     if (!std::isnan(v)) std::snprintf(buffer, sizeof(buffer), format, v);
     return std::string(buffer);
   };
+  std::string graph;
+  if (r.memsets >= 0) {
+    graph = " graph=" + num(r.graph_ms, "%.4f") + " memsets=" + std::to_string(r.memsets) +
+            " kernels=" + std::to_string(r.kernels);
+  }
   std::printf("%-28s %-11s %4d %9s %8s  algo=%s tile=%s stages=%s splitk=%s red=%s swz=%s "
-              "custom=%s cluster=%s ws=%zu%s%s\n",
+              "custom=%s cluster=%s ws=%zu%s%s%s\n",
               r.shape.c_str(), r.variant.c_str(), r.rank, num(r.ms, "%.4f").c_str(),
               num(r.tflops, "%.1f").c_str(), id[0].c_str(),
               id[1].c_str(), id[2].c_str(), id[3].c_str(), id[4].c_str(), id[5].c_str(),
-              id[6].c_str(), id[7].c_str(), r.workspace, r.fastest ? "  <== fastest" : "",
-              r.status.empty() ? "" : ("  " + r.status).c_str());
+              id[6].c_str(), id[7].c_str(), r.workspace, graph.c_str(),
+              r.fastest ? "  <== fastest" : "", r.status.empty() ? "" : ("  " + r.status).c_str());
 }
 
 /// The heuristic's answer under the library's preferences, with the given workspace limit.
@@ -663,10 +680,48 @@ void bench_shape(cublasLtHandle_t handle, const Shape& s, size_t l2_bytes, void*
   const float one = 1.0f, zero = 0.0f;
   const double flops = 2.0 * double(s.m) * double(s.n) * double(s.k);
 
+  // The graph form of one algorithm: some cuBLASLt kernels zero part of the workspace with a
+  // memset before each launch, and in a CUDA graph a memset node costs its own ~0.8 us plus a
+  // ~3 us gap before the next kernel node (the packed op's profile); a launch-loop timing hides
+  // part of that. Counts the memset and kernel nodes one launch adds to a captured graph and
+  // times replays of a graph of kGraphLaunches launches (per launch).
+  const auto time_graph = [&](const std::function<cublasStatus_t(int)>& launch, int timing_iters,
+                              Row& row) {
+    cudaGraph_t graph = nullptr;
+    BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    cublasStatus_t status = CUBLAS_STATUS_SUCCESS;
+    for (int i = 0; i < kGraphLaunches && status == CUBLAS_STATUS_SUCCESS; ++i) status = launch(i);
+    BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
+    if (status != CUBLAS_STATUS_SUCCESS) {
+      cudaGraphDestroy(graph);
+      row.status = std::string("GRAPH CAPTURE FAILED: ") + cublasLtGetStatusName(status);
+      return;
+    }
+    size_t count = 0;
+    BENCH_CUDA(cudaGraphGetNodes(graph, nullptr, &count));
+    std::vector<cudaGraphNode_t> nodes(count);
+    BENCH_CUDA(cudaGraphGetNodes(graph, nodes.data(), &count));
+    int memsets = 0, kernels = 0;
+    for (cudaGraphNode_t node : nodes) {
+      cudaGraphNodeType type{};
+      BENCH_CUDA(cudaGraphNodeGetType(node, &type));
+      memsets += type == cudaGraphNodeTypeMemset;
+      kernels += type == cudaGraphNodeTypeKernel;
+    }
+    row.memsets = memsets / kGraphLaunches;
+    row.kernels = kernels / kGraphLaunches;
+    cudaGraphExec_t exec = nullptr;
+    BENCH_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    row.graph_ms = time_median([&](int) { BENCH_CUDA(cudaGraphLaunch(exec, stream)); }, stream,
+                               std::max(20, timing_iters / 4), true) / kGraphLaunches;
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  };
+
   // Times one algorithm (median of `timing_iters`); a launch error is recorded on the row
-  // instead of aborting the sweep.
+  // instead of aborting the sweep. graph_form: also its graph form (time_graph).
   const auto time_algo = [&](const cublasLtMatmulHeuristicResult_t& r, size_t ws_limit,
-                             int timing_iters, Row& row) {
+                             int timing_iters, Row& row, bool graph_form = false) {
     row.identity = algo_identity(r.algo);
     row.workspace = r.workspaceSize;
     if (r.state != CUBLAS_STATUS_SUCCESS || r.workspaceSize > ws_limit) {
@@ -690,6 +745,7 @@ void bench_shape(cublasLtHandle_t handle, const Shape& s, size_t l2_bytes, void*
       row.ms = time_median([&](int i) { lt_check(launch(i), "cublasLtMatmul"); }, stream,
                            timing_iters, true);
       row.tflops = flops / (row.ms * 1e-3) / 1e12;
+      if (graph_form) time_graph(launch, timing_iters, row);
     } catch (const std::exception& e) {
       BENCH_CUDA(cudaStreamSynchronize(stream));
       row.status = std::string("FAILED: ") + e.what();
@@ -705,7 +761,7 @@ void bench_shape(cublasLtHandle_t handle, const Shape& s, size_t l2_bytes, void*
     row.shape = label;
     row.variant = "heuristic32";
     row.rank = int(i);
-    time_algo(main_results[i], kWorkspaceBytes, iters, row);
+    time_algo(main_results[i], kWorkspaceBytes, iters, row, true);
     rows.push_back(row);
   }
   int best = -1;
@@ -739,6 +795,22 @@ void bench_shape(cublasLtHandle_t handle, const Shape& s, size_t l2_bytes, void*
   print_row(row);
   std::fflush(stdout);
 
+  // Variant: no workspace at all. The forward and dgrad kernels the heuristic ranks first take 4
+  // bytes of workspace that cuBLASLt zeroes with a memset before every launch (memsets=1); with
+  // a limit of 0 the heuristic can only offer kernels that need none.
+  const auto none = heuristic(handle, desc, la, lb, ld, 0, kGraphLaunches);
+  std::printf("  variant ws0 (workspace limit 0, %zu candidates):\n", none.size());
+  for (size_t i = 0; i < none.size(); ++i) {
+    Row zero_row;
+    zero_row.shape = label;
+    zero_row.variant = "ws0";
+    zero_row.rank = int(i);
+    time_algo(none[i], 0, iters, zero_row, true);
+    print_row(zero_row);
+    rows.push_back(zero_row);
+  }
+  std::fflush(stdout);
+
   if (sweep.enabled) {
     try {
       sweep_configs(handle, desc, la, lb, ld, label, main_results, offered_rows, sweep, iters,
@@ -760,7 +832,7 @@ void write_csv(const std::string& path) {
   FILE* f = std::fopen(path.c_str(), "w");
   if (!f) throw std::runtime_error("cannot write " + path);
   std::fprintf(f, "shape,rank,variant,ms,tflops,algo_id,tile,stages,splitk,reduction,swizzle,"
-                  "custom,cluster,workspace,status\n");
+                  "custom,cluster,workspace,status,graph_ms,memsets,kernels\n");
   const auto num = [](double v) { return std::isnan(v) ? std::string() : std::to_string(v); };
   for (const Row& r : g_rows) {
     std::string status = r.status + (r.fastest ? "fastest" : "");
@@ -768,7 +840,8 @@ void write_csv(const std::string& path) {
     std::fprintf(f, "%s,%d,%s,%s,%s", r.shape.c_str(), r.rank, r.variant.c_str(),
                  num(r.ms).c_str(), num(r.tflops).c_str());
     for (const std::string& field : r.identity) std::fprintf(f, ",%s", field.c_str());
-    std::fprintf(f, ",%zu,%s\n", r.workspace, status.c_str());
+    std::fprintf(f, ",%zu,%s,%s,%d,%d\n", r.workspace, status.c_str(), num(r.graph_ms).c_str(),
+                 r.memsets, r.kernels);
   }
   std::fclose(f);
   std::printf("wrote %s\n", path.c_str());
