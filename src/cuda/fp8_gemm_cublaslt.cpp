@@ -58,13 +58,21 @@
 // race the CUDA runtime's own teardown at exit.
 //
 // Algorithm choice. The heuristic is asked with only MAX_WORKSPACE_BYTES (and the pointer
-// alignments) set, as torch._scaled_mm asks, and its first algorithm is what torch runs (the same
-// kernel in cuBLASLt's logs). It is not always the fastest it offers: on an H200 the forward GEMM
-// of the op ([49152, 768] x [2304, 768]^T) runs 12 % faster, and the D = 96 one 17 % faster, on
-// its sixth / fourth candidate (bench/results/2026-11-30_7486752_h200_gemm_algos.txt). So the
-// first call of each shape (per process and device) times the heuristic's first kTuneAlgos
-// candidates on the caller's stream, with the caller's operands (fastest_algorithm), and keeps
-// the fastest if it beats the first candidate by more than kTuneMargin, else the first: a
+// alignments) set, as torch._scaled_mm asks: first with no workspace at all, then with 32 MiB
+// (heuristic_candidates). With 32 MiB its first algorithm for the forward and dgrad shapes is what
+// torch runs (the same kernel in cuBLASLt's logs), and that kernel takes 4 bytes of workspace, a
+// tile counter that cuBLASLt zeroes with a memset before every launch; in a CUDA-graph replay the
+// memset node and the gap after it cost about 4 us per GEMM. Given no workspace, the same
+// configuration runs a variant without the counter that measured as fast (the D = 128 step 8.6
+// us shorter: bench/results/2026-11-30_9b461e3_h200_gemm_workspace_ab.txt), so the workspace-free
+// algorithms come first and those that need workspace (split-K, counters) after them, launched
+// with the 32 MiB. The heuristic's first is not always the fastest it offers: on an H200 the
+// forward GEMM of the op ([49152, 768] x [2304, 768]^T) runs 12 % faster, and the D = 96 one 17 %
+// faster, on its sixth / fourth candidate (bench/results/2026-11-30_7486752_h200_gemm_algos.txt).
+// So the first call of each shape (per process and device) times up to kTuneAlgos candidates of
+// each kind on the caller's stream, with the caller's operands (fastest_algorithm), memsets
+// included, and keeps the fastest if it beats the first candidate by more than kTuneMargin, else
+// the first: a
 // near-tie resolves to the heuristic's choice. Later calls of the shape run that one algorithm
 // (bit-identical results within the process). The timing synchronizes with the stream once per
 // shape; a call made while the stream is being captured into a CUDA graph cannot synchronize, so
@@ -299,8 +307,15 @@ struct PlanKeyHash {
   }
 };
 
+/// An algorithm and the workspace it is launched with. cuBLASLt picks the kernel at launch from
+/// both: the same configuration given no workspace runs a variant that needs none.
+struct Candidate {
+  cublasLtMatmulAlgo_t algo;
+  size_t workspace_bytes = 0;  ///< handed to cublasLtMatmul: 0 or kWorkspaceBytes
+};
+
 struct Plan {
-  cublasLtMatmulAlgo_t algo;  ///< the algorithm that runs this shape
+  Candidate pick;             ///< the algorithm (and workspace) that runs this shape
   bool stage_scales = false;  ///< a launch with the caller's own scale pointers was refused
 };
 
@@ -359,12 +374,13 @@ struct Operation {
   }
 };
 
-/// Asks cuBLASLt's heuristic for up to `wanted` algorithms, best first. Throws when there is none.
-std::vector<cublasLtMatmulAlgo_t> query_heuristic(cublasLtHandle_t handle, const PlanKey& key,
-                                                  const Operation& op, int wanted) {
+/// Asks cuBLASLt's heuristic for up to `wanted` algorithms that fit `workspace_limit` bytes of
+/// workspace, best first, each with the workspace it is to be launched with (the limit). May be
+/// empty.
+std::vector<Candidate> query_heuristic(cublasLtHandle_t handle, const PlanKey& key,
+                                       const Operation& op, int wanted, uint64_t workspace_limit) {
   MatmulPreference preference;
-  const uint64_t workspace_bytes = kWorkspaceBytes;
-  preference.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, workspace_bytes, "set MAX_WORKSPACE");
+  preference.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, workspace_limit, "set MAX_WORKSPACE");
   if (key.fp32_splitk) {
     // Split-K partial sums only in fp32 (one bf16 rounding); see the header.
     const uint32_t reduction_mask = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
@@ -384,21 +400,44 @@ std::vector<cublasLtMatmulAlgo_t> query_heuristic(cublasLtHandle_t handle, const
   const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
       handle, op.desc.get(), op.a_layout.get(), op.b_layout.get(), op.d_layout.get(),
       op.d_layout.get(), preference.get(), wanted, results.data(), &returned);
-  QKVF_CHECK(status == CUBLAS_STATUS_SUCCESS && returned > 0,
-             "fp8_gemm: cuBLASLt has no FP8 algorithm for M=", key.m, " N=", key.n, " K=", key.k,
-             " lda=", key.lda, " ldb=", key.ldb, " ldd=", key.ldd, " fast_accum=", key.fast_accum,
-             " alignment=", key.alignment, " bytes (heuristic: ", cublasLtGetStatusName(status),
-             ", ", returned, " algorithms)");
-  std::vector<cublasLtMatmulAlgo_t> algos;
+  std::vector<Candidate> candidates;
+  if (status != CUBLAS_STATUS_SUCCESS) return candidates;  // e.g. NOT_SUPPORTED: none fits
   for (int i = 0; i < returned; ++i) {
-    if (results[size_t(i)].state == CUBLAS_STATUS_SUCCESS &&
-        results[size_t(i)].workspaceSize <= kWorkspaceBytes) {
-      algos.push_back(results[size_t(i)].algo);
+    const cublasLtMatmulHeuristicResult_t& result = results[size_t(i)];
+    if (result.state == CUBLAS_STATUS_SUCCESS && result.workspaceSize <= workspace_limit) {
+      // Launched with no workspace when it needs none: given some, cuBLASLt may pick a variant
+      // of the kernel that uses it (and zeroes it first).
+      candidates.push_back({result.algo, result.workspaceSize == 0 ? 0 : size_t(workspace_limit)});
     }
   }
-  QKVF_CHECK(!algos.empty(), "fp8_gemm: cuBLASLt's heuristic returned no usable algorithm for M=",
-             key.m, " N=", key.n, " K=", key.k);
-  return algos;
+  return candidates;
+}
+
+/// The algorithms to choose from, best first: up to `wanted` that need no workspace, then up to
+/// `wanted` that need some (split-K reductions, tile counters), launched with kWorkspaceBytes.
+/// Workspace-free first because a kernel that takes workspace for a tile counter has cuBLASLt
+/// zero it with a memset before every launch: in a CUDA-graph replay of the packed op a memset
+/// node and the gap after it cost 4 us per GEMM, and the workspace-free variant of the same
+/// configuration ran as fast (bench/results/2026-11-30_9b461e3_h200_gemm_workspace_ab.txt: the
+/// D = 128 step 8.6 us shorter). Throws when there is none.
+std::vector<Candidate> heuristic_candidates(cublasLtHandle_t handle, const PlanKey& key,
+                                            const Operation& op, int wanted) {
+  std::vector<Candidate> candidates = query_heuristic(handle, key, op, wanted, 0);
+  int with_workspace = 0;
+  for (const Candidate& candidate : query_heuristic(handle, key, op, 2 * wanted, kWorkspaceBytes)) {
+    if (with_workspace == wanted) break;
+    if (candidate.workspace_bytes == 0) continue;  // the first query's kind
+    const bool listed = std::any_of(candidates.begin(), candidates.end(), [&](const Candidate& c) {
+      return std::memcmp(&c.algo, &candidate.algo, sizeof(candidate.algo)) == 0;
+    });
+    if (listed) continue;
+    candidates.push_back(candidate);
+    ++with_workspace;
+  }
+  QKVF_CHECK(!candidates.empty(), "fp8_gemm: cuBLASLt has no FP8 algorithm for M=", key.m, " N=",
+             key.n, " K=", key.k, " lda=", key.lda, " ldb=", key.ldb, " ldd=", key.ldd,
+             " fast_accum=", key.fast_accum, " alignment=", key.alignment, " bytes");
+  return candidates;
 }
 
 /// The autotuner's pick among `candidates` (best first by the heuristic). Each is launched once
@@ -409,9 +448,8 @@ std::vector<cublasLtMatmulAlgo_t> query_heuristic(cublasLtHandle_t handle, const
 /// only when it is more than kTuneMargin faster. Every launch computes the caller's d, so the
 /// call's own launch that follows overwrites it with the same kind of result.
 template <typename Launch>
-cublasLtMatmulAlgo_t fastest_algorithm(const std::vector<cublasLtMatmulAlgo_t>& candidates,
-                                       const Launch& launch, const Operation& op,
-                                       cudaStream_t stream, const PlanKey& key) {
+Candidate fastest_algorithm(const std::vector<Candidate>& candidates, const Launch& launch,
+                            const Operation& op, cudaStream_t stream, const PlanKey& key) {
   struct Events {
     cudaEvent_t start = nullptr, stop = nullptr;
     ~Events() {
@@ -456,7 +494,10 @@ cublasLtMatmulAlgo_t fastest_algorithm(const std::vector<cublasLtMatmulAlgo_t>& 
     std::fprintf(stderr, "qkvfuse fp8_gemm autotune M=%lld N=%lld K=%lld fast_accum=%d: ms per "
                  "launch", (long long)key.m, (long long)key.n, (long long)key.k,
                  int(key.fast_accum));
-    for (const float ms : best_ms) std::fprintf(stderr, " %.4f", ms / kTuneLaunches);
+    for (size_t i = 0; i < candidates.size(); ++i) {  // "w": launched with workspace
+      std::fprintf(stderr, " %.4f%s", best_ms[i] / kTuneLaunches,
+                   candidates[i].workspace_bytes != 0 ? "w" : "");
+    }
     std::fprintf(stderr, " -> candidate %zu\n", pick);
   }
   return candidates[pick];
@@ -564,10 +605,12 @@ void fp8_gemm(const Fp8GemmParams& params) {
     }
     return {one_slot, combined_slot};
   };
-  const auto launch = [&](const Operation& op, const cublasLtMatmulAlgo_t& algo) {
+  const auto launch = [&](const Operation& op, const Candidate& candidate) {
     return cublasLtMatmul(handle, op.desc.get(), &kHostOne, b.data, op.a_layout.get(), a.data,
                           op.b_layout.get(), &kHostZero, d.data, op.d_layout.get(), d.data,
-                          op.d_layout.get(), &algo, lt_workspace, kWorkspaceBytes, stream);
+                          op.d_layout.get(), &candidate.algo,
+                          candidate.workspace_bytes != 0 ? lt_workspace : nullptr,
+                          candidate.workspace_bytes, stream);
   };
 
   bool stage = has_alpha || !aligned16(scale_a) || !aligned16(scale_b) || plan.stage_scales;
@@ -580,14 +623,14 @@ void fp8_gemm(const Fp8GemmParams& params) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     QKVF_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
     if (autotune_mode() != 0 && capture == cudaStreamCaptureStatusNone) {
-      plan.algo = fastest_algorithm(query_heuristic(handle, key, op, kTuneAlgos), launch, op,
-                                    stream, key);
+      plan.pick = fastest_algorithm(heuristic_candidates(handle, key, op, kTuneAlgos), launch,
+                                    op, stream, key);
     } else {
-      plan.algo = query_heuristic(handle, key, op, 1).front();
+      plan.pick = heuristic_candidates(handle, key, op, 1).front();
       cacheable = capture == cudaStreamCaptureStatusNone;
     }
   }
-  cublasStatus_t status = launch(op, plan.algo);
+  cublasStatus_t status = launch(op, plan.pick);
   if (status == CUBLAS_STATUS_SUCCESS) {
     if (!cached && cacheable) {
       std::lock_guard<std::mutex> lock(g_plan_mutex);
@@ -605,10 +648,10 @@ void fp8_gemm(const Fp8GemmParams& params) {
     for (const bool stage_now : attempts) {
       auto [sb, sa] = scale_pointers(stage_now);
       Operation retry(key, sb, sa);
-      for (const cublasLtMatmulAlgo_t& algo : query_heuristic(handle, key, retry, kFallbackAlgos)) {
-        status = launch(retry, algo);
+      for (const Candidate& candidate : heuristic_candidates(handle, key, retry, kFallbackAlgos)) {
+        status = launch(retry, candidate);
         if (status == CUBLAS_STATUS_SUCCESS) {
-          plan.algo = algo;
+          plan.pick = candidate;
           plan.stage_scales = stage_now;
           std::lock_guard<std::mutex> lock(g_plan_mutex);
           g_plans[key] = plan;
