@@ -23,6 +23,8 @@
 //   - Shapes refused before the call (M = 17, misaligned operands) throw qkvfuse::Error.
 //   - Reruns are bitwise identical, and the first call of a shape (which tunes the algorithm) is
 //     correct eagerly and under CUDA-graph capture.
+//   - At the model's shapes a captured call holds no memset node (the workspace-free algorithms
+//     come first; see ModelShapesLaunchWithoutWorkspaceMemset).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -435,6 +437,69 @@ TEST(CudaFp8Gemm, FirstCallUnderGraphCaptureThenTunedEagerCalls) {
   EXPECT_EQ(mismatches(), 0) << "graph replayed after tuning";
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+TEST(CudaFp8Gemm, ModelShapesLaunchWithoutWorkspaceMemset) {
+  // At the speedrun's shapes (T = 49152, C = 768, qkv_dim = 2304) cuBLASLt offers workspace-free
+  // algorithms as fast as its first choice, whose kernels take a 4-byte tile counter that cuBLASLt
+  // zeroes with a memset before every launch (a memset node and a ~3 us gap per GEMM in a CUDA
+  // graph). fp8_gemm ranks the workspace-free ones first, so after tuning, a captured call of each
+  // shape holds kernel nodes only (the GEMM, and the scale-folding kernel where alpha is given).
+  // A failure here means the step's graph has memsets again (a cuBLASLt change, or the candidate
+  // order): bench/results/2026-11-30_9b461e3_h200_gemm_workspace_ab.txt measured what they cost.
+  QKVF_REQUIRE_GPU();
+  const int64_t t = 49152, c = 768, qkv = 2304;
+  struct Shape {
+    int64_t m, n, k;
+    bool fast_accum, with_alpha;
+  };
+  const Shape shapes[] = {{t, qkv, c, true, true},      // forward
+                          {qkv, c, t, false, false},    // wgrad
+                          {t, c, qkv, false, true}};    // dgrad
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  for (const Shape& shape : shapes) {
+    // The values play no part in the algorithm choice: operands of e4m3 1.0 (0x38), unit scales.
+    Problem p;
+    p.m = shape.m;
+    p.n = shape.n;
+    p.k = shape.k;
+    p.lda = p.ldb = shape.k;
+    p.ldd = shape.n;
+    p.fast_accum = shape.fast_accum;
+    p.with_alpha = shape.with_alpha;
+    DeviceBuffer a(size_t(p.m * p.k));
+    DeviceBuffer b(size_t(p.n * p.k));
+    a.fill_byte(0x38);
+    b.fill_byte(0x38);
+    DeviceBuffer scales = DeviceBuffer::from(std::vector<float>{1.0f, 1.0f, 1.0f});
+    DeviceBuffer d(size_t(p.m * p.ldd) * 2);
+    Fp8GemmParams params = make_params(p, kGPU, a.data(), b.data(), scales.data(), d.data());
+    params.stream = stream;
+    fp8_gemm(params);  // tunes the shape
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    cudaGraph_t graph = nullptr;
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    fp8_gemm(params);
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    size_t count = 0;
+    ASSERT_EQ(cudaGraphGetNodes(graph, nullptr, &count), cudaSuccess);
+    std::vector<cudaGraphNode_t> nodes(count);
+    ASSERT_EQ(cudaGraphGetNodes(graph, nodes.data(), &count), cudaSuccess);
+    int memsets = 0, kernels = 0;
+    for (cudaGraphNode_t node : nodes) {
+      cudaGraphNodeType type{};
+      ASSERT_EQ(cudaGraphNodeGetType(node, &type), cudaSuccess);
+      memsets += type == cudaGraphNodeTypeMemset;
+      kernels += type == cudaGraphNodeTypeKernel;
+    }
+    cudaGraphDestroy(graph);
+    std::printf("  [%lld x %lld x %lld] captured: %d kernel node(s), %d memset node(s)\n",
+                (long long)p.m, (long long)p.n, (long long)p.k, kernels, memsets);
+    EXPECT_EQ(memsets, 0) << "M=" << p.m << " N=" << p.n << " K=" << p.k;
+    EXPECT_GE(kernels, 1) << "M=" << p.m << " N=" << p.n << " K=" << p.k;
+  }
   cudaStreamDestroy(stream);
 }
 
