@@ -20,10 +20,12 @@ namespace qkvfuse {
 /// (cuBLASLt's FAST_ACCUM); the CPU backend always accumulates exactly in fp32 or better.
 /// On CUDA the first call of each shape (per process and device) times cuBLASLt's candidate
 /// algorithms on the call's stream and keeps the fastest, which takes a few milliseconds and one
-/// synchronization with that stream; later calls of the shape run that one algorithm. A first call
-/// made during CUDA-graph capture runs cuBLASLt's default choice instead (warm up before capturing).
-/// QKVFUSE_FP8_GEMM_AUTOTUNE=0 in the environment always runs the default choice; =2 prints each
-/// shape's timings and pick to stderr.
+/// synchronization with that stream; later calls of the shape run that one algorithm. Algorithms
+/// that need no workspace rank first (cuBLASLt zeroes the workspace of the others with a memset
+/// before each launch). The default choice is the heuristic's first workspace-free algorithm: a
+/// first call made during CUDA-graph capture runs it (warm up before capturing), and
+/// QKVFUSE_FP8_GEMM_AUTOTUNE=0 in the environment always runs it; =2 prints each shape's timings
+/// and pick to stderr.
 struct Fp8GemmParams {
   TensorView a;
   TensorView b;

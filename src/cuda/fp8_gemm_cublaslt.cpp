@@ -72,13 +72,13 @@
 // So the first call of each shape (per process and device) times up to kTuneAlgos candidates of
 // each kind on the caller's stream, with the caller's operands (fastest_algorithm), memsets
 // included, and keeps the fastest if it beats the first candidate by more than kTuneMargin, else
-// the first: a
-// near-tie resolves to the heuristic's choice. Later calls of the shape run that one algorithm
-// (bit-identical results within the process). The timing synchronizes with the stream once per
-// shape; a call made while the stream is being captured into a CUDA graph cannot synchronize, so
-// it runs the heuristic's first algorithm and caches nothing (warm up eagerly before capturing
-// to get the tuned one). QKVFUSE_FP8_GEMM_AUTOTUNE=0 in the environment turns the tuning off
-// (=2 prints each shape's timings and pick).
+// the first: a near-tie resolves to the heuristic's choice. Later calls of the shape run that one
+// algorithm (bit-identical results within the process). The timing synchronizes with the stream
+// once per shape; a call made while the stream is being captured into a CUDA graph cannot
+// synchronize, so it runs the first candidate (the heuristic's first workspace-free algorithm)
+// and caches nothing (warm up eagerly before capturing to get the tuned one).
+// QKVFUSE_FP8_GEMM_AUTOTUNE=0 in the environment turns the tuning off (=2 prints each shape's
+// timings and pick; "w" marks the candidates launched with workspace).
 //
 // Split-K reductions. No REDUCTION_SCHEME_MASK: the old
 // COMPUTE_TYPE-only mask kept split-K partial sums in fp32 (one bf16 rounding), but it can
@@ -375,8 +375,8 @@ struct Operation {
 };
 
 /// Asks cuBLASLt's heuristic for up to `wanted` algorithms that fit `workspace_limit` bytes of
-/// workspace, best first, each with the workspace it is to be launched with (the limit). May be
-/// empty.
+/// workspace, best first, each with the workspace it is to be launched with: none if it needs
+/// none, else the limit. May be empty.
 std::vector<Candidate> query_heuristic(cublasLtHandle_t handle, const PlanKey& key,
                                        const Operation& op, int wanted, uint64_t workspace_limit) {
   MatmulPreference preference;
@@ -436,7 +436,8 @@ std::vector<Candidate> heuristic_candidates(cublasLtHandle_t handle, const PlanK
   }
   QKVF_CHECK(!candidates.empty(), "fp8_gemm: cuBLASLt has no FP8 algorithm for M=", key.m, " N=",
              key.n, " K=", key.k, " lda=", key.lda, " ldb=", key.ldb, " ldd=", key.ldd,
-             " fast_accum=", key.fast_accum, " alignment=", key.alignment, " bytes");
+             " fast_accum=", key.fast_accum, " alignment=", key.alignment,
+             " bytes (the heuristic offered none, with or without workspace)");
   return candidates;
 }
 
