@@ -129,6 +129,21 @@ std::vector<float> random_inputs(std::mt19937_64& rng, size_t count) {
   return v;
 }
 
+/// The row-scalar tests' inputs: boundary_values(), `random` random_inputs, then every power of
+/// two from 2^-149 to 2^127.
+std::vector<float> row_scalar_inputs(std::mt19937_64& rng, size_t random) {
+  std::vector<float> in = boundary_values();
+  const std::vector<float> drawn = random_inputs(rng, random);
+  in.insert(in.end(), drawn.begin(), drawn.end());
+  for (int e = -149; e <= 127; ++e) in.push_back(std::ldexp(1.0f, e));
+  return in;
+}
+
+/// got has want's bits, or both are NaN (any payload).
+bool same_bits_or_nan(float got, float want) {
+  return std::isnan(want) ? std::isnan(got) : float_bits(got) == float_bits(want);
+}
+
 struct Converted {
   std::vector<uint8_t> e4m3_pair, e4m3_quad;
   std::vector<uint16_t> bf16_pair, bf16_vec;
@@ -245,10 +260,7 @@ TEST(CudaNumeric, BranchFreeRowScalarsMatchIeee) {
   // whose quotient is not subnormal; reciprocal_sqrt_rn(v) == 1 / sqrt(v) for v >= 2^-100.
   QKVF_REQUIRE_GPU();
   auto rng = rng_for_test();
-  std::vector<float> in = boundary_values();
-  const std::vector<float> random = random_inputs(rng, size_t(1) << 16);
-  in.insert(in.end(), random.begin(), random.end());
-  for (int e = -149; e <= 127; ++e) in.push_back(std::ldexp(1.0f, e));  // every power of two
+  const std::vector<float> in = row_scalar_inputs(rng, size_t(1) << 16);
   const int64_t count = int64_t(in.size());
   constexpr int kWidths = 255;  // D = 2 .. 256
   DeviceBuffer src = DeviceBuffer::from(in);
@@ -270,7 +282,7 @@ TEST(CudaNumeric, BranchFreeRowScalarsMatchIeee) {
       if (std::fpclassify(want) == FP_SUBNORMAL) continue;  // documented exception
       ++q_checked;
       const float got = q[size_t(w * count + i)];
-      const bool ok = std::isnan(want) ? std::isnan(got) : float_bits(got) == float_bits(want);
+      const bool ok = same_bits_or_nan(got, want);
       if (!ok && q_bad++ < 5) {
         ADD_FAILURE() << "divide_by_width(" << a << " (0x" << std::hex << float_bits(a)
                       << "), " << std::dec << width << ") = " << got << ", IEEE " << want;
@@ -283,7 +295,7 @@ TEST(CudaNumeric, BranchFreeRowScalarsMatchIeee) {
     ++r_checked;
     const float want = 1.0f / std::sqrt(float(v));
     const float got = r[size_t(i)];
-    const bool ok = std::isnan(want) ? std::isnan(got) : float_bits(got) == float_bits(want);
+    const bool ok = same_bits_or_nan(got, want);
     if (!ok && r_bad++ < 5) {
       ADD_FAILURE() << "reciprocal_sqrt_rn(" << v << ") = " << got << ", IEEE " << want;
     }
@@ -320,10 +332,7 @@ TEST(CudaNumeric, PowerOfTwoWidthMatchesIeee) {
   // same bits as IEEE a / D for every a, subnormal quotients, zeros, infinities and NaN included.
   QKVF_REQUIRE_GPU();
   auto rng = rng_for_test();
-  std::vector<float> in = boundary_values();
-  const std::vector<float> random = random_inputs(rng, size_t(1) << 18);
-  in.insert(in.end(), random.begin(), random.end());
-  for (int e = -149; e <= 127; ++e) in.push_back(std::ldexp(1.0f, e));
+  std::vector<float> in = row_scalar_inputs(rng, size_t(1) << 18);
   for (uint32_t bits = 1; bits < (1u << 16); ++bits) in.push_back(bits_float(bits * 97u));  // subnormals
   for (const float nan : nan_values()) in.push_back(nan);
   const int64_t count = int64_t(in.size());
@@ -342,7 +351,7 @@ TEST(CudaNumeric, PowerOfTwoWidthMatchesIeee) {
       const float want = a / width;
       subnormal += std::fpclassify(want) == FP_SUBNORMAL;
       const float got = q[size_t(j * count + i)];
-      const bool ok = std::isnan(want) ? std::isnan(got) : float_bits(got) == float_bits(want);
+      const bool ok = same_bits_or_nan(got, want);
       if (!ok && bad++ < 5) {
         ADD_FAILURE() << "PowerOfTwoWidth<" << width << ">(" << a << " (0x" << std::hex
                       << float_bits(a) << std::dec << ")) = " << got << ", IEEE " << want;
