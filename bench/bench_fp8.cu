@@ -2,7 +2,8 @@
 // API: the three FP8 GEMMs of the packed QKV op, the dual-layout quantize of the activation, the
 // weight-bank refresh, and the whole packed op forward + backward (eager and as a CUDA graph).
 //
-//   qkvfuse_bench_fp8 [--csv PATH] [--tokens T] [--iters N] [--kernel gemm]
+//   qkvfuse_bench_fp8 [--csv PATH] [--tokens T] [--iters N] [--kernel gemm|quantize]
+//   (--kernel: only the GEMM rows, or only the quantize rows, after the copy row)
 //
 // Method (STYLE.md "Benchmarks"): every measurement warms up first, then times each iteration
 // with its own pair of CUDA events and reports the median of >= 50. Kernel-level rows enqueue a
@@ -498,9 +499,10 @@ void write_csv(const std::string& path, const cudaDeviceProp& prop) {
 static int run(int argc, char** argv) {
   Options options;
   if (!parse_options(argc, argv, options)) return 2;
-  const bool gemm_only = options.kernel == "gemm";
-  if (!options.kernel.empty() && !gemm_only) {
-    std::fprintf(stderr, "qkvfuse_bench_fp8: --kernel takes only 'gemm' (the GEMM rows alone)\n");
+  const bool all = options.kernel.empty();
+  if (!all && options.kernel != "gemm" && options.kernel != "quantize") {
+    std::fprintf(stderr, "qkvfuse_bench_fp8: --kernel takes 'gemm' or 'quantize' (those rows "
+                         "alone), got '%s'\n", options.kernel.c_str());
     return 2;
   }
   const std::string& csv = options.csv;
@@ -530,18 +532,21 @@ static int run(int argc, char** argv) {
 
   // The op's three GEMMs at C = 768, H = 6, D = Dv = 128 (qkv_dim = 2304), as the op runs them.
   const int64_t c = 768, qkv = 2304;
-  bench_gemm("fwd", tokens, qkv, c, true, true, stream, iters);
-  bench_gemm("wgrad", qkv, c, tokens, false, false, stream, iters);
-  bench_gemm("dgrad", tokens, c, qkv, false, true, stream, iters);
-  if (gemm_only) {
+  if (all || options.kernel == "gemm") {
+    bench_gemm("fwd", tokens, qkv, c, true, true, stream, iters);
+    bench_gemm("wgrad", qkv, c, tokens, false, false, stream, iters);
+    bench_gemm("dgrad", tokens, c, qkv, false, true, stream, iters);
+  }
+  if (all || options.kernel == "quantize") {
+    bench_quantize_x(tokens, c, false, stream, iters);
+    bench_quantize_x(tokens, c, true, stream, iters);
+    bench_weight_bank(10, qkv, c, stream, iters);
+  }
+  if (!all) {
     if (!csv.empty()) write_csv(csv, prop);
     cudaStreamDestroy(stream);
     return 0;
   }
-
-  bench_quantize_x(tokens, c, false, stream, iters);
-  bench_quantize_x(tokens, c, true, stream, iters);
-  bench_weight_bank(10, qkv, c, stream, iters);
 
   const OpConfig configs[] = {
       {"D128 plain", 6, 128, 128, false, false, 128},
