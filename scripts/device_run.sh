@@ -18,7 +18,10 @@ stages=${*:-build test python bench}
 build=build-device
 summary=$LOG/summary.txt
 : >"$summary"
-note() { echo "$*" | tee -a "$summary"; }
+# Logs and summary are packed into $OUT after every note, not only at the end: a call cut short by
+# the device's time limit still brings back what the finished stages wrote.
+pack() { tar czf "$OUT/logs.tgz" -C "$LOG" . 2>/dev/null; cp "$summary" "$OUT/summary.txt"; }
+note() { echo "$*" | tee -a "$summary"; pack; }
 has() { [[ " $stages " == *" $1 "* ]]; }
 
 note "device: $(nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null | head -1)"
@@ -116,9 +119,14 @@ fi
 if has bench; then
   # Every benchmark, then docs/benchmarks.md + .png (scripts/bench_report.sh). The outputs and
   # CSVs stay in $LOG as <date>_<commit>_<device>_<benchmark>.{txt,csv}; the report comes back.
+  # The benchmarks take minutes: pack every 20 s, so that finished tables survive a time limit.
+  (while sleep 20; do pack; done) &
+  packer=$!
   QKVFUSE_BUILD_DIR=$build QKVFUSE_BENCH_DIR=$LOG QKVFUSE_COMMIT=$commit scripts/bench_report.sh \
     2>&1 | tee -a "$summary"
-  note "bench_report: rc=${PIPESTATUS[0]}"
+  rc=${PIPESTATUS[0]}
+  kill "$packer" 2>/dev/null
+  note "bench_report: rc=$rc"
   cp docs/benchmarks.md docs/benchmarks.png "$OUT"/ 2>/dev/null
   for f in "$LOG"/*_qkvfuse_bench_kernels.txt "$LOG"/*_qkvfuse_bench_fp8.txt "$LOG"/*_bench_torch.txt; do
     [ -f "$f" ] && { echo "== $(basename "$f")"; tail -40 "$f"; }
