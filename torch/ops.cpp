@@ -126,7 +126,9 @@ std::tuple<Tensor, Tensor> alloc_dual_layout(const OpArgs& args, const Tensor& s
   return {at::empty(src.sizes(), e4m3_like(src)), at::empty(t_shape, e4m3_like(src))};
 }
 
-// amax (nullopt for none) has scale's shape: [] or [1] for one matrix, [B] for a batch.
+// amax (nullopt for none) has scale's shape: [] or [1] for one matrix, [B] for a batch. An empty
+// src leaves the library's outputs unwritten (a no-op there): the amax of no elements is returned
+// as 0 here, the value an all-zero source gives, rather than uninitialized memory.
 std::tuple<Tensor, Tensor, std::optional<Tensor>> run_quantize_dual(const char* op,
                                                                      const Tensor& src,
                                                                      const Tensor& scale,
@@ -137,7 +139,10 @@ std::tuple<Tensor, Tensor, std::optional<Tensor>> run_quantize_dual(const char* 
   QuantizeDualParams params;
   params.scale = args.view(scale, "scale");
   std::optional<Tensor> amax;
-  if (with_amax) amax = at::empty(scale.sizes(), src.options().dtype(at::kFloat));
+  if (with_amax) {
+    const auto f32 = src.options().dtype(at::kFloat);
+    amax = src.numel() == 0 ? at::zeros(scale.sizes(), f32) : at::empty(scale.sizes(), f32);
+  }
   params.src = args.view(src, "src");
   params.row = args.view(row, "row");
   params.t = args.view(t, "t");
@@ -162,7 +167,10 @@ std::tuple<Tensor, Tensor, Tensor> quantize_weight_bank(const Tensor& weights) {
   const c10::DeviceGuard guard(weights.device());
   args.expect_dims(weights, 3, "src", "[B, M, N]");
   auto [row, t] = alloc_dual_layout(args, weights);
-  Tensor scale = at::empty({weights.size(0)}, weights.options().dtype(at::kFloat));
+  // Empty entries get scale 1, as all-zero ones do (the library writes nothing for an empty src).
+  const auto f32 = weights.options().dtype(at::kFloat);
+  Tensor scale = weights.numel() == 0 ? at::ones({weights.size(0)}, f32)
+                                      : at::empty({weights.size(0)}, f32);
   QuantizeWeightBankParams params;
   params.src = args.view(weights, "src");
   params.scale = args.view(scale, "scale");
@@ -301,6 +309,11 @@ std::tuple<Tensor, Tensor, Tensor> packed_qkv_backward(
   params.layout = rope_layout(num_heads, rotary_dim, paired, key_offset);
   params.stream = current_stream(qk);
   qkvfuse::packed_qkv_backward(params);
+  if (tokens == 0) {
+    // The library writes nothing at T = 0; a sum over no tokens is 0.
+    grad_weight.zero_();
+    grad_qkv_scale.zero_();
+  }
   return {grad_x, grad_weight, grad_qkv_scale};
 }
 

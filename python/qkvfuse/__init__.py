@@ -18,11 +18,12 @@ from .ops import (  # noqa: E402
     quantize_dual_layout,
     quantize_weight_bank,
 )
-from .packed import PackedFP8QKV, packed_fp8_qkv  # noqa: E402
+from .packed import PackedFP8QKV, PackedFP8QKVFunction, packed_fp8_qkv  # noqa: E402
 from .weights import PackedWeight, PackedWeightCache  # noqa: E402
 
 __all__ = [
     "PackedFP8QKV",
+    "PackedFP8QKVFunction",
     "PackedWeight",
     "PackedWeightCache",
     "fp8_gemm",

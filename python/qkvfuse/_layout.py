@@ -35,7 +35,11 @@ def split_grad_weight(grad_weight: torch.Tensor, qk_rows: int):
 
 def kernel_readable(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` if the kernels can read it in place (last dim contiguous, no broadcast dims), else a
-    dense copy. Gradients from autograd may be expanded (e.g. from .sum()) or transposed."""
+    dense copy. Gradients from autograd may be expanded (e.g. from .sum()) or transposed. An empty
+    tensor becomes a fresh one with dense strides: .contiguous() keeps an empty expanded tensor as
+    it is, and its zero strides fail the op's layout checks."""
+    if tensor.numel() == 0:
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
     broadcast = any(s == 0 and n > 1 for s, n in zip(tensor.stride(), tensor.shape))
     if tensor.stride(-1) == 1 and not broadcast:
         return tensor

@@ -2,7 +2,8 @@
 
 Each function is a thin call of one registered op; shapes and dtypes are documented in SPEC.md and
 include/qkvfuse/*.hpp. Invalid arguments raise RuntimeError with the library's message, which names
-the offending argument.
+the offending argument as the C++ params struct does: the same names as here, except that the
+quantize functions' source (x, weights) is `src` there.
 """
 from typing import Optional
 

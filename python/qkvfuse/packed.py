@@ -1,6 +1,7 @@
 """packed_fp8_qkv: the packed FP8 QKV projection with QK-norm + rotary, as an autograd function
-(SPEC.md section 6). A drop-in for the reference PackedFP8QKV: same arguments in the same order,
-same outputs, gradients for x, qk_weight, v_weight and qkv_scale only.
+(SPEC.md section 6). A drop-in for the reference: `PackedFP8QKV` is, as there, the autograd function's
+`apply` (class `PackedFP8QKVFunction`), with the same arguments in the same order and the same
+outputs; gradients for x, qk_weight, v_weight and qkv_scale only.
 
 Why a torch.autograd.Function rather than torch.library.register_autograd on the forward op: the
 tensors that receive gradients (x, qk_weight, v_weight) are not read by the forward kernels, and q/k
@@ -15,7 +16,7 @@ from ._layout import qkv_views, kernel_readable, split_grad_weight
 _ops = torch.ops.qkvfuse
 
 
-class PackedFP8QKV(torch.autograd.Function):
+class PackedFP8QKVFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale, qkv_scale,
                 x_scale, grad_scale, factor1, factor2, num_heads, paired, key_offset, rotary_dim,
@@ -51,6 +52,9 @@ class PackedFP8QKV(torch.autograd.Function):
                 grad_qkv_scale, None, None, None, None, None, None, None, None, None, None)
 
 
+# The reference exports its autograd function's apply under this name: calling it runs the op.
+PackedFP8QKV = PackedFP8QKVFunction.apply
+
 def packed_fp8_qkv(x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale, qkv_scale,
                    x_scale, grad_scale, factor1, factor2, num_heads, paired, key_offset, rotary_dim,
                    x_f8, x_f8_t):
@@ -69,6 +73,6 @@ def packed_fp8_qkv(x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale,
       factor1/2    rotary tables [T, D] ([T, 2D] when paired), bf16 or float32
     Returns q, k [T, H, D] ([2T, H/2, D] when paired) and v [T, H, Dv], bf16.
     """
-    return PackedFP8QKV.apply(x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale,
-                              qkv_scale, x_scale, grad_scale, factor1, factor2, num_heads, paired,
-                              key_offset, rotary_dim, x_f8, x_f8_t)
+    return PackedFP8QKVFunction.apply(x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale,
+                                      qkv_scale, x_scale, grad_scale, factor1, factor2, num_heads,
+                                      paired, key_offset, rotary_dim, x_f8, x_f8_t)

@@ -26,7 +26,7 @@ REFERENCE_ARGUMENTS = [
 def test_argument_order_is_the_reference_order():
     parameters = list(inspect.signature(qkvfuse.packed_fp8_qkv).parameters)
     assert parameters == REFERENCE_ARGUMENTS
-    forward = list(inspect.signature(qkvfuse.PackedFP8QKV.forward).parameters)
+    forward = list(inspect.signature(qkvfuse.PackedFP8QKVFunction.forward).parameters)
     assert forward == ["ctx"] + REFERENCE_ARGUMENTS
 
 
@@ -117,6 +117,31 @@ def test_grad_scale_is_read_when_the_backward_runs(device):
                                            grads))
     for passed, hooked in zip(*results):
         assert torch.equal(passed, hooked)
+
+
+def test_packed_fp8_qkv_is_the_reference_callable():
+    """As in the reference, PackedFP8QKV is the autograd function's apply: calling it runs the op."""
+    p = Problem(LAYOUTS["plain"], "cpu")
+    ours = qkvfuse.PackedFP8QKV(*p.arguments())
+    direct = qkvfuse.packed_fp8_qkv(*p.arguments())
+    assert len(ours) == 3
+    for a, b in zip(ours, direct):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zero_tokens(device):
+    """T = 0: empty q, k, v; the weight and qkv_scale gradients are sums over no tokens, 0 (not
+    uninitialized memory), also when autograd hands in expanded zero-size gradients (.sum())."""
+    p = Problem((0,) + LAYOUTS["plain"][1:], device)
+    q, k, v = qkvfuse.packed_fp8_qkv(*p.arguments())
+    assert q.shape == (0, p.heads, p.qk_dim) and v.shape == (0, p.heads, p.v_dim)
+    poison_allocator(device, 2 * p.qk_weight.numel() + 2 * p.v_weight.numel(), 4)
+    (q.float().sum() + k.float().sum() + v.float().sum()).backward()
+    assert p.x.grad.shape == p.x.shape
+    for weight in (p.qk_weight, p.v_weight):
+        assert torch.equal(weight.grad, torch.zeros_like(weight))
+    assert p.qkv_scale.grad.item() == 0.0
 
 
 def test_x_may_have_any_shape_of_t_by_c():

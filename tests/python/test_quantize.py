@@ -77,6 +77,24 @@ def test_weight_bank_current_scaling(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_empty_sources_give_defined_amax_and_scales(device):
+    """The library writes nothing for an empty source; the binding returns what an all-zero source
+    gives (amax 0, bank scale 1), never uninitialized memory."""
+    for shape, scale in (((0, 16), torch.tensor(0.5)), ((16, 0), torch.tensor(0.5)),
+                         ((2, 0, 16), torch.tensor([0.5, 2.0]))):
+        poison_allocator(device, 4 * scale.numel(), 512)
+        row, t, amax = qkvfuse.quantize_dual_layout(torch.empty(shape, dtype=BF16, device=device),
+                                                    scale.to(device), amax=True)
+        assert row.shape == shape and row.numel() == 0 and t.numel() == 0
+        assert amax.shape == scale.shape and torch.equal(amax.cpu(), torch.zeros(scale.shape))
+    for shape in ((3, 0, 16), (3, 16, 0)):
+        poison_allocator(device, 12, 512)
+        row, t, scale = qkvfuse.quantize_weight_bank(torch.empty(shape, dtype=BF16, device=device))
+        assert row.shape == shape and t.shape == (3, shape[2], shape[1])
+        assert torch.equal(scale.cpu(), torch.ones(3))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_no_gradient_flows(device):
     x = torch.randn(32, 16, device=device).to(BF16).requires_grad_()
     row, t = qkvfuse.quantize_dual_layout(x, torch.tensor(0.1, device=device))
