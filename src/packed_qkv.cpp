@@ -307,8 +307,12 @@ BackwardPlan plan_backward(const PackedQkvBackwardParams& p) {
   plan.wgrad =
       split_gemm(wgrad, /*slice_a=*/true, dims.qk_features, p.grad_qk_weight, p.grad_v_weight,
                  adjacent_rows(p.grad_qk_weight, p.grad_v_weight), grad_weight);
-  for (const Fp8GemmParams& gemm : plan.wgrad) {
-    validate::validate_fp8_gemm(gemm, check.op() + ": wgrad GEMM grad_t @ x_f8_t^T");
+  // Its K is T: cuBLASLt takes no K = 0, and at T = 0 the op runs nothing (no-op), so the wgrad
+  // is validated only when it will run.
+  if (dims.tokens > 0) {
+    for (const Fp8GemmParams& gemm : plan.wgrad) {
+      validate::validate_fp8_gemm(gemm, check.op() + ": wgrad GEMM grad_t @ x_f8_t^T");
+    }
   }
 
   // dgrad: [T, qkv_dim] x [C, qkv_dim] -> [T, C].

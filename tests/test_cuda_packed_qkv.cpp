@@ -439,6 +439,23 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(std::get<1>(info.param));
     });
 
+// T = 0 is a no-op on the GPU too: the wgrad GEMM (K = T) is not validated against cuBLASLt's
+// K > 0 when it will not run, and nothing is written (the outputs keep their poison).
+TEST(CudaPackedQkvZeroTokens, BackwardIsANoOp) {
+  QKVF_REQUIRE_GPU();
+  const Config& cfg = kConfigs[0];
+  auto rng = rng_for_test();
+  const Inputs in = make_inputs(cfg, 0, rng);
+  BackwardOut out;
+  ASSERT_NO_THROW(out = run_backward(cfg, in, {}, kGPU, true));
+  EXPECT_TRUE(out.grad_row.empty() && out.grad_t.empty() && out.grad_x.empty());
+  for (const std::vector<uint16_t>* grad : {&out.grad_qk_weight, &out.grad_v_weight}) {
+    ASSERT_FALSE(grad->empty());
+    EXPECT_TRUE(std::all_of(grad->begin(), grad->end(), [](uint16_t v) { return v == kPoisonBF16; }));
+  }
+  EXPECT_TRUE(std::isnan(out.grad_qkv_scale));
+}
+
 // ---- grad-weight finalize (the CUDA kernel alone) ----------------------------------------------
 
 struct FinalizeCase {
