@@ -154,7 +154,8 @@ class Attention(nn.Module):
         """Tensor hook on q, k and v: grad_scale = headroom * max|grad| / 448 over the three."""
         amax = torch.linalg.vector_norm(grad, float("inf")).float()
         torch.maximum(self.grad_amax, amax, out=self.grad_amax)
-        # Never zero (a zero scale turns every gradient into inf or NaN).
+        # Never zero: a zero scale saturates every code (+-448, NaN for 0 / 0) and the backward
+        # GEMMs then multiply by 0, so the gradients come out 0 or NaN (docs/special_values.md).
         torch.clamp_min(self.grad_amax * (GRAD_HEADROOM / E4M3_MAX), 2.0 ** -100,
                         out=self.grad_scale)
 

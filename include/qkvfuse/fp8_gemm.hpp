@@ -5,7 +5,7 @@
 
 namespace qkvfuse {
 
-/// d = (a @ b^T) * scale_a * scale_b * alpha, fp32 accumulation, rounded to bf16 once.
+/// d = (a @ b^T) * scale_a * scale_b * alpha, fp32 accumulation, rounded to bf16.
 ///
 ///   a        e4m3 [M, K], row-major (row stride >= K, last dim contiguous)
 ///   b        e4m3 [N, K], row-major (row stride >= K, last dim contiguous)
@@ -16,13 +16,19 @@ namespace qkvfuse {
 ///            cuBLASLt runs in host pointer mode, as torch._scaled_mm does
 ///   d        bf16 [M, N], last dim contiguous, row stride >= N
 /// Both operands are K-major, the one FP8 layout Hopper's tensor cores take. On CUDA, M, N and K
-/// must be multiples of 16, row strides multiples of 16 elements and pointers 16-byte aligned
-/// (cuBLASLt's FP8 requirements); anything else is refused before the call.
+/// must be multiples of 16 with K > 0, row strides multiples of 16 elements and pointers 16-byte
+/// aligned (cuBLASLt's FP8 requirements); anything else is refused before the call. (The CPU
+/// backend takes any sizes, K = 0 included: d = 0.)
 /// fast_accum lets the tensor cores accumulate in reduced precision between promotions
-/// (cuBLASLt's FAST_ACCUM); the CPU backend always accumulates exactly in fp32 or better.
-/// On CUDA the first call of each shape (per process and device) times cuBLASLt's candidate
-/// algorithms on the call's stream and keeps the fastest, which takes a few milliseconds and one
-/// synchronization with that stream; later calls of the shape run that one algorithm. Algorithms
+/// (cuBLASLt's FAST_ACCUM); the CPU backend accumulates in double (exact for K < 2^17).
+/// On CUDA, algorithms that split K may round each split's partial sum to bf16 before adding the
+/// splits (one bf16 rounding per split, deterministic); QKVFUSE_FP8_GEMM_FP32_SPLITK=1 in the
+/// environment keeps split-K partial sums in fp32, at the cost of excluding some fast algorithms.
+/// On CUDA the first call of each shape (per process and device; the plan is keyed by M, N, K,
+/// the row strides, fast_accum and the pointers' alignment) times cuBLASLt's candidate
+/// algorithms on the call's stream in three rounds, synchronizing with the stream after each
+/// timing (a few milliseconds in all), and keeps the fastest if it beats the heuristic's choice
+/// by more than 3 %; later calls with that key run that one algorithm. Algorithms
 /// that need no workspace rank first (cuBLASLt zeroes the workspace of the others with a memset
 /// before each launch). The default choice is the heuristic's first workspace-free algorithm: a
 /// first call made during CUDA-graph capture runs it (warm up before capturing), and

@@ -1,6 +1,7 @@
 // qkvfuse/packed_qkv.hpp: the packed FP8 QKV projection, forward and backward (SPEC.md section 6),
-// composed from the library's ops with no PyTorch. Every buffer is the caller's: the PyTorch
-// binding hands in tensors from its caching allocator.
+// composed from the library's ops with no PyTorch. Every output and workspace is the caller's (the
+// PyTorch binding hands in tensors from its caching allocator); the GEMMs use fp8_gemm's own
+// per-stream cuBLASLt workspace (qkvfuse/fp8_gemm.hpp).
 #pragma once
 
 #include <cstdint>
@@ -23,6 +24,10 @@ namespace qkvfuse {
 /// When qk and v are the two column slices of one row-major [T, qkv_dim] buffer (v starts at
 /// column 2*H*D of qk's rows), one GEMM writes both. Otherwise (paired layers, where attention
 /// needs v dense) two GEMMs over the Q/K rows and the V rows of the weight write them apart.
+/// qk and v keep each token's heads packed in one row (head stride D, resp. Dv). On CUDA every
+/// GEMM step takes fp8_gemm's requirements: T, C and qkv_dim (with two GEMMs also 2*H*D and H*Dv)
+/// multiples of 16, row strides of x_f8, weight_f8, qk and v multiples of 16 elements and their
+/// pointers 16-byte aligned; the op checks them all before anything runs. T = 0 is a no-op.
 struct PackedQkvForwardParams {
   TensorView x_f8;
   TensorView weight_f8;
@@ -40,12 +45,14 @@ struct PackedQkvForwardParams {
 };
 
 /// Number of float32 partial sums the backward's grad_qkv_scale reduction uses. A fixed count
-/// keeps the reduction order, and so its bits, independent of the device.
+/// keeps the reduction order, and so its bits, independent of the GPU model and of the run. The
+/// CPU backend splits the sum into the same number of partials, but its ranges and order differ:
+/// CPU and CUDA results agree to fp32 rounding, not bit for bit.
 inline constexpr int64_t kGradScalePartials = 264;
 
 /// Backward from grad_q, grad_k, grad_v:
 ///   grad_row, grad_t = qkv_backward_fp8(...)
-///   grad_weight      = (grad_t @ x_f8_t^T) * grad_scale * x_scale              (exact accumulation)
+///   grad_weight      = (grad_t @ x_f8_t^T) * grad_scale * x_scale       (no fast accumulation)
 ///   grad_x           = (grad_row @ weight_f8_t^T) * grad_scale * weight_scale * qkv_scale
 ///   grad_qkv_scale   = sum(grad_weight * [qk_weight; v_weight])  (products and sum in fp32)
 ///   grad_qk_weight, grad_v_weight = split(grad_weight) * qkv_scale
@@ -61,6 +68,10 @@ inline constexpr int64_t kGradScalePartials = 264;
 ///                   (one wgrad GEMM when grad_v_weight directly follows grad_qk_weight in
 ///                   memory, as two row slices of one [qkv_dim, C] buffer; two otherwise)
 ///   grad_qkv_scale  output float32 scalar
+/// On CUDA the GEMM requirements above apply to grad_row, grad_t, x_f8_t, weight_f8_t, grad_x and
+/// the weight gradients; the master weights and their gradients must be row-major contiguous
+/// and partials 16-byte aligned. T = 0 is a no-op: nothing is written, the weight gradients and
+/// grad_qkv_scale included (the PyTorch binding returns zeros for them).
 struct PackedQkvBackwardParams {
   TensorView grad_q;
   TensorView grad_k;

@@ -1,8 +1,10 @@
 // qkvfuse/tensor.hpp: the non-owning tensor view every public entry point takes.
 //
-// The library allocates nothing on the caller's behalf: every input, output and workspace is a
-// view (pointer, dtype, device, sizes, strides in elements) of memory the caller owns. The
-// PyTorch binding builds views from torch tensors; C++ users build them with make_view().
+// Every input, output and workspace of an op is a view (pointer, dtype, device, sizes, strides in
+// elements) of memory the caller owns; the library's own allocations are fp8_gemm's cuBLASLt
+// workspace (32 MiB per device and stream, kept for the process; qkvfuse/fp8_gemm.hpp) and the
+// CPU backend's temporary host buffers. The PyTorch binding builds views from torch tensors; C++
+// users build them with make_view().
 #pragma once
 
 #include <cstddef>
@@ -44,8 +46,9 @@ std::string device_name(Device device);
 
 inline constexpr int kMaxDims = 4;
 
-/// A strided view. Sizes and strides are in elements; a stride may be 0 only for a dimension of
-/// size 1. A 0-dimensional view is a scalar.
+/// A strided view. Sizes and strides are in elements; make_view takes any strides, and each op's
+/// header says which layouts it accepts (outputs are contiguous or row-strided; inputs mostly
+/// need a contiguous last dim). A 0-dimensional view is a scalar.
 struct TensorView {
   void* data = nullptr;
   DType dtype = DType::kFloat32;
