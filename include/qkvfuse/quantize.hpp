@@ -16,8 +16,8 @@ namespace qkvfuse {
 /// amax is the max of |src| over finite and infinite values; NaN propagates (amax is NaN if any
 /// element of its entry is NaN).
 /// On CUDA every tensor's data pointer and strides but the last, in bytes, must be multiples of
-/// the vector width of its rows (the largest of 16, 8, 4 and 2 bytes that divides a row: 16 for
-/// the model's sizes), and B is at most 65535. An empty src is a no-op: nothing is written, amax
+/// the vector width of its rows (the largest power of two up to 16 that divides a row's bytes,
+/// scale and amax [B] counting as one row: 16 for the model's sizes), and B is at most 65535. An empty src is a no-op: nothing is written, amax
 /// included (the PyTorch binding returns amax = 0 for it).
 struct QuantizeDualParams {
   TensorView src;
