@@ -451,7 +451,8 @@ TEST(CudaPackedQkvZeroTokens, BackwardIsANoOp) {
   EXPECT_TRUE(out.grad_row.empty() && out.grad_t.empty() && out.grad_x.empty());
   for (const std::vector<uint16_t>* grad : {&out.grad_qk_weight, &out.grad_v_weight}) {
     ASSERT_FALSE(grad->empty());
-    EXPECT_TRUE(std::all_of(grad->begin(), grad->end(), [](uint16_t v) { return v == kPoisonBF16; }));
+    EXPECT_TRUE(
+        std::all_of(grad->begin(), grad->end(), [](uint16_t v) { return v == kPoisonBF16; }));
   }
   EXPECT_TRUE(std::isnan(out.grad_qkv_scale));
 }

@@ -8,17 +8,18 @@ namespace qkvfuse {
 
 /// row = e4m3(src / scale), t = row^T, optionally amax = max|src|.
 ///
-/// Plain:   src bf16 [M, N] (last dim contiguous, any row stride on the CPU), scale float32 [] or [1],
-///          row e4m3 [M, N] and t e4m3 [N, M], both row-major contiguous; amax float32 [] or [1]
-///          or absent.
+/// Plain:   src bf16 [M, N] (last dim contiguous; any row stride on the CPU), scale float32 []
+///          or [1], row e4m3 [M, N] and t e4m3 [N, M], both row-major contiguous; amax float32
+///          [] or [1] or absent.
 /// Batched: src bf16 [B, M, N], scale float32 [B], row [B, M, N], t [B, N, M], amax [B] or absent;
 ///          entry b uses scale[b].
 /// amax is the max of |src| over finite and infinite values; NaN propagates (amax is NaN if any
 /// element of its entry is NaN).
 /// On CUDA every tensor's data pointer and strides but the last, in bytes, must be multiples of
 /// the vector width of its rows (the largest power of two up to 16 that divides a row's bytes,
-/// scale and amax [B] counting as one row: 16 for the model's sizes), and B is at most 65535. An empty src is a no-op: nothing is written, amax
-/// included (the PyTorch binding returns amax = 0 for it).
+/// scale and amax [B] counting as one row: 16 for the model's sizes), and B is at most 65535.
+/// An empty src is a no-op: nothing is written, amax included (the PyTorch binding returns
+/// amax = 0 for it).
 struct QuantizeDualParams {
   TensorView src;
   TensorView scale;

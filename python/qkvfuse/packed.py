@@ -1,7 +1,7 @@
 """packed_fp8_qkv: the packed FP8 QKV projection with QK-norm + rotary, as an autograd function
-(SPEC.md section 6). A drop-in for the reference: `PackedFP8QKV` is, as there, the autograd function's
-`apply` (class `PackedFP8QKVFunction`), with the same arguments in the same order and the same
-outputs; gradients for x, qk_weight, v_weight and qkv_scale only.
+(SPEC.md section 6). A drop-in for the reference: `PackedFP8QKV` is, as there, the autograd
+function's `apply` (class `PackedFP8QKVFunction`), with the same arguments in the same order and
+the same outputs; gradients for x, qk_weight, v_weight and qkv_scale only.
 
 Why a torch.autograd.Function rather than torch.library.register_autograd on the forward op: the
 tensors that receive gradients (x, qk_weight, v_weight) are not read by the forward kernels, and q/k

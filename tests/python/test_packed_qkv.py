@@ -120,7 +120,8 @@ def test_grad_scale_is_read_when_the_backward_runs(device):
 
 
 def test_packed_fp8_qkv_is_the_reference_callable():
-    """As in the reference, PackedFP8QKV is the autograd function's apply: calling it runs the op."""
+    """As in the reference, PackedFP8QKV is the autograd function's apply: calling it runs the
+    op."""
     p = Problem(LAYOUTS["plain"], "cpu")
     ours = qkvfuse.PackedFP8QKV(*p.arguments())
     direct = qkvfuse.packed_fp8_qkv(*p.arguments())
