@@ -125,6 +125,11 @@ void check_packed_heads(const Checker& check, const TensorView& view, const char
   QKVF_CHECK(view.sizes[1] <= 1 || view.strides[1] == view.sizes[2], check.op(), ": ", name,
              ": expected its heads packed in each row (head stride ", view.sizes[2],
              "), as the GEMM writes them, got ", view.describe());
+  // Checked here so that the message names this argument, not the GEMM step's output d.
+  const int64_t row = view.sizes[1] * view.sizes[2];
+  QKVF_CHECK(view.sizes[0] <= 1 || view.strides[0] >= row, check.op(), ": ", name,
+             ": expected a token stride >= its ", row, " elements per token (heads x width), got ",
+             view.describe());
 }
 
 /// The forward's own arguments (factors, q and k are the qk_norm_rope step's).

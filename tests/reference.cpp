@@ -476,6 +476,16 @@ int64_t HostTensor::padding_touched() const {
   return touched;
 }
 
+int64_t HostTensor::elements_touched() const {
+  const size_t element = dtype_size(dtype_);
+  const std::vector<unsigned char> pattern = poison_bytes(dtype_);
+  int64_t touched = 0;
+  for (size_t offset = 0; offset + element <= bytes_.size(); offset += element) {
+    if (std::memcmp(bytes_.data() + offset, pattern.data(), element) != 0) ++touched;
+  }
+  return touched;
+}
+
 std::vector<double> random_values(std::mt19937_64& rng, size_t count, DType dtype, double scale) {
   std::normal_distribution<double> normal(0.0, scale);
   std::vector<double> values(count);

@@ -154,6 +154,8 @@ class HostTensor {
   void poison();
   /// Number of buffer elements outside the view that no longer hold the poison.
   int64_t padding_touched() const;
+  /// Number of buffer elements, in the view or not, that no longer hold the exact poison bytes.
+  int64_t elements_touched() const;
 
  private:
   int64_t buffer_index(int64_t dense_index) const;

@@ -466,12 +466,25 @@ TEST(CpuSpecialValues, QuantizeSpecialScales) {
             (std::vector<uint8_t>{0xc4, 0x28, 0x80, 0x00, 0xfe, 0x7f}));
 }
 
+/// t holds row transposed entry by entry: row [batch, m, n], t [batch, n, m], e4m3 codes.
+void expect_transposed(const std::vector<uint8_t>& row, const std::vector<uint8_t>& t,
+                       int64_t batch, int64_t m, int64_t n) {
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < n; ++j) {
+        EXPECT_EQ(t[size_t((b * n + j) * m + i)], row[size_t((b * m + i) * n + j)])
+            << "entry " << b << " row " << i << " column " << j;
+      }
+    }
+  }
+}
+
 TEST(CpuSpecialValues, BatchedAmaxIsPerEntry) {
   std::vector<uint16_t> src(3 * 2 * 4, float_to_bf16(1.5f));
   src[8 + 3] = 0x7fc0;          // entry 1: NaN
   src[16 + 5] = 0xff80;         // entry 2: -inf
   std::vector<float> scale = {1.0f, 1.0f, 1.0f}, amax(3, -1.0f);
-  std::vector<uint8_t> row(src.size()), t(src.size());
+  std::vector<uint8_t> row(src.size(), 0x55), t(src.size(), 0x55);  // 0x55: no code expected
   QuantizeDualParams p;
   p.src = make_view(src.data(), DType::kBFloat16, kCPU, {3, 2, 4});
   p.scale = make_view(scale.data(), DType::kFloat32, kCPU, {3});
@@ -482,8 +495,11 @@ TEST(CpuSpecialValues, BatchedAmaxIsPerEntry) {
   EXPECT_EQ(amax[0], 1.5f);
   EXPECT_TRUE(std::isnan(amax[1]));
   EXPECT_EQ(amax[2], INFINITY);
-  EXPECT_EQ(row[8 + 3], 0x7f);
-  EXPECT_EQ(row[16 + 5], 0xfe);
+  for (size_t i = 0; i < row.size(); ++i) {
+    // 1.5 is 0x3c; NaN stays NaN (0x7f); -inf saturates to -448 (0xfe).
+    EXPECT_EQ(row[i], i == 8 + 3 ? 0x7f : i == 16 + 5 ? 0xfe : 0x3c) << i;
+  }
+  expect_transposed(row, t, 3, 2, 4);
 }
 
 TEST(CpuSpecialValues, EmptySourceWritesNothing) {
@@ -509,7 +525,7 @@ TEST(CpuSpecialValues, WeightBankSpecialEntries) {
   src[8 + 2] = 0x7f80;
   src[16 + 6] = 0x7fc0;
   std::vector<float> scale(4, -1.0f);
-  std::vector<uint8_t> row(src.size()), t(src.size());
+  std::vector<uint8_t> row(src.size(), 0x55), t(src.size(), 0x55);  // 0x55: no code expected
   QuantizeWeightBankParams p;
   p.src = make_view(src.data(), DType::kBFloat16, kCPU, {4, 2, 4});
   p.scale = make_view(scale.data(), DType::kFloat32, kCPU, {4});
@@ -526,6 +542,7 @@ TEST(CpuSpecialValues, WeightBankSpecialEntries) {
     EXPECT_EQ(row[size_t(16 + i)], 0x7f) << i;
     EXPECT_EQ(row[size_t(24 + i)], 0xfe) << i;  // -2 / (2 / 448) = -448
   }
+  expect_transposed(row, t, 4, 2, 4);
 }
 
 // ---- GEMM ----------------------------------------------------------------------------------------

@@ -36,12 +36,9 @@ TensorView alias(const TensorView& memory, DType dtype, std::initializer_list<in
   return make_view(memory.data, dtype, memory.device, sizes);
 }
 
-/// True when every byte of the tensor's buffer still holds the poison.
-bool untouched(const HostTensor& tensor) {
-  const std::vector<double> values = tensor.get();
-  return std::all_of(values.begin(), values.end(), [](double v) { return std::isnan(v); }) &&
-         tensor.padding_touched() == 0;
-}
+/// True when every element of the tensor's buffer still holds the exact poison bytes (a NaN that
+/// an op wrote would not do).
+bool untouched(const HostTensor& tensor) { return tensor.elements_touched() == 0; }
 
 // ---- the rope ops and the fused FP8 backward ---------------------------------------------------
 
@@ -774,6 +771,26 @@ TEST(Validation, PackedForwardChecks) {
   p = args.forward();
   p.v.strides[0] = PackedArgs::kQkv - 8;  // v's rows now run into the next row's qk
   EXPECT_TRUE(throws_error([&] { packed_qkv_forward(p); }, {"qk: overlaps output v"}));
+  // Token strides below one token's row: the message names the argument, not the GEMM's d.
+  p = args.forward();
+  p.qk.strides[0] = PackedArgs::kQk - 2;
+  EXPECT_TRUE(throws_error([&] { packed_qkv_forward(p); },
+                           {"packed_qkv_forward: qk: expected a token stride >= its 128 elements"}));
+  p = args.forward();
+  p.v.strides[0] = PackedArgs::kV - 2;
+  EXPECT_TRUE(throws_error([&] { packed_qkv_forward(p); },
+                           {"packed_qkv_forward: v: expected a token stride >= its 32 elements"}));
+  p = args.forward();
+  p.x_f8.strides[1] = 2;
+  EXPECT_TRUE(throws_error([&] { packed_qkv_forward(p); }, {"packed_qkv_forward: x_f8"}));
+  p = args.forward();
+  p.weight_f8.dtype = DType::kBFloat16;
+  EXPECT_TRUE(throws_error([&] { packed_qkv_forward(p); },
+                           {"packed_qkv_forward: weight_f8: expected dtype float8_e4m3fn"}));
+  p = args.forward();
+  p.qk.dtype = DType::kFloat32;
+  EXPECT_TRUE(throws_error([&] { packed_qkv_forward(p); },
+                           {"packed_qkv_forward: qk: expected dtype bfloat16"}));
 }
 
 TEST(Validation, PackedForwardRefusesBeforeWritingAnything) {
@@ -819,6 +836,49 @@ TEST(Validation, PackedBackwardChecks) {
   p.grad_qk_weight = alias(p.qk_weight, DType::kBFloat16, {PackedArgs::kQk, PackedArgs::C});
   EXPECT_TRUE(
       throws_error([&] { packed_qkv_backward(p); }, {"grad_qk_weight: overlaps input qk_weight"}));
+
+  // One broken argument at a time, each refused with a message that names it.
+  struct Case {
+    const char* expected;
+    void (*breaks)(PackedQkvBackwardParams&);
+  };
+  const Case cases[] = {
+      {"packed_qkv_backward: qk: expected dtype", [](auto& q) { q.qk.dtype = DType::kFloat32; }},
+      {"packed_qkv_backward: qk: expected shape", [](auto& q) { q.qk.sizes[1] = 3; }},
+      {"packed_qkv_backward: grad_v: expected dtype",
+       [](auto& q) { q.grad_v.dtype = DType::kFloat32; }},
+      {"packed_qkv_backward: grad_v: expected shape [4, 2, Dv]",
+       [](auto& q) { q.grad_v.sizes[1] = 3; }},
+      {"packed_qkv_backward: x_f8_t: expected dtype",
+       [](auto& q) { q.x_f8_t.dtype = DType::kBFloat16; }},
+      {"packed_qkv_backward: x_f8_t", [](auto& q) { q.x_f8_t.strides[1] = 2; }},
+      {"packed_qkv_backward: weight_f8_t: expected dtype",
+       [](auto& q) { q.weight_f8_t.dtype = DType::kBFloat16; }},
+      {"packed_qkv_backward: weight_f8_t", [](auto& q) { q.weight_f8_t.strides[1] = 2; }},
+      {"packed_qkv_backward: qk_weight: expected dtype",
+       [](auto& q) { q.qk_weight.dtype = DType::kFloat32; }},
+      {"packed_qkv_backward: v_weight: expected shape",
+       [](auto& q) { q.v_weight.sizes[0] = PackedArgs::kV + 2; }},
+      {"packed_qkv_backward: partials: expected dtype",
+       [](auto& q) { q.partials.dtype = DType::kFloat64; }},
+      {"packed_qkv_backward: grad_x: expected dtype",
+       [](auto& q) { q.grad_x.dtype = DType::kFloat32; }},
+      {"packed_qkv_backward: grad_x: expected shape [4, 16]",
+       [](auto& q) { q.grad_x.sizes[1] = PackedArgs::C - 2; }},
+      {"packed_qkv_backward: grad_x", [](auto& q) { q.grad_x.strides[1] = 2; }},
+      {"packed_qkv_backward: grad_scale: expected a float32 scalar",
+       [](auto& q) { q.grad_scale.dtype = DType::kFloat64; }},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.expected);
+    p = args.backward();
+    c.breaks(p);
+    EXPECT_TRUE(throws_error([&] { packed_qkv_backward(p); }, {c.expected}));
+  }
+  for (const HostTensor* out :
+       {&args.grad_row, &args.grad_t, &args.grad_x, &args.grad_weight, &args.grad_qkv_scale}) {
+    EXPECT_TRUE(untouched(*out));
+  }
 }
 
 TEST(Validation, PackedBackwardRefusesBeforeWritingAnything) {

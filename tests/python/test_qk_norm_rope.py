@@ -92,11 +92,14 @@ def test_misaligned_tensors_match_chain(device):
 
 
 def test_rotary_dim_defaults_to_head_width():
-    qk, factor1, factor2 = make_inputs(LAYOUTS["plain"], "cpu")
-    default = qkvfuse.qk_norm_rope(qk, factor1, factor2, 2)
-    explicit = qkvfuse.qk_norm_rope(qk, factor1, factor2, 2, 32, False, False)
+    # Under key offset, where rotary_dim is read: the default must be D (64 here), not D / 2.
+    qk, factor1, factor2 = make_inputs(LAYOUTS["key_offset"], "cpu")
+    default = qkvfuse.qk_norm_rope(qk, factor1, factor2, 2, key_offset=True)
+    explicit = qkvfuse.qk_norm_rope(qk, factor1, factor2, 2, 64, False, True)
+    half = qkvfuse.qk_norm_rope(qk, factor1, factor2, 2, 32, False, True)
     for a, b in zip(default, explicit):
         assert torch.equal(a, b)
+    assert not torch.equal(default[1], half[1])
 
 
 @pytest.mark.parametrize("device", DEVICES)
