@@ -348,6 +348,17 @@ TEST(Validation, QkNormRopeBackwardChecks) {
   p.layout.num_heads = 1;
   EXPECT_TRUE(
       throws_error([&] { qk_norm_rope_backward(p); }, {"qk: expected shape", "2*num_heads = 2"}));
+  p = args.backward();
+  p.grad_qk.dtype = DType::kFloat32;  // qk is bf16: the gradient takes qk's dtype
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope_backward(p); },
+                           {"qk_norm_rope_backward: grad_qk"}));
+  p = args.backward();
+  p.grad_qk = with_strides(p.grad_qk, {2 * RopeArgs::H * RopeArgs::D + 2, RopeArgs::D, 1});
+  p.grad_qk.sizes[0] = RopeArgs::T - 1;  // stays inside the buffer: only the stride is wrong
+  p.grad_q.sizes[0] = p.grad_k.sizes[0] = p.qk.sizes[0] = RopeArgs::T - 1;
+  p.factor1.sizes[0] = p.factor2.sizes[0] = RopeArgs::T - 1;
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope_backward(p); },
+                           {"qk_norm_rope_backward: grad_qk: expected a row-major contiguous"}));
 }
 
 TEST(Validation, QkvBackwardFp8Checks) {
@@ -385,6 +396,26 @@ TEST(Validation, QkvBackwardFp8Checks) {
   p.factor1.dtype = p.factor2.dtype = DType::kFloat64;
   EXPECT_TRUE(
       throws_error([&] { qkv_backward_fp8(p); }, {"factor1: expected dtype bfloat16 or float32"}));
+  p = args.fp8();
+  p.grad_v.strides[2] = 2;
+  EXPECT_TRUE(throws_error([&] { qkv_backward_fp8(p); },
+                           {"qkv_backward_fp8: grad_v: expected its last dim contiguous"}));
+  p = args.fp8();
+  p.grad_row.dtype = DType::kBFloat16;
+  EXPECT_TRUE(throws_error([&] { qkv_backward_fp8(p); },
+                           {"qkv_backward_fp8: grad_row: expected dtype float8_e4m3fn"}));
+  p = args.fp8();
+  p.grad_t.dtype = DType::kFloat32;
+  EXPECT_TRUE(throws_error([&] { qkv_backward_fp8(p); },
+                           {"qkv_backward_fp8: grad_t: expected dtype float8_e4m3fn"}));
+  p = args.fp8();
+  p.grad_t.sizes[1] = RopeArgs::T - 1;
+  EXPECT_TRUE(throws_error([&] { qkv_backward_fp8(p); },
+                           {"qkv_backward_fp8: grad_t: expected shape"}));
+  p = args.fp8();
+  p.grad_row = with_strides(p.grad_row, {RopeArgs::kQkvDim + 1, 1});
+  EXPECT_TRUE(throws_error([&] { qkv_backward_fp8(p); },
+                           {"qkv_backward_fp8: grad_row: expected a row-major contiguous"}));
 }
 
 TEST(Validation, QkvBackwardFp8VWidth) {
@@ -556,6 +587,26 @@ TEST(Validation, QuantizeDualChecks) {
   p.scale = args.bank_scale.view();
   args.bank_scale.set({1.0, 2.0});
   EXPECT_NO_THROW(quantize_dual_layout(p));
+  HostTensor one_amax{DType::kFloat32, {1}};
+  p.amax = one_amax.view();  // batched: one amax per entry
+  EXPECT_TRUE(throws_error([&] { quantize_dual_layout(p); },
+                           {"quantize_dual_layout: amax: expected shape [2]"}));
+  p.amax = TensorView{};
+  p.scale.dtype = DType::kFloat64;
+  EXPECT_TRUE(throws_error([&] { quantize_dual_layout(p); },
+                           {"quantize_dual_layout: scale: expected dtype float32"}));
+  p = args.dual();
+  p.t.dtype = DType::kBFloat16;
+  EXPECT_TRUE(throws_error([&] { quantize_dual_layout(p); },
+                           {"quantize_dual_layout: t: expected dtype float8_e4m3fn"}));
+  p = args.dual();
+  p.row = alias(p.row, DType::kFloat8E4M3, {QuantizeArgs::N, QuantizeArgs::M});
+  EXPECT_TRUE(throws_error([&] { quantize_dual_layout(p); },
+                           {"quantize_dual_layout: row: expected shape [5, 7] (src's shape)"}));
+  p = args.dual();
+  p.row = with_strides(p.row, {QuantizeArgs::N - 1, 1});  // rows overlapping: inside the buffer
+  EXPECT_TRUE(throws_error([&] { quantize_dual_layout(p); },
+                           {"quantize_dual_layout: row: expected a row-major contiguous"}));
 }
 
 TEST(Validation, QuantizeWeightBankChecks) {
@@ -655,6 +706,18 @@ TEST(Validation, Fp8GemmChecks) {
   p = args.params();
   p.alpha = TensorView{};  // optional
   EXPECT_NO_THROW(fp8_gemm(p));
+  p = args.params();
+  p.a = alias(p.a, DType::kFloat8E4M3, {1, GemmArgs::M, GemmArgs::K});
+  EXPECT_TRUE(throws_error([&] { fp8_gemm(p); }, {"fp8_gemm: a: expected"}));
+  p = args.params();
+  p.b.dtype = DType::kBFloat16;
+  EXPECT_TRUE(throws_error([&] { fp8_gemm(p); }, {"fp8_gemm: b: expected dtype float8_e4m3fn"}));
+  p = args.params();
+  p.d.strides[0] = GemmArgs::N - 2;
+  EXPECT_TRUE(throws_error([&] { fp8_gemm(p); }, {"fp8_gemm: d: expected a row stride >= its 6"}));
+  p = args.params();
+  p.d.strides[1] = 2;
+  EXPECT_TRUE(throws_error([&] { fp8_gemm(p); }, {"fp8_gemm: d: expected its last dim contiguous"}));
 }
 
 TEST(Validation, EmptyGemmIsANoOpThatWritesNothing) {
