@@ -413,6 +413,19 @@ TEST(CpuQkNormRope, BackwardModelShapesWithStridedInputs) {
   }
 }
 
+TEST(CpuQkNormRope, BackwardKeyOffsetRotaryEdges) {
+  // rotary_dim 0 (every key dim from the previous token, the t = 0 term included) up to D (none).
+  for (int64_t rotary_dim : {0, 2, 62, 64}) {
+    RopeCase c;
+    c.tokens = 4;
+    c.heads = 2;
+    c.head_dim = 64;
+    c.key_offset = true;
+    c.rotary_dim = rotary_dim;
+    check_backward(c);
+  }
+}
+
 TEST(CpuQkNormRope, BackwardFloat32FactorsAndFloatQk) {
   for (DType dtype : {DType::kBFloat16, DType::kFloat32, DType::kFloat64}) {
     for (DType factor_dtype : {DType::kBFloat16, DType::kFloat32, dtype}) {

@@ -157,6 +157,20 @@ TEST(CpuQkvBackwardFp8, MatchesReferenceAcrossShapesAndModes) {
   }
 }
 
+TEST(CpuQkvBackwardFp8, KeyOffsetRotaryEdges) {
+  // rotary_dim 0 (every key dim from the previous token, the t = 0 term included) up to D (none).
+  for (int64_t rotary_dim : {0, 2, 62, 64}) {
+    Fp8Case c;
+    c.tokens = 4;
+    c.heads = 2;
+    c.head_dim = 64;
+    c.v_dim = 32;
+    c.key_offset = true;
+    c.rotary_dim = rotary_dim;
+    check_backward_fp8(c);
+  }
+}
+
 TEST(CpuQkvBackwardFp8, ModelShapesWithStridedInputs) {
   for (int64_t head_dim : {64, 96, 128}) {
     for (int mode = 0; mode < 3; ++mode) {
