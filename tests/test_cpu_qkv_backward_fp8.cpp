@@ -157,6 +157,18 @@ TEST(CpuQkvBackwardFp8, MatchesReferenceAcrossShapesAndModes) {
   }
 }
 
+TEST(CpuQkvBackwardFp8, OddAndWideVWidths) {
+  // The CPU backend takes any Dv >= 1 (the CUDA one up to 512): values checked, not only shapes.
+  for (int64_t v_dim : {1, 7, 513}) {
+    Fp8Case c;
+    c.tokens = 3;
+    c.heads = 2;
+    c.head_dim = 32;
+    c.v_dim = v_dim;
+    check_backward_fp8(c);
+  }
+}
+
 TEST(CpuQkvBackwardFp8, KeyOffsetRotaryEdges) {
   // rotary_dim 0 (every key dim from the previous token, the t = 0 term included) up to D (none).
   for (int64_t rotary_dim : {0, 2, 62, 64}) {
