@@ -204,7 +204,7 @@ TEST(Validation, RopeOpsTakeElementAlignedPointersAndAnyStrides) {
   const std::vector<double> v_values = random_values(rng, size_t(T * H * Dv), DType::kBFloat16);
   std::vector<double> f1, f2;
   rotary_factor_values(rng, T, D, 1, D, false, f1, f2);
-  std::vector<uint16_t> q_bits[2], grad_qk_bits[2];
+  std::vector<uint16_t> q_bits[2], k_bits[2], grad_qk_bits[2];
   std::vector<uint8_t> row_codes[2], t_codes[2];
   for (int odd = 0; odd < 2; ++odd) {
     // odd: each stride `pad` more than packed (the last stays 1); offset 1 element.
@@ -245,11 +245,13 @@ TEST(Validation, RopeOpsTakeElementAlignedPointersAndAnyStrides) {
                                       factor1.view(), factor2.view(), scale.view(),
                                       grad_row.view(), grad_t.view(), layout}));
     q_bits[odd] = q.get_bf16_bits();
+    k_bits[odd] = k.get_bf16_bits();
     grad_qk_bits[odd] = grad_qk.get_bf16_bits();
     row_codes[odd] = grad_row.get_codes();
     t_codes[odd] = grad_t.get_codes();
   }
   EXPECT_EQ(q_bits[0], q_bits[1]);
+  EXPECT_EQ(k_bits[0], k_bits[1]);
   EXPECT_EQ(grad_qk_bits[0], grad_qk_bits[1]);
   EXPECT_EQ(row_codes[0], row_codes[1]);
   EXPECT_EQ(t_codes[0], t_codes[1]);
