@@ -61,7 +61,10 @@ def assert_e4m3_close(out, ref, max_mismatch=0.01):
 def poison_allocator(device, *nbytes):
     """Leave blocks of these byte sizes filled with 0xff free in the allocator, so that outputs an
     op allocates next start out poisoned: 0xff.. is NaN in bf16, float32 and e4m3, so an element
-    the op fails to write shows up as NaN. Best effort: the allocator picks the blocks."""
+    the op fails to write shows up as NaN. Effective on CUDA, whose caching allocator hands the
+    freed blocks back; on the CPU it is best effort only (torch's CPU allocator returns memory to
+    the C library, which seldom gives the same block back), so the CUDA runs of a test are the
+    ones that catch unwritten outputs."""
     blocks = [torch.full((n,), 0xFF, dtype=torch.uint8, device=device) for n in nbytes]
     del blocks
 
