@@ -190,18 +190,6 @@ TEST(CpuQkNormRope, ForwardNonContiguousQk) {
   }
 }
 
-TEST(CpuQkNormRope, ForwardKeyOffsetRotaryEdges) {
-  for (int64_t rotary_dim : {0, 2, 62, 64}) {
-    RopeCase c;
-    c.tokens = 4;
-    c.heads = 2;
-    c.head_dim = 64;
-    c.key_offset = true;
-    c.rotary_dim = rotary_dim;
-    check_forward(c);
-  }
-}
-
 TEST(CpuQkNormRope, ForwardSmallestHeadWidths) {
   // Any even D from 2 (on CUDA too: the generic path, test_cuda_qk_norm_rope.cpp).
   for (int64_t head_dim : {2, 4, 6}) {
@@ -413,8 +401,9 @@ TEST(CpuQkNormRope, BackwardModelShapesWithStridedInputs) {
   }
 }
 
-TEST(CpuQkNormRope, BackwardKeyOffsetRotaryEdges) {
-  // rotary_dim 0 (every key dim from the previous token, the t = 0 term included) up to D (none).
+TEST(CpuQkNormRope, KeyOffsetRotaryEdges) {
+  // rotary_dim 0 (every key dim from the previous token, the t = 0 term included) up to D (none),
+  // forward and backward.
   for (int64_t rotary_dim : {0, 2, 62, 64}) {
     RopeCase c;
     c.tokens = 4;
@@ -422,6 +411,7 @@ TEST(CpuQkNormRope, BackwardKeyOffsetRotaryEdges) {
     c.head_dim = 64;
     c.key_offset = true;
     c.rotary_dim = rotary_dim;
+    check_forward(c);
     check_backward(c);
   }
 }
