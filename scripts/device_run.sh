@@ -178,7 +178,6 @@ has train2 && train train2 torchrun --standalone --nproc-per-node "$(nvidia-smi 
   ${QKVFUSE_TRAIN2_ARGS:-}
 
 if [ -n "$sanitize_pid" ]; then wait "$sanitize_pid"; fi
-tar czf "$OUT/logs.tgz" -C "$LOG" .
-cp "$summary" "$OUT/summary.txt"
+pack
 echo "== summary"
 cat "$summary"

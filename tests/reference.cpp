@@ -462,29 +462,25 @@ void HostTensor::poison() {
   }
 }
 
-int64_t HostTensor::padding_touched() const {
+int64_t HostTensor::touched(bool outside_view_only) const {
   const size_t element = dtype_size(dtype_);
-  std::vector<bool> in_view(bytes_.size() / element, false);
-  for (int64_t i = 0; i < numel(); ++i) in_view[size_t(buffer_index(i))] = true;
+  std::vector<bool> skip(bytes_.size() / element, false);
+  if (outside_view_only) {
+    for (int64_t i = 0; i < numel(); ++i) skip[size_t(buffer_index(i))] = true;
+  }
   const std::vector<unsigned char> pattern = poison_bytes(dtype_);
-  int64_t touched = 0;
-  for (size_t e = 0; e < in_view.size(); ++e) {
-    if (!in_view[e] && std::memcmp(bytes_.data() + e * element, pattern.data(), element) != 0) {
-      ++touched;
+  int64_t count = 0;
+  for (size_t e = 0; e < skip.size(); ++e) {
+    if (!skip[e] && std::memcmp(bytes_.data() + e * element, pattern.data(), element) != 0) {
+      ++count;
     }
   }
-  return touched;
+  return count;
 }
 
-int64_t HostTensor::elements_touched() const {
-  const size_t element = dtype_size(dtype_);
-  const std::vector<unsigned char> pattern = poison_bytes(dtype_);
-  int64_t touched = 0;
-  for (size_t offset = 0; offset + element <= bytes_.size(); offset += element) {
-    if (std::memcmp(bytes_.data() + offset, pattern.data(), element) != 0) ++touched;
-  }
-  return touched;
-}
+int64_t HostTensor::padding_touched() const { return touched(true); }
+
+int64_t HostTensor::elements_touched() const { return touched(false); }
 
 std::vector<double> random_values(std::mt19937_64& rng, size_t count, DType dtype, double scale) {
   std::normal_distribution<double> normal(0.0, scale);

@@ -158,6 +158,8 @@ class HostTensor {
   int64_t elements_touched() const;
 
  private:
+  /// Buffer elements that no longer hold the poison, outside the view only or all of them.
+  int64_t touched(bool outside_view_only) const;
   int64_t buffer_index(int64_t dense_index) const;
   unsigned char* slot(int64_t buffer_element);
   const unsigned char* slot(int64_t buffer_element) const;

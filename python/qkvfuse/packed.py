@@ -55,6 +55,7 @@ class PackedFP8QKVFunction(torch.autograd.Function):
 # The reference exports its autograd function's apply under this name: calling it runs the op.
 PackedFP8QKV = PackedFP8QKVFunction.apply
 
+
 def packed_fp8_qkv(x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale, qkv_scale,
                    x_scale, grad_scale, factor1, factor2, num_heads, paired, key_offset, rotary_dim,
                    x_f8, x_f8_t):
