@@ -23,7 +23,7 @@
 # Prints one line per step. Exit status 1 when a benchmark or the report failed; the report is
 # still written from whatever ran.
 set -uo pipefail
-cd "$(dirname "$0")/.." || exit 1
+source "$(dirname "$0")/common.sh" || exit 1
 build=${QKVFUSE_BUILD_DIR:-build-device}
 dir=${QKVFUSE_BENCH_DIR:-/tmp/qkvfuse-bench}
 reference=${QKVFUSE_REFERENCE:-.seed/reference_triton.py}
@@ -74,7 +74,7 @@ for name in qkvfuse_bench_kernels qkvfuse_bench_fp8; do
 done
 
 if [ "${QKVFUSE_BENCH_TORCH:-1}" = 1 ]; then
-  if python3 -c 'import qkvfuse, triton' 2>/dev/null; then
+  if python_outside -c 'import qkvfuse, triton' 2>/dev/null; then
     ref=()
     [ -f "$reference" ] && ref=(--reference "$reference")
     run bench_torch --torch python3 bench/bench_torch.py "${ref[@]}" \

@@ -8,7 +8,7 @@
 # Needs, carried next to the tree (git-ignored): .gtest/ (GoogleTest sources; the GPU machine has
 # no network) and .seed/reference_triton.py (the reference implementation, for side-by-side runs).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+source "$(dirname "$0")/common.sh"
 OUT=${OUT:-/tmp/qkvfuse-out}
 # $OUT brings back at most 8 files: logs and results are written to $LOG and packed into one
 # archive at the end.
@@ -29,7 +29,7 @@ commit=${QKVFUSE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknow
 note "commit: $commit  date: $(date -u +%F)"
 
 if has build; then
-  torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
+  torch_prefix=$(python_outside -c 'import torch; print(torch.utils.cmake_prefix_path)')
   start=$SECONDS
   cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
     -DQKVFUSE_GTEST_SOURCE_DIR="$PWD/.gtest" -DQKVFUSE_BUILD_TORCH=ON \
