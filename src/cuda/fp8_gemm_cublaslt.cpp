@@ -34,16 +34,11 @@
 // same rounding cuBLASLt applies to the two scales). With no alpha and aligned scales there is
 // no extra kernel: the caller's pointers go straight to cuBLASLt.
 //
-// Why not CUBLASLT_POINTER_MODE_DEVICE (the first H200 run used it for everything): cublasLtMatmul
-// returned CUBLAS_STATUS_NOT_SUPPORTED, after the heuristic had returned an algorithm, for every
-// call whose scalars were packed in one small buffer (tests/test_cuda_fp8_gemm.cpp passes
-// {scale_a, scale_b, alpha} as s, s + 1, s + 2: the A scale 4-byte and alpha 8-byte aligned)
-// while the packed op and the benchmark, whose scalars are separate allocations, ran the same
-// shapes, modes and fast_accum settings without an error. The heuristic never sees the scalar
-// pointers; the launch-time check does. Host mode plus scales in slots we align ourselves takes
-// both suspects (device alpha/beta, scalar alignment) out of the picture. As a last line of
-// defence a launch refused with NOT_SUPPORTED is retried with the heuristic's next algorithms
-// (and with staged scales), and the algorithm that ran is remembered for the shape.
+// Why not CUBLASLT_POINTER_MODE_DEVICE: the launch-time check (which the heuristic never sees)
+// refused it with NOT_SUPPORTED for scalars packed in one small buffer, and where it ran it was
+// no faster than the fold (docs/perf_notes.md). As a last line of defence a launch refused with
+// NOT_SUPPORTED is retried with the heuristic's next algorithms (and with staged scales), and the
+// algorithm that ran is remembered for the shape.
 //
 // Resources. One cuBLASLt handle per device, created on first use there (indexed by the tensors'
 // device, never assuming device 0). One workspace per (device, stream): 256 bytes of scale slots,
@@ -63,30 +58,28 @@
 // torch runs (the same kernel in cuBLASLt's logs), and that kernel takes 4 bytes of workspace, a
 // tile counter that cuBLASLt zeroes with a memset before every launch; in a CUDA-graph replay the
 // memset node and the gap after it cost about 4 us per GEMM. Given no workspace, the same
-// configuration runs a variant without the counter that measured as fast (the D = 128 step 8.6
-// us shorter: bench/results/2026-11-30_9b461e3_h200_gemm_workspace_ab.txt), so the workspace-free
-// algorithms come first and those that need workspace (split-K, counters) after them, launched
-// with the 32 MiB. The heuristic's first is not always the fastest it offers: on an H200 the
-// forward GEMM of the op ([49152, 768] x [2304, 768]^T) runs 12 % faster, and the D = 96 one 17 %
-// faster, on its sixth / fourth candidate (bench/results/2026-11-30_7486752_h200_gemm_algos.txt).
-// So the first call of each shape (per process and device) times up to kTuneAlgos candidates of
-// each kind on the caller's stream, with the caller's operands (fastest_algorithm), memsets
-// included, and keeps the fastest if it beats the first candidate by more than kTuneMargin, else
-// the first: a near-tie resolves to the heuristic's choice. Later calls of the shape run that one
-// algorithm (bit-identical results within the process). The timing synchronizes with the stream
+// configuration runs a variant without the counter, as fast, so the workspace-free algorithms
+// come first and those that need workspace (split-K, counters) after them, launched with the
+// 32 MiB. The heuristic's first is not always the fastest it offers (on an H200 the op's forward
+// GEMM runs fastest on a later candidate; docs/perf_notes.md), so the first call of each shape
+// (per process and device) times up to kTuneAlgos candidates of each kind on the caller's stream,
+// with the caller's operands (fastest_algorithm), memsets included, and keeps the fastest if it
+// beats the first candidate by more than kTuneMargin, else the first: a near-tie resolves to the
+// heuristic's choice. Later calls of the shape run that one algorithm (bit-identical results
+// within the process). The timing synchronizes with the stream
 // once per shape; a call made while the stream is being captured into a CUDA graph cannot
 // synchronize, so it runs the first candidate (the heuristic's first workspace-free algorithm)
 // and caches nothing (warm up eagerly before capturing to get the tuned one).
 // QKVFUSE_FP8_GEMM_AUTOTUNE=0 in the environment turns the tuning off (=2 prints each shape's
 // timings and pick; "w" marks the candidates launched with workspace).
 //
-// Split-K reductions. No REDUCTION_SCHEME_MASK: the old
-// COMPUTE_TYPE-only mask kept split-K partial sums in fp32 (one bf16 rounding), but it can
-// exclude the kernel the heuristic ranks first, and the long-K wgrad ([3072, 768], K = 49152:
-// few output tiles for 132 SMs, where split-K pays) and the dgrad at D = 128 ran 5% slower than
-// torch._scaled_mm with it. The in-place / output-type schemes add one bf16 rounding per split
-// (deterministic: INPLACE serializes the splits with counters); the tests' bounds and the packed
-// op's tolerances allow it. QKVFUSE_FP8_GEMM_FP32_SPLITK=1 in the environment restores the mask.
+// Split-K reductions. No REDUCTION_SCHEME_MASK: a COMPUTE_TYPE-only mask would keep split-K
+// partial sums in fp32 (one bf16 rounding), but it can exclude the kernel the heuristic ranks
+// first, which the long-K wgrad ([3072, 768], K = 49152: few output tiles for 132 SMs, where
+// split-K pays) needs to match torch._scaled_mm (docs/perf_notes.md). The in-place / output-type
+// schemes add one bf16 rounding per split (deterministic: INPLACE serializes the splits with
+// counters); the tests' bounds and the packed op's tolerances allow it.
+// QKVFUSE_FP8_GEMM_FP32_SPLITK=1 in the environment restores the mask.
 // The result is cached per (device, M, N, K, lda, ldb, ldd, fast_accum, pointer alignment).
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>

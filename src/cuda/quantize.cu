@@ -42,9 +42,7 @@
 // ---- the weight bank: two launches, no memset, no finalize, no scratch ---------------------------
 // scale[b] = amax[b] / 448 (1 when amax[b] is 0; NaN / inf propagate through the division, as the
 // CPU backend's) must exist before any element of entry b is quantized, so every element is read
-// twice. The previous pipeline took four launches (memset of the scale buffer, an atomicMax amax
-// pass, a B-thread finalize, the quantize pass): 36.1-36.8 us for the model bank 10 x [2304, 768]
-// on an H200 (45 % of copy bandwidth counting the source once, 70.8 MB). Now:
+// twice:
 //   1. bank_scale_kernel: one thread-block cluster of kBankClusterSize CTAs per entry. Each CTA
 //      reduces its share of the entry (16-byte loads, 8 in flight per thread, L2 evict_last); the
 //      cluster combines the CTAs' maxima through distributed shared memory and rank 0 writes
@@ -58,27 +56,9 @@
 //      start as soon as every amax CTA has triggered, issue their tile loads, and only then execute
 //      griddepcontrol.wait before reading scale[b] (the source is read-only, so loading it early is
 //      safe; the scale is read after the amax kernel has completed and flushed).
-// Measured on an H200 (microbenchmark with 4 rotating buffer sets, medians; the old pipeline in
-// the same runs): 33.9-34.3 us against 36.1-36.7 us; bench_weight_bank 34.6 us = 47.8 % of copy
-// (was 36.8 us, 45.0 %). Under ncu the amax kernel takes 14.7 us (DRAM 51 %: 80 CTAs, one per SM,
-// hold 10 MB of loads in flight, too few SMs for full bandwidth; clusters of 8 per entry cannot
-// spread a 10-entry bank over all 132 SMs) and the quantize pass 18.7 us (L2 hit rate 52 % over
-// its loads and stores together: much of the 35 MB the amax kernel read is gone from L2 when it
-// is read again). The 85 % target is not reached by this structure.
-//
-// What did not work (measured in this session, kept here so that it is not tried blindly again):
-// one cooperative kernel whose CTAs interleave amax units of entry b + k with quantize units of
-// entry b, the second read coming from L2 (64 % hit rate), with per-entry dependencies through
-// global memory (zeroed in-kernel behind one grid barrier, scratch in the caller's row buffer,
-// rewritten at the end). Every version lost more to synchronisation than it gained from L2: same-
-// address atomics serialise at ~1.1 ns each on the H200, so the grid barrier of 1729 CTAs cost
-// ~5 us and per-tile atomicAdd/atomicMax publishing blocked CTAs (35-39 us in total); per-tile
-// flag slots read by the quantize units (no atomics) were slower still (55-95 us), the waiting
-// warps crowding the slot lines. A version that reaches the 85 % target needs both the L2 reuse
-// of the interleaved schedule and much cheaper cross-CTA signalling (e.g. per-entry counters in
-// separate lines, published with red.release from a warp that does no tile work), or TMA bulk
-// loads in the amax kernel (more bytes in flight per SM) combined with an entry order that keeps
-// the re-read inside L2.
+// Why two launches: faster than the four-launch memset / amax / finalize / quantize pipeline, and
+// the single cooperative kernels that kept the re-read in L2 lost more to cross-CTA signalling
+// than they gained (measurements and what limits this structure: docs/perf_notes.md).
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
