@@ -5,7 +5,7 @@
 //   qkvfuse_bench_fp8 [--csv PATH] [--tokens T] [--iters N] [--kernel gemm|quantize]
 //   (--kernel: only the GEMM rows, or only the quantize rows, after the copy row)
 //
-// Method (STYLE.md "Benchmarks"): every measurement warms up first, then times each iteration
+// Method (the "Benchmarks" section of ../shared/STYLE.md, outside this repository): every measurement warms up first, then times each iteration
 // with its own pair of CUDA events and reports the median of >= 50. Kernel-level rows enqueue a
 // spinning kernel first so that all iterations are queued before the GPU reaches them: the events
 // then measure GPU time, not launch overhead. The packed-op "eager" rows do not (host overhead is

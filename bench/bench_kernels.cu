@@ -5,7 +5,7 @@
 //   qkvfuse_bench_kernels [--csv PATH] [--tokens T] [--iters N] [--kernel NAME] [--head-dim D]
 //   (--kernel copy: only the copy rows)
 //
-// Method (STYLE.md "Benchmarks"): each case warms up, then times every iteration between its own
+// Method (the "Benchmarks" section of ../shared/STYLE.md, outside this repository): each case warms up, then times every iteration between its own
 // pair of CUDA events and reports the median of N >= 50. A spinning kernel holds the GPU while all
 // iterations are enqueued, so the events measure GPU time, not launch overhead. Inputs and outputs
 // rotate through at least 3 buffer sets, and through enough that one pass touches more than 3x
@@ -21,8 +21,9 @@
 //                  + grad_scale 4 + grad_row T*qkv_dim + grad_t T*qkv_dim
 // GB/s = bytes / median time; "%copy" = that against the device-to-device copy bandwidth measured
 // in the same run (cudaMemcpyAsync of a 2 GiB buffer, bytes read + written). "anchor" is the
-// reference Triton kernel's time at that shape (shared/ANCHORS.md, measured on an H200) and
-// "speedup" the anchor over this run's median, where ANCHORS.md has the shape.
+// reference Triton kernel's time at that shape, as measured on an H200 in the developers' shared
+// folder (../shared/ANCHORS.md, outside this repository; copied into anchor_ms below), and
+// "speedup" the anchor over this run's median, where an anchor exists for the shape.
 // Results: a table on stdout; with --csv, one line per case plus the device, date and commit.
 #include <cuda_runtime.h>
 
@@ -234,7 +235,8 @@ struct Shape {
   int64_t qk_row_stride() const { return mode == Mode::kPaired ? qk_features() : qkv_dim(); }
 };
 
-/// Reference Triton times (shared/ANCHORS.md) for the shapes it lists, else NaN.
+/// Reference Triton times (../shared/ANCHORS.md, outside the repository) for the shapes it lists,
+/// else NaN.
 double anchor_ms(const std::string& kernel, const Shape& s) {
   struct Anchor {
     const char* kernel;

@@ -14,7 +14,7 @@ Memory-bound kernels report GB/s of their minimum traffic and % of a measured de
 buffer); GEMMs report TFLOP/s. Results go to --out (markdown for *.md, CSV otherwise) with the
 device, date and commit; a short table is printed last.
 
-  python bench/bench_torch.py --out bench/results/torch_h200.md \
+  python bench/bench_torch.py --out bench_torch_h200.csv \
       [--reference /path/to/seed.txt] [--commit SHA] [--tokens 49152] [--channels 768]
 """
 import argparse

@@ -1,6 +1,9 @@
 // gemm_algos.cu: a diagnostic sweep of cuBLASLt's algorithms for the three FP8 GEMMs of the
 // packed QKV op. For each shape it answers: which algorithms does the heuristic offer, how fast is
-// each, and is the heuristic's first choice (the one qkvfuse::fp8_gemm runs) the fastest?
+// each, and how far is the heuristic's first choice (what torch._scaled_mm runs) from the fastest?
+// qkvfuse::fp8_gemm itself autotunes: on the first call of a shape it times the heuristic's first
+// workspace-free candidates (the "ws0" rows below), then those that need workspace, and keeps the
+// fastest (src/cuda/fp8_gemm_cublaslt.cpp, "Algorithm choice").
 //
 //   qkvfuse_bench_gemm_algos [--csv PATH] [--tokens T] [--iters N] [--shapes all|d128|d96]
 //                            [--sweep [--max-configs N] [--sweep-iters N]]
@@ -9,7 +12,7 @@
 // row-major) = a[M,K] @ b[N,K]^T (e4m3, row-major), i.e. column-major TN with cuBLASLt's A = b
 // (TRANSA = T), B = a (TRANSB = N), D = d as [N x M]; CUBLAS_COMPUTE_32F, scale type fp32, device
 // fp32 A/B scale pointers, host alpha = 1 / beta = 0, FAST_ACCUM per shape; preference
-// MAX_WORKSPACE_BYTES = 32 MiB and MIN_ALIGNMENT_{A,B,C,D} = 256. The heuristic is asked for up to
+// MAX_WORKSPACE_BYTES = 32 MiB (fp8_gemm's second query) and MIN_ALIGNMENT_{A,B,C,D} = 256. The heuristic is asked for up to
 // 32 algorithms; each usable one is timed (median of --iters, all iterations queued behind a spin
 // kernel, operands rotated over enough copies that one pass touches > 3x the L2). A second query,
 // "ws1MiB", caps the workspace at 1 MiB (as torch._scaled_mm does when its cuBLASLt workspace is
