@@ -35,7 +35,14 @@ struct GradWeightFinalizeParams {
   Stream stream = nullptr;
 };
 
+/// The first token whose rotary position lies outside [0, P) (index -1 when none), and its value.
+struct BadPosition {
+  int64_t index = -1;
+  int64_t value = 0;
+};
+
 namespace cpu {
+BadPosition find_bad_position(const TensorView& positions, int64_t num_positions);
 void qk_norm_rope(const QkNormRopeParams& params);
 void qk_norm_rope_backward(const QkNormRopeBackwardParams& params);
 void qkv_backward_fp8(const QkvBackwardFp8Params& params);
@@ -48,8 +55,8 @@ void grad_weight_finalize(const GradWeightFinalizeParams& params);
 // Built from src/cuda/ when nvcc is found; src/cuda/unavailable.cpp otherwise, whose functions
 // throw "qkvfuse was built without CUDA".
 namespace cuda {
-/// Widest V head qkv_backward_fp8 takes on CUDA: its element-pair kernel stages a tile of 32
-/// tokens x (2D + Dv) e4m3 bytes in shared memory (src/cuda/rope_generic.cu).
+/// Widest V head qkv_backward_fp8 takes on CUDA: its kernel stages a tile of 128 tokens x
+/// (2D + Dv) e4m3 bytes in shared memory (src/cuda/qkv_backward_fp8.cu).
 inline constexpr int64_t kMaxVWidth = 512;
 
 void qk_norm_rope(const QkNormRopeParams& params);
@@ -59,6 +66,13 @@ void quantize_dual_layout(const QuantizeDualParams& params);
 void quantize_weight_bank(const QuantizeWeightBankParams& params);
 void fp8_gemm(const Fp8GemmParams& params);
 void grad_weight_finalize(const GradWeightFinalizeParams& params);
+
+/// Float32 elements of the weight-gradient workspace of a call with norm weights: the per-block
+/// partial sums (src/cuda/weight_grad.cuh). Depends on the shapes and the layout only.
+int64_t backward_workspace_size(const QkNormRopeBackwardParams& params);
+int64_t backward_workspace_size(const QkvBackwardFp8Params& params);
+/// Synchronizes `stream`; refuses to run while it is being captured.
+BadPosition find_bad_position(const TensorView& positions, int64_t num_positions, Stream stream);
 
 /// Throws unless `device` is a usable CUDA device and `pointer` is memory the CUDA runtime
 /// knows to be on it (device or managed memory); `name` goes into the message.

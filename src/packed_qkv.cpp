@@ -10,6 +10,7 @@
 //                                        alpha = qkv_scale)
 //            grad_weight_finalize: grad_qkv_scale = sum(grad_weight * weight),
 //                                  grad_weight *= qkv_scale
+// (the norm weights' gradients come from the qkv_backward_fp8 step).
 // The three scale factors go to the GEMM as scale_a, scale_b and alpha, so no kernel has to
 // multiply scales on the device first.
 //
@@ -96,15 +97,28 @@ std::vector<Fp8GemmParams> split_gemm(const Fp8GemmParams& whole, bool slice_a, 
 struct PackedDims {
   int64_t tokens;       ///< T
   int64_t channels;     ///< C
-  int64_t heads;        ///< H
+  int64_t q_heads;      ///< Hq
+  int64_t kv_heads;     ///< Hkv
   int64_t head_dim;     ///< D
   int64_t v_dim;        ///< Dv
-  int64_t qk_features;  ///< 2*H*D
-  int64_t qkv_dim;      ///< 2*H*D + H*Dv
+  int64_t qk_features;  ///< (Hq + Hkv) * D
+  int64_t qkv_dim;      ///< (Hq + Hkv) * D + Hkv * Dv
 };
 
 std::string qkv_dim_why(const PackedDims& dims) {
-  return "(qkv_dim = 2*H*D + H*Dv = " + std::to_string(dims.qkv_dim) + ")";
+  return "(qkv_dim = (Hq + Hkv)*D + Hkv*Dv = " + std::to_string(dims.qkv_dim) + ")";
+}
+
+/// Hq, Hkv and the Q/K feature count, once D and the layout are known.
+void set_heads(PackedDims& dims, const RopeLayout& layout) {
+  dims.q_heads = layout.num_heads;
+  dims.kv_heads = kv_heads(layout);
+  dims.qk_features = (dims.q_heads + dims.kv_heads) * dims.head_dim;
+}
+
+std::string heads_why(const PackedDims& dims) {
+  return "(num_heads + num_kv_heads = " + std::to_string(dims.q_heads + dims.kv_heads) +
+         " heads)";
 }
 
 void check_scalars(const Checker& check, const std::vector<Arg>& scalars, Device device) {
@@ -132,7 +146,7 @@ void check_packed_heads(const Checker& check, const TensorView& view, const char
              view.describe());
 }
 
-/// The forward's own arguments (factors, q and k are the qk_norm_rope step's).
+/// The forward's own arguments (the layout's tensors, q and k are the qk_norm_rope step's).
 PackedDims check_forward_args(const Checker& check, const PackedQkvForwardParams& p,
                               Device device) {
   PackedDims dims{};
@@ -144,17 +158,17 @@ PackedDims check_forward_args(const Checker& check, const PackedQkvForwardParams
 
   check.ndim(p.qk, "qk", 3);
   dims.head_dim = p.qk.sizes[2];
-  check.rope_layout(p.layout, dims.head_dim);
-  dims.heads = p.layout.num_heads;
-  check_packed_heads(check, p.qk, "qk", {dims.tokens, 2 * dims.heads, dims.head_dim},
-                     "(T from x_f8, 2*num_heads = " + std::to_string(2 * dims.heads) + " heads)");
-  check_packed_heads(check, p.v, "v", {dims.tokens, dims.heads, Dim::any("Dv")},
-                     "(T from x_f8, H = num_heads)");
+  check.rope_options(p.layout, dims.head_dim);
+  set_heads(dims, p.layout);
+  check_packed_heads(check, p.qk, "qk",
+                     {dims.tokens, dims.q_heads + dims.kv_heads, dims.head_dim},
+                     "(T from x_f8) " + heads_why(dims));
+  check_packed_heads(check, p.v, "v", {dims.tokens, dims.kv_heads, Dim::any("Dv")},
+                     "(T from x_f8, num_kv_heads)");
   dims.v_dim = p.v.sizes[2];
   QKVF_CHECK(dims.v_dim >= 1, check.op(), ": v: expected a V head width Dv >= 1, got ",
              p.v.describe());
-  dims.qk_features = 2 * dims.heads * dims.head_dim;
-  dims.qkv_dim = dims.qk_features + dims.heads * dims.v_dim;
+  dims.qkv_dim = qkv_dim(p.layout, dims.head_dim, dims.v_dim);
 
   check.dtype(p.weight_f8, "weight_f8", DType::kFloat8E4M3);
   check.shape(p.weight_f8, "weight_f8", {dims.qkv_dim, dims.channels},
@@ -173,10 +187,12 @@ struct ForwardPlan {
 
 ForwardPlan plan_forward(const PackedQkvForwardParams& p) {
   const Checker check("packed_qkv_forward");
-  const std::vector<Arg> inputs = {{p.x_f8, "x_f8"},           {p.weight_f8, "weight_f8"},
-                                   {p.x_scale, "x_scale"},     {p.weight_scale, "weight_scale"},
-                                   {p.qkv_scale, "qkv_scale"}, {p.factor1, "factor1"},
-                                   {p.factor2, "factor2"}};
+  const std::vector<Arg> inputs = validate::concat({{p.x_f8, "x_f8"},
+                                                    {p.weight_f8, "weight_f8"},
+                                                    {p.x_scale, "x_scale"},
+                                                    {p.weight_scale, "weight_scale"},
+                                                    {p.qkv_scale, "qkv_scale"}},
+                                                   validate::rope_tensor_args(p.layout));
   const std::vector<Arg> outputs = {{p.qk, "qk"}, {p.v, "v"}, {p.q, "q"}, {p.k, "k"}};
   const Device device = check.same_device(validate::concat(inputs, outputs));
   const PackedDims dims = check_forward_args(check, p, device);
@@ -201,15 +217,15 @@ ForwardPlan plan_forward(const PackedQkvForwardParams& p) {
   for (const Fp8GemmParams& gemm : plan.gemms) {
     validate::validate_fp8_gemm(gemm, check.op() + ": QKV GEMM x_f8 @ weight_f8^T");
   }
-  plan.rope = {p.qk, p.factor1, p.factor2, p.q, p.k, p.layout, p.stream};
+  plan.rope = {.qk = p.qk, .q = p.q, .k = p.k, .layout = p.layout, .stream = p.stream};
   validate::validate_qk_norm_rope(plan.rope, check.op() + ": qk_norm_rope");
   return plan;
 }
 
 // ---- backward ----------------------------------------------------------------------------------
 
-/// The backward's own arguments (grad_q, grad_k, factors, grad_row and grad_t are also the
-/// qkv_backward_fp8 step's).
+/// The backward's own arguments (grad_q, grad_k, the layout, grad_row, grad_t and the norm
+/// weights' gradients are also the qkv_backward_fp8 step's).
 PackedDims check_backward_args(const Checker& check, const PackedQkvBackwardParams& p,
                                Device device) {
   PackedDims dims{};
@@ -217,15 +233,15 @@ PackedDims check_backward_args(const Checker& check, const PackedQkvBackwardPara
   check.ndim(p.qk, "qk", 3);
   dims.tokens = p.qk.sizes[0];
   dims.head_dim = p.qk.sizes[2];
-  check.rope_layout(p.layout, dims.head_dim);
-  dims.heads = p.layout.num_heads;
-  check.shape(p.qk, "qk", {Dim::any("T"), 2 * dims.heads, dims.head_dim},
-              "(2*num_heads = " + std::to_string(2 * dims.heads) + " heads)");
+  check.rope_options(p.layout, dims.head_dim);
+  set_heads(dims, p.layout);
+  check.shape(p.qk, "qk", {Dim::any("T"), dims.q_heads + dims.kv_heads, dims.head_dim},
+              heads_why(dims));
   check.dtype(p.grad_v, "grad_v", DType::kBFloat16);
-  check.shape(p.grad_v, "grad_v", {dims.tokens, dims.heads, Dim::any("Dv")}, "(T and H from qk)");
+  check.shape(p.grad_v, "grad_v", {dims.tokens, dims.kv_heads, Dim::any("Dv")},
+              "(T from qk, num_kv_heads)");
   dims.v_dim = p.grad_v.sizes[2];
-  dims.qk_features = 2 * dims.heads * dims.head_dim;
-  dims.qkv_dim = dims.qk_features + dims.heads * dims.v_dim;
+  dims.qkv_dim = qkv_dim(p.layout, dims.head_dim, dims.v_dim);
 
   check.dtype(p.x_f8_t, "x_f8_t", DType::kFloat8E4M3);
   check.shape(p.x_f8_t, "x_f8_t", {Dim::any("C"), dims.tokens}, "(T from qk)");
@@ -244,10 +260,10 @@ PackedDims check_backward_args(const Checker& check, const PackedQkvBackwardPara
     check.contiguous(view, name);
     check.aligned(view, name, device);
   };
-  check_weight(p.qk_weight, "qk_weight", dims.qk_features, "([2*H*D, C])");
-  check_weight(p.grad_qk_weight, "grad_qk_weight", dims.qk_features, "([2*H*D, C])");
-  check_weight(p.v_weight, "v_weight", dims.heads * dims.v_dim, "([H*Dv, C])");
-  check_weight(p.grad_v_weight, "grad_v_weight", dims.heads * dims.v_dim, "([H*Dv, C])");
+  check_weight(p.qk_weight, "qk_weight", dims.qk_features, "([(Hq+Hkv)*D, C])");
+  check_weight(p.grad_qk_weight, "grad_qk_weight", dims.qk_features, "([(Hq+Hkv)*D, C])");
+  check_weight(p.v_weight, "v_weight", dims.kv_heads * dims.v_dim, "([Hkv*Dv, C])");
+  check_weight(p.grad_v_weight, "grad_v_weight", dims.kv_heads * dims.v_dim, "([Hkv*Dv, C])");
 
   check_scalars(check,
                 {{p.x_scale, "x_scale"},
@@ -266,6 +282,22 @@ PackedDims check_backward_args(const Checker& check, const PackedQkvBackwardPara
   return dims;
 }
 
+/// The qkv_backward_fp8 step of the backward.
+QkvBackwardFp8Params fp8_step(const PackedQkvBackwardParams& p) {
+  return {.grad_q = p.grad_q,
+          .grad_k = p.grad_k,
+          .grad_v = p.grad_v,
+          .qk = p.qk,
+          .grad_scale = p.grad_scale,
+          .grad_row = p.grad_row,
+          .grad_t = p.grad_t,
+          .grad_q_weight = p.grad_q_weight,
+          .grad_k_weight = p.grad_k_weight,
+          .workspace = p.rope_workspace,
+          .layout = p.layout,
+          .stream = p.stream};
+}
+
 struct BackwardPlan {
   QkvBackwardFp8Params grad;
   std::vector<Fp8GemmParams> wgrad;
@@ -276,16 +308,20 @@ struct BackwardPlan {
 
 BackwardPlan plan_backward(const PackedQkvBackwardParams& p) {
   const Checker check("packed_qkv_backward");
-  const std::vector<Arg> inputs = {{p.grad_q, "grad_q"},       {p.grad_k, "grad_k"},
-                                   {p.grad_v, "grad_v"},       {p.qk, "qk"},
-                                   {p.factor1, "factor1"},     {p.factor2, "factor2"},
-                                   {p.x_f8_t, "x_f8_t"},       {p.weight_f8_t, "weight_f8_t"},
-                                   {p.qk_weight, "qk_weight"}, {p.v_weight, "v_weight"},
-                                   {p.x_scale, "x_scale"},     {p.weight_scale, "weight_scale"},
-                                   {p.qkv_scale, "qkv_scale"}, {p.grad_scale, "grad_scale"}};
+  const std::vector<Arg> inputs =
+      validate::concat({{p.grad_q, "grad_q"},       {p.grad_k, "grad_k"},
+                        {p.grad_v, "grad_v"},       {p.qk, "qk"},
+                        {p.x_f8_t, "x_f8_t"},       {p.weight_f8_t, "weight_f8_t"},
+                        {p.qk_weight, "qk_weight"}, {p.v_weight, "v_weight"},
+                        {p.x_scale, "x_scale"},     {p.weight_scale, "weight_scale"},
+                        {p.qkv_scale, "qkv_scale"}, {p.grad_scale, "grad_scale"}},
+                       validate::rope_tensor_args(p.layout));
   const std::vector<Arg> outputs = {{p.grad_row, "grad_row"},
                                     {p.grad_t, "grad_t"},
                                     {p.partials, "partials"},
+                                    {p.grad_q_weight, "grad_q_weight", true},
+                                    {p.grad_k_weight, "grad_k_weight", true},
+                                    {p.rope_workspace, "rope_workspace", true},
                                     {p.grad_x, "grad_x"},
                                     {p.grad_qk_weight, "grad_qk_weight"},
                                     {p.grad_v_weight, "grad_v_weight"},
@@ -295,8 +331,7 @@ BackwardPlan plan_backward(const PackedQkvBackwardParams& p) {
   const PackedDims dims = check_backward_args(check, p, plan.device);
   check.no_overlap(outputs, inputs);
 
-  plan.grad = {p.grad_q,     p.grad_k,   p.grad_v, p.qk,     p.factor1, p.factor2,
-               p.grad_scale, p.grad_row, p.grad_t, p.layout, p.stream};
+  plan.grad = fp8_step(p);
   validate::validate_qkv_backward_fp8(plan.grad, check.op() + ": qkv_backward_fp8");
 
   // wgrad: [qkv_dim, T] x [C, T] -> [qkv_dim, C], left unscaled by qkv_scale for the reduction.
@@ -344,6 +379,7 @@ BackwardPlan plan_backward(const PackedQkvBackwardParams& p) {
 void packed_qkv_forward(const PackedQkvForwardParams& params) {
   const ForwardPlan plan = plan_forward(params);
   if (params.x_f8.sizes[0] == 0) return;  // T = 0: nothing to compute
+  validate::check_positions_if_asked(params.layout, params.stream);
   if (params.x_f8.device.type == DeviceType::kCUDA) {
     for (const Fp8GemmParams& gemm : plan.gemms) cuda::fp8_gemm(gemm);
     cuda::qk_norm_rope(plan.rope);
@@ -353,10 +389,18 @@ void packed_qkv_forward(const PackedQkvForwardParams& params) {
   }
 }
 
-// T = 0 is a no-op like every op: nothing is written, the weight gradients included.
+// At T = 0 only the norm weights' gradients are written (zeros, by the qkv_backward_fp8 step).
 void packed_qkv_backward(const PackedQkvBackwardParams& params) {
   const BackwardPlan plan = plan_backward(params);
-  if (params.qk.sizes[0] == 0) return;
+  validate::check_positions_if_asked(params.layout, params.stream);
+  if (params.qk.sizes[0] == 0) {
+    if (plan.device.type == DeviceType::kCUDA) {
+      cuda::qkv_backward_fp8(plan.grad);
+    } else {
+      cpu::qkv_backward_fp8(plan.grad);
+    }
+    return;
+  }
   if (plan.device.type == DeviceType::kCUDA) {
     cuda::qkv_backward_fp8(plan.grad);
     for (const Fp8GemmParams& gemm : plan.wgrad) cuda::fp8_gemm(gemm);
@@ -368,6 +412,10 @@ void packed_qkv_backward(const PackedQkvBackwardParams& params) {
     cpu::fp8_gemm(plan.dgrad);
     cpu::grad_weight_finalize(plan.finalize);
   }
+}
+
+int64_t backward_workspace_size(const PackedQkvBackwardParams& params) {
+  return backward_workspace_size(fp8_step(params));
 }
 
 }  // namespace qkvfuse

@@ -1,5 +1,4 @@
-// qkv_backward_fp8.cpp: the public fused FP8 backward entry point: validate, skip empty work,
-// dispatch.
+// qkv_backward_fp8.cpp: the public fused FP8 backward entry point: validate, dispatch.
 #include "qkvfuse/qkv_backward_fp8.hpp"
 
 #include <string>
@@ -15,20 +14,25 @@ namespace validate {
 
 Device validate_qkv_backward_fp8(const QkvBackwardFp8Params& p, const std::string& op) {
   const Checker check(op);
-  const std::vector<Arg> inputs = {
-      {p.grad_q, "grad_q"},   {p.grad_k, "grad_k"},   {p.grad_v, "grad_v"},        {p.qk, "qk"},
-      {p.factor1, "factor1"}, {p.factor2, "factor2"}, {p.grad_scale, "grad_scale"}};
-  const std::vector<Arg> outputs = {{p.grad_row, "grad_row"}, {p.grad_t, "grad_t"}};
+  const std::vector<Arg> inputs = concat({{p.grad_q, "grad_q"},
+                                          {p.grad_k, "grad_k"},
+                                          {p.grad_v, "grad_v"},
+                                          {p.qk, "qk"},
+                                          {p.grad_scale, "grad_scale"}},
+                                         rope_tensor_args(p.layout));
+  const std::vector<Arg> outputs = {{p.grad_row, "grad_row"},
+                                    {p.grad_t, "grad_t"},
+                                    {p.grad_q_weight, "grad_q_weight", true},
+                                    {p.grad_k_weight, "grad_k_weight", true},
+                                    {p.workspace, "workspace", true}};
   const Device device = check.same_device(concat(inputs, outputs));
-  const RopeShape shape = rope_inputs(check, p.qk, p.factor1, p.factor2, p.layout, device,
-                                      /*wide_qk_on_cpu=*/false);
-  rope_output_pair(check, inputs[0], inputs[1], shape, DType::kBFloat16,
-                   /*contiguous=*/false);
+  const RopeShape shape = rope_inputs(check, p.qk, p.layout, device, /*wide_qk_on_cpu=*/false);
+  rope_output_pair(check, inputs[0], inputs[1], shape, DType::kBFloat16, /*contiguous=*/false);
 
   const int64_t tokens = shape.tokens;
-  const int64_t heads = shape.heads;
   check.dtype(p.grad_v, "grad_v", DType::kBFloat16);
-  check.shape(p.grad_v, "grad_v", {tokens, heads, Dim::any("Dv")}, "(T and H from qk)");
+  check.shape(p.grad_v, "grad_v", {tokens, shape.kv_heads, Dim::any("Dv")},
+              "(T from qk, num_kv_heads)");
   // CUDA stages a token tile's Q, K and V features in shared memory: Dv is bounded there.
   const bool cuda = device.type == DeviceType::kCUDA;
   const std::string v_range = cuda ? "in [1, " + std::to_string(cuda::kMaxVWidth) + "]" : ">= 1";
@@ -40,16 +44,19 @@ Device validate_qkv_backward_fp8(const QkvBackwardFp8Params& p, const std::strin
   check.scalar_f32(p.grad_scale, "grad_scale");
   check.aligned(p.grad_scale, "grad_scale", device);
 
-  const int64_t qkv_dim = 2 * heads * shape.head_dim + heads * p.grad_v.sizes[2];
-  const std::string why = "(qkv_dim = 2*H*D + H*Dv = " + std::to_string(qkv_dim) + ")";
+  const int64_t features = qkv_dim(p.layout, shape.head_dim, p.grad_v.sizes[2]);
+  const std::string why =
+      "(qkv_dim = (Hq + Hkv)*D + Hkv*Dv = " + std::to_string(features) + ")";
   check.dtype(p.grad_row, "grad_row", DType::kFloat8E4M3);
-  check.shape(p.grad_row, "grad_row", {tokens, qkv_dim}, why);
+  check.shape(p.grad_row, "grad_row", {tokens, features}, why);
   check.dtype(p.grad_t, "grad_t", DType::kFloat8E4M3);
-  check.shape(p.grad_t, "grad_t", {qkv_dim, tokens}, why);
-  for (const Arg& out : outputs) {
+  check.shape(p.grad_t, "grad_t", {features, tokens}, why);
+  for (const Arg& out : {outputs[0], outputs[1]}) {
     check.contiguous(out.view, out.name);
     check.element_aligned(out.view, out.name);
   }
+  rope_weight_grads(check, p.layout, shape, outputs[2], outputs[3], outputs[4],
+                    backward_workspace_size(p));
   check.no_overlap(outputs, inputs);
   return device;
 }
@@ -58,12 +65,18 @@ Device validate_qkv_backward_fp8(const QkvBackwardFp8Params& p, const std::strin
 
 void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
   const Device device = validate::validate_qkv_backward_fp8(params, "qkv_backward_fp8");
-  if (params.qk.sizes[0] == 0) return;  // T = 0: nothing to compute
+  validate::check_positions_if_asked(params.layout, params.stream);
   if (device.type == DeviceType::kCUDA) {
     cuda::qkv_backward_fp8(params);
   } else {
     cpu::qkv_backward_fp8(params);
   }
+}
+
+int64_t backward_workspace_size(const QkvBackwardFp8Params& params) {
+  const bool weighted = !is_absent(params.layout.q_weight) || !is_absent(params.layout.k_weight);
+  if (!weighted || params.qk.device.type != DeviceType::kCUDA || params.qk.ndim != 3) return 0;
+  return cuda::backward_workspace_size(params);
 }
 
 }  // namespace qkvfuse

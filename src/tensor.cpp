@@ -12,6 +12,8 @@ const char* dtype_name(DType dtype) {
     case DType::kFloat32: return "float32";
     case DType::kFloat64: return "float64";
     case DType::kFloat8E4M3: return "float8_e4m3fn";
+    case DType::kInt32: return "int32";
+    case DType::kInt64: return "int64";
   }
   QKVF_FAIL("unknown dtype tag ", int(dtype));
 }
@@ -22,6 +24,8 @@ std::size_t dtype_size(DType dtype) {
     case DType::kFloat32: return 4;
     case DType::kFloat64: return 8;
     case DType::kFloat8E4M3: return 1;
+    case DType::kInt32: return 4;
+    case DType::kInt64: return 8;
   }
   QKVF_FAIL("unknown dtype tag ", int(dtype));
 }

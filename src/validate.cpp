@@ -1,10 +1,15 @@
 // validate.cpp: the argument checks shared by the public entry points (see validate.hpp).
 #include "validate.hpp"
 
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "backend.hpp"
 #include "qkvfuse/error.hpp"
+#include "rope_math.hpp"
 
 namespace qkvfuse::validate {
 namespace {
@@ -184,74 +189,203 @@ void Checker::no_overlap(const std::vector<Arg>& outputs, const std::vector<Arg>
   }
 }
 
-void Checker::rope_layout(const RopeLayout& layout, int64_t head_dim) const {
-  QKVF_CHECK(layout.num_heads >= 1, op_, ": layout.num_heads: expected >= 1, got ",
-             layout.num_heads);
-  // Rotary pairs (2i, 2i+1) need an even D; 256 bounds the kernels' registers per row.
+void Checker::rope_options(const RopeLayout& layout, int64_t head_dim) const {
+  const int64_t q_heads = layout.num_heads;
+  const int64_t kv = kv_heads(layout);
+  QKVF_CHECK(q_heads >= 1, op_, ": layout.num_heads: expected >= 1, got ", q_heads);
+  QKVF_CHECK(layout.num_kv_heads >= 0 && q_heads % kv == 0, op_,
+             ": layout.num_kv_heads: expected a divisor of num_heads = ", q_heads,
+             " (0 for num_heads), got ", layout.num_kv_heads);
+  // Rotary pairs need an even D; 256 bounds the kernels' registers per row.
   QKVF_CHECK(head_dim % 2 == 0 && head_dim >= 2 && head_dim <= 256, op_, ": qk: head width D = ",
              head_dim, " is not supported: expected an even D in [2, 256]");
+  QKVF_CHECK(layout.rotary_style == RotaryStyle::kInterleaved ||
+                 layout.rotary_style == RotaryStyle::kNeox,
+             op_, ": layout.rotary_style: expected kInterleaved or kNeox, got ",
+             int(layout.rotary_style));
+
+  const bool tables = !is_absent(layout.factor1) || !is_absent(layout.factor2);
+  const bool cache = !is_absent(layout.cos_sin) || !is_absent(layout.positions);
+  QKVF_CHECK(tables != cache, op_,
+             tables ? ": layout: expected one angle source, got both the factor tables "
+                      "(factor1, factor2) and a cos/sin cache (cos_sin, positions)"
+                    : ": layout: expected an angle source: factor1 and factor2, or cos_sin and "
+                      "positions");
+  if (tables) {
+    QKVF_CHECK(!is_absent(layout.factor1) && !is_absent(layout.factor2), op_,
+               ": layout: factor1 and factor2 go together, got only ",
+               is_absent(layout.factor1) ? "factor2" : "factor1");
+  } else {
+    QKVF_CHECK(!is_absent(layout.cos_sin) && !is_absent(layout.positions), op_,
+               ": layout: cos_sin and positions go together, got only ",
+               is_absent(layout.cos_sin) ? "positions" : "cos_sin");
+    QKVF_CHECK(layout.cos_sin.ndim == 2, op_, ": layout.cos_sin: expected 2 dims [P, r], got ",
+               layout.cos_sin.describe());
+  }
+
+  const int64_t rotary = rope::resolved_rotary_dim(layout, head_dim);
+  QKVF_CHECK(layout.rotary_dim >= -1, op_,
+             ": layout.rotary_dim: expected -1 (the default) or an even value in [0, D = ",
+             head_dim, "], got ", layout.rotary_dim);
+  QKVF_CHECK(rotary % 2 == 0 && rotary >= 0 && rotary <= head_dim, op_,
+             layout.rotary_dim >= 0 ? ": layout.rotary_dim: expected an even value in [0, D = "
+                                    : ": layout.cos_sin: expected an even width r in [0, D = ",
+             head_dim, "], got ", rotary);
+  if (cache) {
+    QKVF_CHECK(layout.cos_sin.sizes[1] == rotary, op_, ": layout.cos_sin: expected width r = ",
+               rotary, " (layout.rotary_dim), got ", layout.cos_sin.describe());
+  }
+
+  const bool same_heads = kv == q_heads;
   QKVF_CHECK(!(layout.paired && layout.key_offset), op_,
              ": layout: paired and key_offset cannot both be set");
-  QKVF_CHECK(!layout.paired || layout.num_heads % 2 == 0, op_,
-             ": layout.paired: needs an even num_heads, got num_heads = ", layout.num_heads);
-  if (layout.key_offset) {
-    const int64_t rotary = layout.rotary_dim;
-    QKVF_CHECK(rotary % 2 == 0 && rotary >= 0 && rotary <= head_dim, op_,
-               ": layout.rotary_dim: expected an even value in [0, D = ", head_dim,
-               "] with key_offset, got ", rotary);
+  QKVF_CHECK(!layout.paired || (same_heads && q_heads % 2 == 0), op_,
+             ": layout.paired: needs num_kv_heads = num_heads and an even num_heads, got ",
+             q_heads, " and ", kv);
+  QKVF_CHECK(!layout.paired || tables, op_,
+             ": layout.paired: defined with factor tables [T, 2D] only, got a cos/sin cache");
+  QKVF_CHECK(!layout.key_offset || same_heads, op_,
+             ": layout.key_offset: needs num_kv_heads = num_heads, got ", q_heads, " and ", kv);
+
+  const bool weighted = !is_absent(layout.q_weight) || !is_absent(layout.k_weight);
+  QKVF_CHECK(!weighted || layout.normalize, op_,
+             ": layout: norm weights (q_weight, k_weight) need normalize = true");
+  QKVF_CHECK(!layout.normalize || (layout.eps > 0.0f && layout.eps <= 3.4e38f), op_,
+             ": layout.eps: expected a positive finite value, got ", layout.eps);
+  QKVF_CHECK(layout.weight_offset == layout.weight_offset &&
+                 layout.weight_offset >= -3.4e38f && layout.weight_offset <= 3.4e38f,
+             op_, ": layout.weight_offset: expected a finite value, got ", layout.weight_offset);
+}
+
+void check_positions_if_asked(const RopeLayout& layout, Stream stream) {
+  static const bool always = [] {
+    const char* value = std::getenv("QKVFUSE_CHECK_POSITIONS");
+    return value != nullptr && std::strcmp(value, "1") == 0;
+  }();
+  if (always && !is_absent(layout.positions)) {
+    check_positions(layout.positions, layout.cos_sin.sizes[0], stream);
   }
 }
 
-RopeShape rope_inputs(const Checker& check, const TensorView& qk, const TensorView& factor1,
-                      const TensorView& factor2, const RopeLayout& layout, Device device,
-                      bool wide_qk_on_cpu) {
-  if (wide_qk_on_cpu && device.type == DeviceType::kCPU) {
+RopeShape rope_inputs(const Checker& check, const TensorView& qk, const RopeLayout& layout,
+                      Device device, bool wide_qk_on_cpu) {
+  const bool cpu = device.type == DeviceType::kCPU;
+  if (wide_qk_on_cpu && cpu) {
     check.dtype_in(qk, "qk", {DType::kBFloat16, DType::kFloat32, DType::kFloat64});
   } else {
     check.dtype(qk, "qk", DType::kBFloat16);
   }
   check.ndim(qk, "qk", 3);
   const int64_t head_dim = qk.sizes[2];
-  check.rope_layout(layout, head_dim);
-  const int64_t heads = layout.num_heads;
-  check.shape(qk, "qk", {Dim::any("T"), 2 * heads, head_dim},
-              "(2*num_heads = " + std::to_string(2 * heads) + " heads)");
+  check.rope_options(layout, head_dim);
+  const int64_t q_heads = layout.num_heads;
+  const int64_t kv = kv_heads(layout);
+  check.shape(qk, "qk", {Dim::any("T"), q_heads + kv, head_dim},
+              "(num_heads + num_kv_heads = " + std::to_string(q_heads + kv) + " heads)");
   check.last_dim_contiguous(qk, "qk");
   check.element_aligned(qk, "qk");
 
   const int64_t tokens = qk.sizes[0];
-  RopeShape shape{tokens, heads, head_dim, tokens, heads, head_dim};
-  if (layout.paired) shape = {tokens, heads, head_dim, 2 * tokens, heads / 2, 2 * head_dim};
-
-  // The CPU also takes factors in qk's own dtype (float64 gradient checks); CUDA reads bf16/fp32.
-  if (device.type == DeviceType::kCUDA) {
-    check.dtype_in(factor1, "factor1", {DType::kBFloat16, DType::kFloat32});
-  } else {
-    check.dtype_in(factor1, "factor1", {DType::kBFloat16, DType::kFloat32, qk.dtype});
+  RopeShape shape{tokens,   q_heads, kv, head_dim, rope::resolved_rotary_dim(layout, head_dim),
+                  tokens,   q_heads, kv};
+  if (layout.paired) {
+    shape.out_tokens = 2 * tokens;
+    shape.q_out_heads = q_heads / 2;
+    shape.k_out_heads = kv / 2;
   }
-  const char* why = layout.paired ? "(paired: [T, 2*D])" : "";
-  for (const Arg& factor : {Arg{factor1, "factor1"}, Arg{factor2, "factor2"}}) {
-    check.dtype(factor.view, factor.name, factor1.dtype);
-    check.shape(factor.view, factor.name, {tokens, shape.factor_width}, why);
-    check.last_dim_contiguous(factor.view, factor.name);
-    check.element_aligned(factor.view, factor.name);
+
+  // The CPU also takes tables and weights in qk's own dtype (float64 gradient checks).
+  const auto float_dtypes = [&](const TensorView& view, const char* name) {
+    if (cpu) {
+      check.dtype_in(view, name, {DType::kBFloat16, DType::kFloat32, qk.dtype});
+    } else {
+      check.dtype_in(view, name, {DType::kBFloat16, DType::kFloat32});
+    }
+  };
+  if (!is_absent(layout.factor1)) {
+    float_dtypes(layout.factor1, "layout.factor1");
+    const int64_t width = layout.paired ? 2 * head_dim : head_dim;
+    const char* why = layout.paired ? "(paired: [T, 2*D])" : "([T, D])";
+    for (const Arg& factor : {Arg{layout.factor1, "layout.factor1"},
+                              Arg{layout.factor2, "layout.factor2"}}) {
+      check.dtype(factor.view, factor.name, layout.factor1.dtype);
+      check.shape(factor.view, factor.name, {tokens, width}, why);
+      check.last_dim_contiguous(factor.view, factor.name);
+      check.element_aligned(factor.view, factor.name);
+    }
+  } else {
+    float_dtypes(layout.cos_sin, "layout.cos_sin");
+    QKVF_CHECK(layout.cos_sin.sizes[0] >= 1, check.op(),
+               ": layout.cos_sin: expected at least one position P >= 1, got ",
+               layout.cos_sin.describe());
+    check.last_dim_contiguous(layout.cos_sin, "layout.cos_sin");
+    check.element_aligned(layout.cos_sin, "layout.cos_sin");
+    check.dtype_in(layout.positions, "layout.positions", {DType::kInt32, DType::kInt64});
+    check.shape(layout.positions, "layout.positions", {tokens}, "([T], T from qk)");
+    check.element_aligned(layout.positions, "layout.positions");
+  }
+  for (const Arg& weight : {Arg{layout.q_weight, "layout.q_weight", true},
+                            Arg{layout.k_weight, "layout.k_weight", true}}) {
+    if (is_absent(weight.view)) continue;
+    float_dtypes(weight.view, weight.name);
+    check.shape(weight.view, weight.name, {head_dim}, "([D])");
+    check.last_dim_contiguous(weight.view, weight.name);
+    check.element_aligned(weight.view, weight.name);
   }
   return shape;
 }
 
-void rope_output_pair(const Checker& check, Arg first, Arg second, const RopeShape& shape,
-                      DType dtype, bool contiguous) {
-  const char* why = shape.out_tokens != shape.tokens ? "(paired: [2T, H/2, D])" : "([T, H, D])";
-  for (const Arg& arg : {first, second}) {
+std::vector<Arg> rope_tensor_args(const RopeLayout& layout) {
+  return {{layout.factor1, "layout.factor1", true},   {layout.factor2, "layout.factor2", true},
+          {layout.cos_sin, "layout.cos_sin", true},   {layout.positions, "layout.positions", true},
+          {layout.q_weight, "layout.q_weight", true}, {layout.k_weight, "layout.k_weight", true}};
+}
+
+void rope_output_pair(const Checker& check, Arg q, Arg k, const RopeShape& shape, DType dtype,
+                      bool contiguous) {
+  const bool paired = shape.out_tokens != shape.tokens;
+  const auto check_one = [&](const Arg& arg, int64_t heads, const char* why) {
     check.dtype(arg.view, arg.name, dtype);
-    check.shape(arg.view, arg.name, {shape.out_tokens, shape.out_heads, shape.head_dim}, why);
+    check.shape(arg.view, arg.name, {shape.out_tokens, heads, shape.head_dim},
+                paired ? "(paired: [2T, H/2, D])" : why);
     if (contiguous) {
       check.contiguous(arg.view, arg.name);
     } else {
       check.last_dim_contiguous(arg.view, arg.name);
     }
     check.element_aligned(arg.view, arg.name);
+  };
+  check_one(q, shape.q_out_heads, "([T, num_heads, D])");
+  check_one(k, shape.k_out_heads, "([T, num_kv_heads, D])");
+}
+
+void rope_weight_grads(const Checker& check, const RopeLayout& layout, const RopeShape& shape,
+                       Arg grad_q_weight, Arg grad_k_weight, Arg workspace,
+                       int64_t workspace_size) {
+  for (const auto& [grad, weight] : {std::pair<Arg, const TensorView*>{grad_q_weight,
+                                                                        &layout.q_weight},
+                                     std::pair<Arg, const TensorView*>{grad_k_weight,
+                                                                        &layout.k_weight}}) {
+    if (is_absent(*weight)) {
+      QKVF_CHECK(is_absent(grad.view), check.op(), ": ", grad.name,
+                 ": given, but its weight is not (a gradient goes with its weight)");
+      continue;
+    }
+    QKVF_CHECK(!is_absent(grad.view), check.op(), ": ", grad.name,
+               ": missing (the layout has its weight, whose gradient it receives)");
+    check.dtype(grad.view, grad.name, weight->dtype);
+    check.shape(grad.view, grad.name, {shape.head_dim}, "([D], as its weight)");
+    check.contiguous(grad.view, grad.name);
+    check.element_aligned(grad.view, grad.name);
   }
+  if (workspace_size == 0 && is_absent(workspace.view)) return;
+  check.dtype(workspace.view, workspace.name, DType::kFloat32);
+  check.ndim(workspace.view, workspace.name, 1);
+  check.contiguous(workspace.view, workspace.name);
+  check.element_aligned(workspace.view, workspace.name);
+  QKVF_CHECK(workspace.view.sizes[0] >= workspace_size, check.op(), ": ", workspace.name,
+             ": expected at least ", workspace_size,
+             " float32 elements (backward_workspace_size), got ", workspace.view.describe());
 }
 
 ByteRange byte_range(const TensorView& view) {

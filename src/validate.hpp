@@ -50,14 +50,16 @@ struct Dim {
 /// `first` followed by `second` (Arg holds a reference, so vectors of it grow by push_back only).
 std::vector<Arg> concat(const std::vector<Arg>& first, const std::vector<Arg>& second);
 
-/// The shapes of the rope ops (SPEC.md section 1), derived from qk and the layout.
+/// The shapes of a rope call (SPEC.md sections 1 and 8), derived from qk and the layout.
 struct RopeShape {
-  int64_t tokens;        ///< T
-  int64_t heads;         ///< H (qk holds 2H input heads)
-  int64_t head_dim;      ///< D
-  int64_t out_tokens;    ///< T, or 2T when paired
-  int64_t out_heads;     ///< H, or H/2 when paired
-  int64_t factor_width;  ///< D, or 2D when paired
+  int64_t tokens;       ///< T
+  int64_t q_heads;      ///< Hq
+  int64_t kv_heads;     ///< Hkv
+  int64_t head_dim;     ///< D
+  int64_t rotary_dim;   ///< r, resolved
+  int64_t out_tokens;   ///< T, or 2T when paired
+  int64_t q_out_heads;  ///< Hq, or Hq/2 when paired
+  int64_t k_out_heads;  ///< Hkv, or Hkv/2 when paired
 };
 
 /// The checks of one op; every message starts with the op's name.
@@ -93,29 +95,44 @@ class Checker {
   /// No output shares a byte with another output or with any input.
   void no_overlap(const std::vector<Arg>& outputs, const std::vector<Arg>& inputs) const;
 
-  /// Layout flags against D (qk's last dim): num_heads >= 1, D even and in [2, 256] on every
-  /// device; with key_offset rotary_dim even in [0, D]; paired needs H even; paired and
-  /// key_offset exclude each other.
-  void rope_layout(const RopeLayout& layout, int64_t head_dim) const;
+  /// The layout's scalar options against D (qk's last dim), on every device: Hq >= 1,
+  /// Hq % Hkv == 0, D even in [2, 256], r even in [0, D], paired / key_offset only with
+  /// Hq = Hkv (paired: Hq even, factor tables; not both), a known rotary style, eps > 0 and
+  /// finite, a finite weight offset, weights only with normalize, exactly one angle source.
+  void rope_options(const RopeLayout& layout, int64_t head_dim) const;
 
  private:
   std::string op_;
 };
 
-/// The inputs shared by the three rope ops: qk [T, 2H, D] (bfloat16; float32 and float64 too on
-/// the CPU when `wide_qk_on_cpu`), last dim contiguous; the layout; factor1/factor2 [T, D or 2D]
-/// of one dtype in {bfloat16, float32} (or qk's own dtype on the CPU), last dim contiguous.
-/// Pointers need only their elements' alignment, strides are free: the CUDA backend picks its
-/// 16-byte vector kernels or its element-pair kernels from them (src/cuda/rope_paths.hpp).
-/// Returns the shapes.
-RopeShape rope_inputs(const Checker& check, const TensorView& qk, const TensorView& factor1,
-                      const TensorView& factor2, const RopeLayout& layout, Device device,
-                      bool wide_qk_on_cpu);
+/// The inputs shared by the rope ops: qk [T, Hq + Hkv, D] (bfloat16; float32 and float64 too on
+/// the CPU when `wide_qk_on_cpu`), last dim contiguous; the layout's options (rope_options) and
+/// tensors: factor tables [T, D or 2D] or cos_sin [P, r] + positions [T], weights [D]. Float
+/// tables and weights are bfloat16 or float32 (or qk's own dtype on the CPU). Pointers need only
+/// their elements' alignment, strides are free: the CUDA backend picks its access width from
+/// them (src/cuda/rope_paths.hpp). Returns the shapes.
+RopeShape rope_inputs(const Checker& check, const TensorView& qk, const RopeLayout& layout,
+                      Device device, bool wide_qk_on_cpu);
 
-/// A pair in the forward's output layout ([T, H, D], or [2T, H/2, D] when paired) of `dtype`:
-/// the outputs q, k (`contiguous`) or the gradients grad_q, grad_k (last dim contiguous only).
-void rope_output_pair(const Checker& check, Arg first, Arg second, const RopeShape& shape,
-                      DType dtype, bool contiguous);
+/// The layout's tensors as optional arguments, for same_device and no_overlap.
+std::vector<Arg> rope_tensor_args(const RopeLayout& layout);
+
+/// A pair in the forward's output layout ([T, Hq, D] and [T, Hkv, D], or [2T, H/2, D] when
+/// paired) of `dtype`: the outputs q, k (`contiguous`) or the gradients grad_q, grad_k (last
+/// dim contiguous only).
+void rope_output_pair(const Checker& check, Arg q, Arg k, const RopeShape& shape, DType dtype,
+                      bool contiguous);
+
+/// The backward's weight gradients (each present exactly when its weight is: [D], the weight's
+/// dtype, contiguous) and the workspace (float32, contiguous, at least `workspace_size`
+/// elements; may be absent when that is 0).
+void rope_weight_grads(const Checker& check, const RopeLayout& layout, const RopeShape& shape,
+                       Arg grad_q_weight, Arg grad_k_weight, Arg workspace,
+                       int64_t workspace_size);
+
+/// QKVFUSE_CHECK_POSITIONS=1 in the environment: every call with a cos/sin cache runs
+/// check_positions before its kernels (it synchronizes).
+void check_positions_if_asked(const RopeLayout& layout, Stream stream);
 
 // Whole-op validators, defined next to each entry point (src/<op>.cpp). packed_qkv.cpp runs them
 // on every step before launching any, so a bad argument never leaves half-written outputs. Each

@@ -12,20 +12,19 @@
 namespace qkvfuse {
 
 /// Forward: qkv = (x_f8 @ weight_f8^T) * x_scale * weight_scale * qkv_scale (fast accumulation,
-/// bf16 out), then q, k = qk_norm_rope(qkv[:, :2HD]) and v = qkv[:, 2HD:].
+/// bf16 out), then q, k = qk_norm_rope(qkv[:, :QK]) and v = qkv[:, QK:], QK = (Hq + Hkv) * D.
 ///
 ///   x_f8        e4m3 [T, C], row-major
-///   weight_f8   e4m3 [qkv_dim, C], the cached packed [Wq; Wk; Wv], qkv_dim = 2*H*D + H*Dv
+///   weight_f8   e4m3 [qkv_dim, C], the cached packed [Wq; Wk; Wv], qkv_dim(layout, D, Dv)
 ///   x_scale, weight_scale, qkv_scale   float32 scalars on the device
-///   factor1/2   as qk_norm_rope
-///   qk          output bf16 [T, 2H, D]: the GEMM's Q/K columns, saved for the backward
-///   v           output bf16 [T, H, Dv]
-///   q, k        outputs as qk_norm_rope
+///   qk          output bf16 [T, Hq + Hkv, D]: the GEMM's Q/K columns, saved for the backward
+///   v           output bf16 [T, Hkv, Dv]
+///   q, k        outputs as qk_norm_rope; layout as qk_norm_rope (its tables and weights too)
 /// When qk and v are the two column slices of one row-major [T, qkv_dim] buffer (v starts at
-/// column 2*H*D of qk's rows), one GEMM writes both. Otherwise (paired layers, where attention
+/// column QK of qk's rows), one GEMM writes both. Otherwise (paired layers, where attention
 /// needs v dense) two GEMMs over the Q/K rows and the V rows of the weight write them apart.
 /// qk and v keep each token's heads packed in one row (head stride D, resp. Dv). On CUDA every
-/// GEMM step takes fp8_gemm's requirements: T, C and qkv_dim (with two GEMMs also 2*H*D and H*Dv)
+/// GEMM step takes fp8_gemm's requirements: T, C and qkv_dim (with two GEMMs also QK and Hkv*Dv)
 /// multiples of 16, row strides of x_f8, weight_f8, qk and v multiples of 16 elements and their
 /// pointers 16-byte aligned; the op checks them all before anything runs. T = 0 is a no-op.
 struct PackedQkvForwardParams {
@@ -34,8 +33,6 @@ struct PackedQkvForwardParams {
   TensorView x_scale;
   TensorView weight_scale;
   TensorView qkv_scale;
-  TensorView factor1;
-  TensorView factor2;
   TensorView qk;
   TensorView v;
   TensorView q;
@@ -57,28 +54,30 @@ inline constexpr int64_t kGradScalePartials = 264;
 ///   grad_qkv_scale   = sum(grad_weight * [qk_weight; v_weight])  (products and sum in fp32)
 ///   grad_qk_weight, grad_v_weight = split(grad_weight) * qkv_scale
 ///
-///   grad_q, grad_k, grad_v, qk, factor1/2: as qkv_backward_fp8
+///   grad_q, grad_k, grad_v, qk, layout: as qkv_backward_fp8
 ///   x_f8_t          e4m3 [C, T], x quantized with x_scale, transposed
 ///   weight_f8_t     e4m3 [C, qkv_dim], the cached packed weight, transposed
-///   qk_weight       bf16 [2*H*D, C], v_weight bf16 [H*Dv, C]: the master weights
+///   qk_weight       bf16 [(Hq+Hkv)*D, C], v_weight bf16 [Hkv*Dv, C]: the master weights
 ///   grad_row        workspace e4m3 [T, qkv_dim];  grad_t workspace e4m3 [qkv_dim, T]
 ///   partials        workspace float32 [kGradScalePartials]
+///   grad_q_weight, grad_k_weight, rope_workspace: the norm weights' gradients and their
+///                   workspace, as qkv_backward_fp8's grad_q_weight, grad_k_weight, workspace
+///                   (size: backward_workspace_size of these params)
 ///   grad_x          output bf16 [T, C]
-///   grad_qk_weight  output bf16 [2*H*D, C];  grad_v_weight output bf16 [H*Dv, C]
+///   grad_qk_weight  output bf16 [(Hq+Hkv)*D, C];  grad_v_weight output bf16 [Hkv*Dv, C]
 ///                   (one wgrad GEMM when grad_v_weight directly follows grad_qk_weight in
 ///                   memory, as two row slices of one [qkv_dim, C] buffer; two otherwise)
 ///   grad_qkv_scale  output float32 scalar
 /// On CUDA the GEMM requirements above apply to grad_row, grad_t, x_f8_t, weight_f8_t, grad_x and
 /// the weight gradients; the master weights and their gradients must be row-major contiguous
-/// and partials 16-byte aligned. T = 0 is a no-op: nothing is written, the weight gradients and
-/// grad_qkv_scale included (the PyTorch binding returns zeros for them).
+/// and partials 16-byte aligned. T = 0 is a no-op for the projection: nothing is written, the
+/// projection's weight gradients and grad_qkv_scale included (the PyTorch binding returns zeros
+/// for them); the norm weights' gradients are written as zeros, as qkv_backward_fp8 writes them.
 struct PackedQkvBackwardParams {
   TensorView grad_q;
   TensorView grad_k;
   TensorView grad_v;
   TensorView qk;
-  TensorView factor1;
-  TensorView factor2;
   TensorView x_f8_t;
   TensorView weight_f8_t;
   TensorView qk_weight;
@@ -90,6 +89,9 @@ struct PackedQkvBackwardParams {
   TensorView grad_row;
   TensorView grad_t;
   TensorView partials;
+  TensorView grad_q_weight;
+  TensorView grad_k_weight;
+  TensorView rope_workspace;
   TensorView grad_x;
   TensorView grad_qk_weight;
   TensorView grad_v_weight;
@@ -100,5 +102,8 @@ struct PackedQkvBackwardParams {
 
 void packed_qkv_forward(const PackedQkvForwardParams& params);
 void packed_qkv_backward(const PackedQkvBackwardParams& params);
+
+/// Float32 elements rope_workspace must hold (the qkv_backward_fp8 step's workspace).
+int64_t backward_workspace_size(const PackedQkvBackwardParams& params);
 
 }  // namespace qkvfuse

@@ -25,9 +25,11 @@ enum class DType : int8_t {
   kFloat32,
   kFloat64,
   kFloat8E4M3,  ///< float8_e4m3fn: bias 7, max 448, 0x7f/0xff NaN, no infinities
+  kInt32,       ///< rotary positions
+  kInt64,       ///< rotary positions
 };
 
-/// "bfloat16", "float32", "float64", "float8_e4m3fn".
+/// "bfloat16", "float32", "float64", "float8_e4m3fn", "int32", "int64".
 const char* dtype_name(DType dtype);
 /// Size of one element in bytes.
 std::size_t dtype_size(DType dtype);

@@ -1,12 +1,13 @@
 // cpu/qkv_backward_fp8.cpp: the CPU reference of the fused backward into FP8 (SPEC.md section 3).
 //
-//   Q/K features f = h2*D + d:            code = e4m3(bf16(dx[t, h2, d]) / grad_scale)
-//   V features   f = 2*H*D + h*Dv + d:    code = e4m3(grad_v[t, h, d] / grad_scale)
+//   Q/K features f = h2*D + d:               code = e4m3(bf16(dx[t, h2, d]) / grad_scale)
+//   V features   f = (Hq+Hkv)*D + h*Dv + d:  code = e4m3(grad_v[t, h, d] / grad_scale)
 //   grad_row[t, f] = grad_t[f, t] = code
-// with dx the QK-norm/rotary backward of section 2 and both divisions true fp32 divisions.
+// with dx the QK-norm/rotary backward of sections 2 and 8 and both divisions true fp32 divisions.
 //
-// The QK part reuses the bf16 backward (cpu::qk_norm_rope_backward) into a temporary [T, 2H, D]
-// bf16 buffer: that *is* "dx rounded to bf16 first", so the two ops cannot drift apart. The GPU
+// The QK part reuses the bf16 backward (cpu::qk_norm_rope_backward, which also writes the norm
+// weights' gradients) into a temporary [T, Hq + Hkv, D] bf16 buffer: that *is* "dx rounded to
+// bf16 first", so the two ops cannot drift apart. The GPU
 // kernel fuses these steps; the reference spends the extra buffer for one definition of dx.
 #include <cstdint>
 #include <vector>
@@ -24,17 +25,19 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& p) {
   const int64_t heads = p.grad_v.sizes[1];
   const int64_t v_dim = p.grad_v.sizes[2];
   const int64_t qk_features = heads2 * head_dim;
-  const int64_t qkv_dim = qk_features + heads * v_dim;
+  const int64_t features = qkv_dim(p.layout, head_dim, v_dim);
 
   std::vector<uint16_t> dx(size_t(tokens * qk_features));
-  QkNormRopeBackwardParams rope;
-  rope.grad_q = p.grad_q;
-  rope.grad_k = p.grad_k;
-  rope.qk = p.qk;
-  rope.factor1 = p.factor1;
-  rope.factor2 = p.factor2;
-  rope.grad_qk = make_view(dx.data(), DType::kBFloat16, p.qk.device, {tokens, heads2, head_dim});
-  rope.layout = p.layout;
+  const QkNormRopeBackwardParams rope{
+      .grad_q = p.grad_q,
+      .grad_k = p.grad_k,
+      .qk = p.qk,
+      .grad_qk = make_view(dx.data(), DType::kBFloat16, p.qk.device, {tokens, heads2, head_dim}),
+      .grad_q_weight = p.grad_q_weight,
+      .grad_k_weight = p.grad_k_weight,
+      .workspace = {},
+      .layout = p.layout,
+  };
   cpu::qk_norm_rope_backward(rope);  // qualified: ADL would also find the public op
 
   const float scale = *p.grad_scale.ptr<const float>();
@@ -45,7 +48,7 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& p) {
     for (int64_t t = begin; t < end; ++t) {
       const auto write = [&](int64_t feature, uint16_t bf16) {
         const uint8_t code = float_to_e4m3(bf16_to_float(bf16) / scale);
-        row[t * qkv_dim + feature] = code;
+        row[t * features + feature] = code;
         transposed[feature * tokens + t] = code;
       };
       for (int64_t f = 0; f < qk_features; ++f) write(f, dx[size_t(t * qk_features + f)]);

@@ -25,6 +25,13 @@ void quantize_weight_bank(const QuantizeWeightBankParams&) { unavailable("quanti
 void fp8_gemm(const Fp8GemmParams&) { unavailable("fp8_gemm"); }
 void grad_weight_finalize(const GradWeightFinalizeParams&) { unavailable("packed_qkv_backward"); }
 void check_pointer_on_device(const void*, Device, const char* name) { unavailable(name); }
+int64_t backward_workspace_size(const QkNormRopeBackwardParams&) {
+  unavailable("qk_norm_rope_backward");
+}
+int64_t backward_workspace_size(const QkvBackwardFp8Params&) { unavailable("qkv_backward_fp8"); }
+BadPosition find_bad_position(const TensorView&, int64_t, Stream) {
+  unavailable("check_positions");
+}
 }  // namespace cuda
 
 }  // namespace qkvfuse
