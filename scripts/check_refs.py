@@ -119,8 +119,6 @@ def main():
                             continue
                         if not (ext_re.search(path) or (head in top and path.endswith("/"))):
                             continue
-                        if head not in top and not ext_re.search(path):
-                            continue
                         if not exists(path, citing_dir):
                             missing.append((f, lineno, path))
                     elif (ext_re if is_doc else code_ext_re).search(path):

@@ -26,7 +26,8 @@ if [ "${QKVFUSE_SKIP_PYTHON:-0}" != 1 ]; then
   echo "== Python package + tests"
   python_outside -c 'import torch' 2>/dev/null || python3 -m pip install -q torch
   python3 -m pip install -q pytest scikit-build-core numpy
-  python_outside -c 'import os, torch; print(f"torch {torch.__version__} at {os.path.dirname(torch.__file__)}")'
+  python_outside -c 'import os, torch
+print(f"torch {torch.__version__} at {os.path.dirname(torch.__file__)}")'
   CMAKE_BUILD_PARALLEL_LEVEL=$jobs python3 -m pip install -q --no-build-isolation --no-deps .
   # Run from outside the source tree so the installed package (with its compiled library) is used.
   (cd tests/python && python3 -m pytest -q -ra .)
