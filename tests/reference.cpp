@@ -39,17 +39,8 @@ double round_significant(double x, int bits, int min_exponent) {
 /// Element (i, j) of a dense row-major matrix with `cols` columns.
 size_t at(int64_t i, int64_t j, int64_t cols) { return size_t(i * cols + j); }
 
-/// Normalized row and its rstd: n = x / sqrt(mean(x^2) + eps).
-double normalize(const double* x, int64_t width, std::vector<double>& n) {
-  double squares = 0;
-  for (int64_t d = 0; d < width; ++d) squares += x[d] * x[d];
-  const double rstd = 1.0 / std::sqrt(squares / double(width) + kEps);
-  n.resize(size_t(width));
-  for (int64_t d = 0; d < width; ++d) n[size_t(d)] = x[d] * rstd;
-  return rstd;
-}
-
-/// Output token, output head and factor column offset of input row (t, h2) (SPEC.md 1).
+/// Output token, output head and factor column offset of input row (t, h2) (SPEC.md 1 and 8):
+/// rows h2 < Hq are query heads, the rest key heads h2 - Hq.
 struct Target {
   int64_t token;
   int64_t head;
@@ -58,16 +49,91 @@ struct Target {
 };
 
 Target target_of(const Rope& rope, int64_t t, int64_t h2) {
-  const int64_t h = h2 % rope.heads;
   const bool key = h2 >= rope.heads;
+  const int64_t h = key ? h2 - rope.heads : h2;
   if (!rope.paired) return {t, h, 0, key};
   const int64_t half = rope.heads / 2;
   return {2 * t + h / half, h % half, (h % 2) * rope.head_dim, key};
 }
 
-/// True when output element d of (t, h2) copies the previous token's normalized key instead.
+/// Index of output row (token, head) in q or k.
+size_t out_row(const Rope& rope, const Target& target) {
+  const int64_t heads = target.key ? rope.k_out_heads() : rope.q_out_heads();
+  return size_t(target.token * heads + target.head);
+}
+
+/// A rotary pair of lanes and the frequency it turns at. Interleaved: (2i, 2i + 1); NeoX:
+/// (i, i + r/2); i in [0, r/2).
+struct Pair {
+  int64_t first;
+  int64_t second;
+  int64_t frequency;
+};
+
+std::vector<Pair> rotary_pairs(const Rope& rope) {
+  const int64_t half = rope.rotary() / 2;
+  std::vector<Pair> pairs;
+  for (int64_t i = 0; i < half; ++i) {
+    pairs.push_back(rope.neox ? Pair{i, i + half, i} : Pair{2 * i, 2 * i + 1, i});
+  }
+  return pairs;
+}
+
+/// [y_first, y_second] = M [nw_first, nw_second] for one pair of one row.
+struct Rotation {
+  double m00, m01, m10, m11;
+};
+
+/// The rotation of `pair` at token t for rows reading factor columns from `offset`. Tables:
+/// y[d] = f1[d] nw[d] + f2[d] nw[partner]. Cache: the rotation by the angle whose cos and sin
+/// are cached at row positions[t]: (c, -s; s, c); NaN outside [0, P).
+Rotation rotation(const Rope& rope, const RopeTensors& tensors, int64_t t, int64_t offset,
+                  const Pair& pair) {
+  if (!tensors.cache) {
+    const int64_t width = rope.factor_width();
+    const size_t a = at(t, offset + pair.first, width);
+    const size_t b = at(t, offset + pair.second, width);
+    return {tensors.factor1[a], tensors.factor2[a], tensors.factor2[b], tensors.factor1[b]};
+  }
+  const int64_t position = tensors.positions[size_t(t)];
+  if (position < 0 || position >= tensors.cache_rows) return {kNaN, kNaN, kNaN, kNaN};
+  const int64_t r = rope.rotary();
+  const double c = tensors.cos_sin[at(position, pair.frequency, r)];
+  const double s = tensors.cos_sin[at(position, r / 2 + pair.frequency, r)];
+  return {c, -s, s, c};
+}
+
+/// The row's weight w + offset ([D]), or empty without one.
+std::vector<double> effective_weight(const Rope& rope, const RopeTensors& tensors, bool key) {
+  std::vector<double> w = key ? tensors.k_weight : tensors.q_weight;
+  for (double& value : w) value += rope.weight_offset;
+  return w;
+}
+
+/// The normalized row n (unweighted) of x; returns rstd (1 without the norm).
+double normalize(const Rope& rope, const double* x, std::vector<double>& n) {
+  const int64_t width = rope.head_dim;
+  n.assign(x, x + width);
+  if (!rope.normalize) return 1.0;
+  double squares = 0;
+  for (int64_t d = 0; d < width; ++d) squares += x[d] * x[d];
+  const double rstd = 1.0 / std::sqrt(squares / double(width) + rope.eps);
+  for (double& value : n) value *= rstd;
+  return rstd;
+}
+
+/// nw = n * (w + offset), or n without a weight.
+std::vector<double> weighted(const std::vector<double>& n, const std::vector<double>& w) {
+  std::vector<double> nw = n;
+  if (!w.empty()) {
+    for (size_t d = 0; d < nw.size(); ++d) nw[d] *= w[d];
+  }
+  return nw;
+}
+
+/// True when lane d of key row (t, h2) is the previous token's (key offset, d >= r).
 bool shifted(const Rope& rope, int64_t t, int64_t d, bool key) {
-  return rope.key_offset && key && t > 0 && d >= rope.rotary_dim;
+  return rope.key_offset && key && t > 0 && d >= rope.rotary();
 }
 
 }  // namespace
@@ -137,27 +203,128 @@ uint8_t quantize_code(double bf16_value, float scale) {
 
 // ---- QK-norm + rotary --------------------------------------------------------------------------
 
-QkPair rope_forward(const Rope& rope, const std::vector<double>& qk,
-                    const std::vector<double>& factor1, const std::vector<double>& factor2) {
+QkPair rope_forward(const Rope& rope, const std::vector<double>& qk, const RopeTensors& tensors) {
   const int64_t D = rope.head_dim;
-  const int64_t W = rope.factor_width();
-  const int64_t heads2 = 2 * rope.heads;
-  const size_t out_size = size_t(rope.out_tokens() * rope.out_heads() * D);
-  QkPair out{std::vector<double>(out_size, kNaN), std::vector<double>(out_size, kNaN)};
+  const int64_t rows = rope.input_heads();
+  const std::vector<Pair> pairs = rotary_pairs(rope);
+  QkPair out{std::vector<double>(rope.q_count(), kNaN), std::vector<double>(rope.k_count(), kNaN)};
   std::vector<double> n, n_prev;
   for (int64_t t = 0; t < rope.tokens; ++t) {
-    for (int64_t h2 = 0; h2 < heads2; ++h2) {
-      normalize(&qk[at(t * heads2 + h2, 0, D)], D, n);
+    for (int64_t h2 = 0; h2 < rows; ++h2) {
       const Target target = target_of(rope, t, h2);
-      if (t > 0) normalize(&qk[at((t - 1) * heads2 + h2, 0, D)], D, n_prev);
+      const std::vector<double> w = effective_weight(rope, tensors, target.key);
+      normalize(rope, &qk[at(t * rows + h2, 0, D)], n);
+      const std::vector<double> nw = weighted(n, w);
+      std::vector<double> nw_prev;
+      if (t > 0) {
+        normalize(rope, &qk[at((t - 1) * rows + h2, 0, D)], n_prev);
+        nw_prev = weighted(n_prev, w);
+      }
+      std::vector<double> y = nw;  // lanes >= r pass through
+      for (const Pair& pair : pairs) {
+        const Rotation m = rotation(rope, tensors, t, target.factor_offset, pair);
+        const double a = nw[size_t(pair.first)], b = nw[size_t(pair.second)];
+        y[size_t(pair.first)] = m.m00 * a + m.m01 * b;
+        y[size_t(pair.second)] = m.m10 * a + m.m11 * b;
+      }
       std::vector<double>& dest = target.key ? out.k : out.q;
+      const size_t row = out_row(rope, target);
       for (int64_t d = 0; d < D; ++d) {
-        const size_t f = at(t, target.factor_offset + d, W);
-        const double rotated = factor1[f] * n[size_t(d)] + factor2[f] * n[size_t(d ^ 1)];
-        dest[at(target.token * rope.out_heads() + target.head, d, D)] =
-            shifted(rope, t, d, target.key) ? n_prev[size_t(d)] : rotated;
+        dest[at(int64_t(row), d, D)] = shifted(rope, t, d, target.key) ? nw_prev[size_t(d)]
+                                                                       : y[size_t(d)];
       }
     }
+  }
+  return out;
+}
+
+QkPair rope_forward(const Rope& rope, const std::vector<double>& qk,
+                    const std::vector<double>& factor1, const std::vector<double>& factor2) {
+  RopeTensors tensors;
+  tensors.factor1 = factor1;
+  tensors.factor2 = factor2;
+  return rope_forward(rope, qk, tensors);
+}
+
+RopeGradients rope_gradients(const Rope& rope, const std::vector<double>& grad_q,
+                             const std::vector<double>& grad_k, const std::vector<double>& qk,
+                             const RopeTensors& tensors) {
+  const int64_t D = rope.head_dim;
+  const int64_t rows = rope.input_heads();
+  const std::vector<Pair> pairs = rotary_pairs(rope);
+  // Gradient with respect to the weighted normalized rows nw, scattered from every output
+  // element (y = M nw per pair, so dnw += M^T g), and the magnitudes of its terms.
+  std::vector<double> grad_nw(rope.qk_count(), 0.0), magnitude(rope.qk_count(), 0.0);
+  for (int64_t t = 0; t < rope.tokens; ++t) {
+    for (int64_t h2 = 0; h2 < rows; ++h2) {
+      const Target target = target_of(rope, t, h2);
+      const std::vector<double>& grad = target.key ? grad_k : grad_q;
+      const double* g = &grad[at(int64_t(out_row(rope, target)), 0, D)];
+      const size_t self = at(t * rows + h2, 0, D);
+      const auto add = [&](size_t index, double term) {
+        grad_nw[index] += term;
+        magnitude[index] += std::fabs(term);
+      };
+      for (const Pair& pair : pairs) {
+        const Rotation m = rotation(rope, tensors, t, target.factor_offset, pair);
+        const double ga = g[pair.first], gb = g[pair.second];
+        add(self + size_t(pair.first), m.m00 * ga);
+        add(self + size_t(pair.first), m.m10 * gb);
+        add(self + size_t(pair.second), m.m01 * ga);
+        add(self + size_t(pair.second), m.m11 * gb);
+      }
+      for (int64_t d = rope.rotary(); d < D; ++d) {
+        const size_t source = shifted(rope, t, d, target.key) ? at((t - 1) * rows + h2, d, D)
+                                                              : self + size_t(d);
+        add(source, g[d]);
+      }
+    }
+  }
+
+  RopeGradients out;
+  out.grad_qk.assign(grad_nw.size(), 0.0);
+  out.grad_q_weight.assign(size_t(D), 0.0);
+  out.grad_k_weight.assign(size_t(D), 0.0);
+  out.q_weight_magnitude.assign(size_t(D), 0.0);
+  out.k_weight_magnitude.assign(size_t(D), 0.0);
+  out.q_weight_terms = rope.tokens * rope.heads;
+  out.k_weight_terms = rope.tokens * rope.k_heads();
+  out.term_scale.assign(size_t(rope.tokens * rows), 0.0);
+  std::vector<double> n;
+  std::vector<double> dn(static_cast<size_t>(D)), dn_size(static_cast<size_t>(D));
+  for (int64_t row = 0; row < rope.tokens * rows; ++row) {
+    const bool key = row % rows >= rope.heads;
+    const double rstd = normalize(rope, &qk[at(row, 0, D)], n);
+    const std::vector<double> w = effective_weight(rope, tensors, key);
+    const size_t base = at(row, 0, D);
+    // Through the weight: d(nw)/dw = n, d(nw)/dn = w + offset.
+    for (int64_t d = 0; d < D; ++d) {
+      dn[size_t(d)] = grad_nw[base + size_t(d)];
+      dn_size[size_t(d)] = magnitude[base + size_t(d)];
+      if (w.empty()) continue;
+      (key ? out.grad_k_weight : out.grad_q_weight)[size_t(d)] +=
+          grad_nw[base + size_t(d)] * n[size_t(d)];
+      (key ? out.k_weight_magnitude : out.q_weight_magnitude)[size_t(d)] +=
+          magnitude[base + size_t(d)] * std::fabs(n[size_t(d)]);
+      dn[size_t(d)] *= w[size_t(d)];
+      dn_size[size_t(d)] *= std::fabs(w[size_t(d)]);
+    }
+    // Through the norm: n = x * rstd gives dx = rstd * (dn - n * mean(dn * n)).
+    double dot = 0, dot_size = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      dot += dn[size_t(d)] * n[size_t(d)];
+      dot_size += dn_size[size_t(d)] * std::fabs(n[size_t(d)]);
+    }
+    double largest = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      const double correction = rope.normalize ? n[size_t(d)] * dot / double(D) : 0.0;
+      out.grad_qk[base + size_t(d)] = rstd * (dn[size_t(d)] - correction);
+      const double size_correction =
+          rope.normalize ? std::fabs(n[size_t(d)]) * dot_size / double(D) : 0.0;
+      largest = std::max(largest, dn_size[size_t(d)] + size_correction);
+    }
+    const double scale = rstd * largest;
+    out.term_scale[size_t(row)] = std::isfinite(scale) ? scale : 0.0;
   }
   return out;
 }
@@ -166,42 +333,38 @@ std::vector<double> rope_backward(const Rope& rope, const std::vector<double>& g
                                   const std::vector<double>& grad_k, const std::vector<double>& qk,
                                   const std::vector<double>& factor1,
                                   const std::vector<double>& factor2) {
-  const int64_t D = rope.head_dim;
-  const int64_t W = rope.factor_width();
-  const int64_t heads2 = 2 * rope.heads;
-  // Gradient with respect to the normalized rows, scattered from every output element.
-  std::vector<double> grad_n(size_t(rope.tokens * heads2 * D), 0.0);
-  for (int64_t t = 0; t < rope.tokens; ++t) {
-    for (int64_t h2 = 0; h2 < heads2; ++h2) {
-      const Target target = target_of(rope, t, h2);
-      const std::vector<double>& grad = target.key ? grad_k : grad_q;
-      for (int64_t d = 0; d < D; ++d) {
-        const double g = grad[at(target.token * rope.out_heads() + target.head, d, D)];
-        if (shifted(rope, t, d, target.key)) {
-          grad_n[at((t - 1) * heads2 + h2, d, D)] += g;
-          continue;
-        }
-        const size_t f = at(t, target.factor_offset + d, W);
-        grad_n[at(t * heads2 + h2, d, D)] += factor1[f] * g;
-        grad_n[at(t * heads2 + h2, d ^ 1, D)] += factor2[f] * g;
-      }
-    }
-  }
-  // Through the normalization: dx = rstd * (dn - n * mean(dn * n)).
-  std::vector<double> grad_qk(grad_n.size());
-  std::vector<double> n;
-  for (int64_t row = 0; row < rope.tokens * heads2; ++row) {
-    const double rstd = normalize(&qk[at(row, 0, D)], D, n);
-    double dot = 0;
-    for (int64_t d = 0; d < D; ++d) dot += grad_n[at(row, d, D)] * n[size_t(d)];
-    for (int64_t d = 0; d < D; ++d) {
-      grad_qk[at(row, d, D)] = rstd * (grad_n[at(row, d, D)] - n[size_t(d)] * dot / double(D));
-    }
-  }
-  return grad_qk;
+  RopeTensors tensors;
+  tensors.factor1 = factor1;
+  tensors.factor2 = factor2;
+  return rope_gradients(rope, grad_q, grad_k, qk, tensors).grad_qk;
 }
 
 // ---- fused FP8 backward ------------------------------------------------------------------------
+
+int64_t qkv_dim(const Rope& rope, int64_t v_dim) {
+  return rope.input_heads() * rope.head_dim + rope.k_heads() * v_dim;
+}
+
+std::vector<double> qkv_backward_values(const Rope& rope, int64_t v_dim,
+                                        const std::vector<double>& grad_q,
+                                        const std::vector<double>& grad_k,
+                                        const std::vector<double>& grad_v,
+                                        const std::vector<double>& qk, const RopeTensors& tensors) {
+  const std::vector<double> grad_qk = rope_gradients(rope, grad_q, grad_k, qk, tensors).grad_qk;
+  const int64_t qk_features = rope.input_heads() * rope.head_dim;
+  const int64_t v_features = rope.k_heads() * v_dim;
+  const int64_t features = qkv_dim(rope, v_dim);
+  std::vector<double> values(size_t(rope.tokens * features));
+  for (int64_t t = 0; t < rope.tokens; ++t) {
+    for (int64_t f = 0; f < qk_features; ++f) {
+      values[at(t, f, features)] = grad_qk[at(t, f, qk_features)];
+    }
+    for (int64_t f = 0; f < v_features; ++f) {
+      values[at(t, qk_features + f, features)] = grad_v[at(t, f, v_features)];
+    }
+  }
+  return values;
+}
 
 std::vector<double> qkv_backward_values(const Rope& rope, int64_t v_dim,
                                         const std::vector<double>& grad_q,
@@ -210,19 +373,10 @@ std::vector<double> qkv_backward_values(const Rope& rope, int64_t v_dim,
                                         const std::vector<double>& qk,
                                         const std::vector<double>& factor1,
                                         const std::vector<double>& factor2) {
-  const std::vector<double> grad_qk = rope_backward(rope, grad_q, grad_k, qk, factor1, factor2);
-  const int64_t qk_features = 2 * rope.heads * rope.head_dim;
-  const int64_t qkv_dim = qk_features + rope.heads * v_dim;
-  std::vector<double> values(size_t(rope.tokens * qkv_dim));
-  for (int64_t t = 0; t < rope.tokens; ++t) {
-    for (int64_t f = 0; f < qk_features; ++f) {
-      values[at(t, f, qkv_dim)] = grad_qk[at(t, f, qk_features)];
-    }
-    for (int64_t f = 0; f < rope.heads * v_dim; ++f) {
-      values[at(t, qk_features + f, qkv_dim)] = grad_v[at(t, f, rope.heads * v_dim)];
-    }
-  }
-  return values;
+  RopeTensors tensors;
+  tensors.factor1 = factor1;
+  tensors.factor2 = factor2;
+  return qkv_backward_values(rope, v_dim, grad_q, grad_k, grad_v, qk, tensors);
 }
 
 // ---- quantize ----------------------------------------------------------------------------------
@@ -336,6 +490,8 @@ std::vector<unsigned char> poison_bytes(DType dtype) {
     case DType::kFloat32: std::memcpy(bytes.data(), &nan32, 4); break;
     case DType::kFloat64: std::memcpy(bytes.data(), &ref::kNaN, 8); break;
     case DType::kFloat8E4M3: bytes[0] = kPoisonE4M3; break;
+    case DType::kInt32:
+    case DType::kInt64: std::memset(bytes.data(), 0x7f, bytes.size()); bytes[0] = 0xc1; break;
   }
   return bytes;
 }
@@ -403,6 +559,12 @@ void HostTensor::set(const std::vector<double>& values) {
     set_codes(codes);
     return;
   }
+  if (dtype_ == DType::kInt32 || dtype_ == DType::kInt64) {
+    std::vector<int64_t> ints(values.size());
+    for (size_t i = 0; i < values.size(); ++i) ints[i] = int64_t(values[i]);
+    set_ints(ints);
+    return;
+  }
   for (int64_t i = 0; i < numel(); ++i) {
     unsigned char* out = slot(buffer_index(i));
     const double value = values[size_t(i)];
@@ -414,6 +576,18 @@ void HostTensor::set(const std::vector<double>& values) {
       std::memcpy(out, &narrow, sizeof(narrow));
     } else {
       std::memcpy(out, &value, sizeof(value));
+    }
+  }
+}
+
+void HostTensor::set_ints(const std::vector<int64_t>& values) {
+  for (int64_t i = 0; i < numel(); ++i) {
+    unsigned char* out = slot(buffer_index(i));
+    if (dtype_ == DType::kInt32) {
+      const auto narrow = int32_t(values[size_t(i)]);
+      std::memcpy(out, &narrow, sizeof(narrow));
+    } else {
+      std::memcpy(out, &values[size_t(i)], sizeof(int64_t));
     }
   }
 }
@@ -436,6 +610,14 @@ std::vector<double> HostTensor::get() const {
       out[size_t(i)] = value;
     } else if (dtype_ == DType::kFloat64) {
       std::memcpy(&out[size_t(i)], in, sizeof(double));
+    } else if (dtype_ == DType::kInt32) {
+      int32_t value = 0;
+      std::memcpy(&value, in, sizeof(value));
+      out[size_t(i)] = double(value);
+    } else if (dtype_ == DType::kInt64) {
+      int64_t value = 0;
+      std::memcpy(&value, in, sizeof(value));
+      out[size_t(i)] = double(value);
     } else {
       out[size_t(i)] = ref::e4m3_value(*in);
     }
@@ -492,6 +674,8 @@ std::vector<double> random_values(std::mt19937_64& rng, size_t count, DType dtyp
       case DType::kFloat32: v = double(float(v)); break;
       case DType::kFloat64: break;
       case DType::kFloat8E4M3: v = ref::round_e4m3(v); break;
+      case DType::kInt32:
+      case DType::kInt64: v = std::nearbyint(v); break;
     }
   }
   return values;
@@ -557,20 +741,38 @@ std::vector<double> row_noise(const std::vector<double>& ref, int64_t row_length
 }
 
 std::vector<double> qkv_feature_noise(const ref::Rope& rope, int64_t v_dim,
-                                      const std::vector<double>& values, double relative) {
-  const int64_t qk_features = 2 * rope.heads * rope.head_dim;
-  const int64_t qkv_dim = qk_features + rope.heads * v_dim;
+                                      const std::vector<double>& values, double relative,
+                                      const std::vector<double>& term_scale) {
+  const int64_t rows = rope.input_heads();
+  const int64_t qkv_dim = ref::qkv_dim(rope, v_dim);
   std::vector<double> noise(values.size(), 0.0);
   for (int64_t t = 0; t < rope.tokens; ++t) {
-    for (int64_t start = 0; start < qk_features; start += rope.head_dim) {
-      const size_t base = size_t(t * qkv_dim + start);
+    for (int64_t h2 = 0; h2 < rows; ++h2) {
+      const size_t base = size_t(t * qkv_dim + h2 * rope.head_dim);
       double largest = 0;
-      for (int64_t d = 0; d < rope.head_dim; ++d)
-        largest = std::max(largest, std::fabs(values[base + size_t(d)]));
+      for (int64_t d = 0; d < rope.head_dim; ++d) {
+        const double v = values[base + size_t(d)];
+        if (std::isfinite(v)) largest = std::max(largest, std::fabs(v));
+      }
+      if (!term_scale.empty()) largest = std::max(largest, term_scale[size_t(t * rows + h2)]);
       for (int64_t d = 0; d < rope.head_dim; ++d) noise[base + size_t(d)] = relative * largest;
     }
   }
   return noise;
+}
+
+void widen_by_terms(std::vector<double>& noise, const std::vector<double>& term_scale,
+                    int64_t row_length, double relative) {
+  for (size_t i = 0; i < noise.size(); ++i) {
+    noise[i] = std::max(noise[i], relative * term_scale[i / size_t(row_length)]);
+  }
+}
+
+std::vector<double> fp32_sum_tolerance(const std::vector<double>& magnitude, int64_t terms) {
+  std::vector<double> tolerance(magnitude.size());
+  const double factor = std::ldexp(16.0 + std::sqrt(double(terms)), -24);
+  for (size_t i = 0; i < magnitude.size(); ++i) tolerance[i] = factor * magnitude[i];
+  return tolerance;
 }
 
 Comparison compare_bf16(const std::string& what, const std::vector<uint16_t>& got,
@@ -673,6 +875,183 @@ Comparison compare_close(const std::string& what, const std::vector<double>& got
     }
   }
   return c;
+}
+
+// ---- rope inputs --------------------------------------------------------------------------------
+
+void rope_tables(std::mt19937_64& rng, const ref::Rope& rope, bool off_bf16_grid,
+                 std::vector<double>& factor1, std::vector<double>& factor2) {
+  const int64_t D = rope.head_dim, r = rope.rotary(), width = rope.factor_width();
+  std::uniform_real_distribution<double> angle(-4.0, 4.0);
+  std::uniform_real_distribution<double> junk(-4.0, 4.0);
+  std::uniform_real_distribution<double> nudge(-1.0 / 4096, 1.0 / 4096);
+  const auto value = [&](double x) {
+    const double rounded = ref::round_bf16(x);
+    return off_bf16_grid ? double(float(rounded * (1 + nudge(rng)))) : rounded;
+  };
+  factor1.assign(size_t(rope.tokens * width), 0.0);
+  factor2.assign(factor1.size(), 0.0);
+  for (int64_t t = 0; t < rope.tokens; ++t) {
+    for (int64_t chunk = 0; chunk < width; chunk += D) {
+      const size_t base = size_t(t * width + chunk);
+      for (int64_t d = r; d < D; ++d) {
+        factor1[base + size_t(d)] = ref::round_bf16(junk(rng));
+        factor2[base + size_t(d)] = ref::round_bf16(junk(rng));
+      }
+      for (int64_t i = 0; i < r / 2; ++i) {
+        const double theta = angle(rng);
+        const int64_t first = rope.neox ? i : 2 * i;
+        const int64_t second = rope.neox ? i + r / 2 : 2 * i + 1;
+        // Interleaved (the speedrun's tables): f2 = +sin at the first lane, -sin at the second.
+        // NeoX (Hugging Face's rotate_half): -sin at the first, +sin at the second.
+        const double sign = rope.neox ? -1.0 : 1.0;
+        factor1[base + size_t(first)] = value(std::cos(theta));
+        factor1[base + size_t(second)] = value(std::cos(theta));
+        factor2[base + size_t(first)] = value(sign * std::sin(theta));
+        factor2[base + size_t(second)] = value(-sign * std::sin(theta));
+      }
+    }
+  }
+}
+
+std::vector<double> cos_sin_cache(int64_t rows, int64_t rotary, DType dtype, double base) {
+  std::vector<double> cache(size_t(rows * rotary));
+  const auto round = [dtype](double x) {
+    return dtype == DType::kBFloat16 ? ref::round_bf16(x)
+           : dtype == DType::kFloat32 ? double(float(x))
+                                      : x;
+  };
+  for (int64_t p = 0; p < rows; ++p) {
+    for (int64_t i = 0; i < rotary / 2; ++i) {
+      const double theta = double(p) * std::pow(base, -2.0 * double(i) / double(rotary));
+      cache[size_t(p * rotary + i)] = round(std::cos(theta));
+      cache[size_t(p * rotary + rotary / 2 + i)] = round(std::sin(theta));
+    }
+  }
+  return cache;
+}
+
+std::vector<int64_t> packed_positions(std::mt19937_64& rng, int64_t tokens, int64_t rows) {
+  std::uniform_int_distribution<int64_t> length(1, std::max<int64_t>(1, std::min(rows, tokens)));
+  std::vector<int64_t> positions;
+  while (int64_t(positions.size()) < tokens) {
+    const int64_t document = length(rng);
+    for (int64_t p = 0; p < document && int64_t(positions.size()) < tokens; ++p) {
+      positions.push_back(p);
+    }
+  }
+  return positions;
+}
+
+std::string describe(const ref::Rope& rope) {
+  std::ostringstream out;
+  out << "T=" << rope.tokens << " Hq=" << rope.heads << " Hkv=" << rope.k_heads()
+      << " D=" << rope.head_dim << " r=" << rope.rotary() << (rope.neox ? " neox" : " interleaved")
+      << (rope.paired ? " paired" : "") << (rope.key_offset ? " key_offset" : "")
+      << (rope.normalize ? " rms eps=" : " no-norm");
+  if (rope.normalize) out << rope.eps;
+  if (rope.weight_offset != 0) out << " weight_offset=" << rope.weight_offset;
+  return out.str();
+}
+
+std::string RopeSpec::describe() const {
+  std::ostringstream out;
+  out << "qk " << dtype_name(qk_dtype) << (cache ? " cos_sin " : " tables ")
+      << dtype_name(angle_dtype);
+  if (cache) {
+    out << " positions " << dtype_name(position_dtype) << (packed ? " packed" : " random")
+        << " P=" << cache_rows;
+  }
+  if (q_weight || k_weight) {
+    out << " weights" << (q_weight ? " q" : "") << (k_weight ? " k" : "") << " "
+        << dtype_name(weight_dtype);
+  }
+  if (qk_row_pad) out << " qk row pad " << qk_row_pad;
+  return out.str();
+}
+
+RopeData::RopeData(const ref::Rope& r, const RopeSpec& s, std::mt19937_64& rng)
+    : rope(r), spec(s) {
+  const int64_t T = rope.tokens, D = rope.head_dim, rows = rope.input_heads();
+  qk = random_values(rng, rope.qk_count(), spec.qk_dtype, spec.qk_scale);
+  qk_tensor.emplace(spec.qk_dtype, std::vector<int64_t>{T, rows, D},
+                    std::vector<int64_t>{rows * D + spec.qk_row_pad, D, 1});
+  tensors.cache = spec.cache;
+  if (spec.cache) {
+    if (spec.cache_rows <= 0) spec.cache_rows = T + 5;
+    const int64_t P = spec.cache_rows, rotary = rope.rotary();
+    tensors.cache_rows = P;
+    tensors.cos_sin = cos_sin_cache(P, rotary, spec.angle_dtype);
+    if (spec.packed) {
+      tensors.positions = packed_positions(rng, T, P);
+    } else {
+      std::uniform_int_distribution<int64_t> position(0, P - 1);
+      tensors.positions.resize(size_t(T));
+      for (int64_t& p : tensors.positions) p = position(rng);
+    }
+    cos_sin.emplace(spec.angle_dtype, std::vector<int64_t>{P, rotary});
+    positions.emplace(spec.position_dtype, std::vector<int64_t>{T});
+  } else {
+    rope_tables(rng, rope, spec.angle_dtype != DType::kBFloat16, tensors.factor1,
+                tensors.factor2);
+    factor1.emplace(spec.angle_dtype, std::vector<int64_t>{T, rope.factor_width()});
+    factor2.emplace(spec.angle_dtype, std::vector<int64_t>{T, rope.factor_width()});
+  }
+  for (int kind = 0; kind < 2; ++kind) {
+    if (!(kind == 0 ? spec.q_weight : spec.k_weight)) continue;
+    std::vector<double> w = random_values(rng, size_t(D), DType::kFloat64, 0.5);
+    for (double& value : w) {
+      value += spec.weight_mean;
+      value = spec.weight_dtype == DType::kBFloat16  ? ref::round_bf16(value)
+              : spec.weight_dtype == DType::kFloat32 ? double(float(value))
+                                                     : value;
+    }
+    (kind == 0 ? tensors.q_weight : tensors.k_weight) = w;
+    (kind == 0 ? q_weight : k_weight).emplace(spec.weight_dtype, std::vector<int64_t>{D});
+  }
+  refresh();
+}
+
+void RopeData::refresh() {
+  qk_tensor->set(qk);
+  if (factor1) factor1->set(tensors.factor1);
+  if (factor2) factor2->set(tensors.factor2);
+  if (cos_sin) cos_sin->set(tensors.cos_sin);
+  if (positions) positions->set_ints(tensors.positions);
+  if (q_weight) q_weight->set(tensors.q_weight);
+  if (k_weight) k_weight->set(tensors.k_weight);
+}
+
+RopeLayout tables_layout(int64_t heads, int64_t rotary_dim, bool paired, bool key_offset,
+                         const TensorView& factor1, const TensorView& factor2) {
+  RopeLayout layout;
+  layout.num_heads = heads;
+  layout.rotary_dim = rotary_dim;
+  layout.paired = paired;
+  layout.key_offset = key_offset;
+  layout.factor1 = factor1;
+  layout.factor2 = factor2;
+  return layout;
+}
+
+RopeLayout RopeData::layout() {
+  RopeLayout layout;
+  layout.num_heads = rope.heads;
+  layout.num_kv_heads = rope.kv_heads;
+  layout.rotary_dim = rope.rotary_dim;
+  layout.rotary_style = rope.neox ? RotaryStyle::kNeox : RotaryStyle::kInterleaved;
+  layout.normalize = rope.normalize;
+  layout.eps = float(rope.eps);
+  layout.weight_offset = float(rope.weight_offset);
+  layout.paired = rope.paired;
+  layout.key_offset = rope.key_offset;
+  if (factor1) layout.factor1 = factor1->view();
+  if (factor2) layout.factor2 = factor2->view();
+  if (cos_sin) layout.cos_sin = cos_sin->view();
+  if (positions) layout.positions = positions->view();
+  if (q_weight) layout.q_weight = q_weight->view();
+  if (k_weight) layout.k_weight = k_weight->view();
+  return layout;
 }
 
 ::testing::AssertionResult throws_error(const std::function<void()>& call,

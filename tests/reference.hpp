@@ -5,8 +5,10 @@
 // the spec with nested loops over dense std::vector<double> arrays and its own rounding
 // functions (a value is rounded by scaling it to an integer count of its quantum, which is exact
 // in double). Where the spec prescribes a float32 operation (the division by a scale), the model
-// performs exactly that float32 operation. Only test inputs (test_util.hpp's random values and
-// rotary tables) are made with numeric.hpp.
+// performs exactly that float32 operation. Its rotary works on lane pairs as 2x2 rotations (the
+// pairs enumerated per style), not on src/rope_math.hpp's per-lane partner, frequency and sign
+// rules. Only test inputs (test_util.hpp's random values and rotary tables) are made with
+// numeric.hpp; the test helpers below read the public RopeLayout only to fill it.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -15,10 +17,12 @@
 #include <cstdint>
 #include <functional>
 #include <initializer_list>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "qkvfuse/qk_norm_rope.hpp"
 #include "qkvfuse/tensor.hpp"
 
 namespace qkvfuse::ref {
@@ -44,44 +48,106 @@ uint8_t e4m3_code(double representable);
 /// SPEC.md's cast of a bf16 value divided by a float32 scale: e4m3(float(value) / scale).
 uint8_t quantize_code(double bf16_value, float scale);
 
-// ---- QK-norm + rotary (SPEC.md sections 1 and 2) -----------------------------------------------
+// ---- QK-norm + rotary (SPEC.md sections 1, 2 and 8) -------------------------------------------
 
+/// The shape and options of a rope call. The first six fields keep their order from the
+/// speedrun's layout, so `{T, H, D, r, paired, key_offset}` still reads as before; r now applies
+/// to every row (lanes >= r pass through), -1 meaning the whole head.
 struct Rope {
-  int64_t tokens = 0;      ///< T
-  int64_t heads = 0;       ///< H
-  int64_t head_dim = 0;    ///< D
-  int64_t rotary_dim = 0;  ///< read only with key_offset
+  int64_t tokens = 0;       ///< T
+  int64_t heads = 0;        ///< Hq: query heads
+  int64_t head_dim = 0;     ///< D
+  int64_t rotary_dim = -1;  ///< r: rotary lanes [0, r); -1 means D
   bool paired = false;
   bool key_offset = false;
+  int64_t kv_heads = 0;     ///< Hkv: key heads; 0 means Hq
+  bool neox = false;        ///< half-split pairs (d, d + r/2) instead of (2i, 2i + 1)
+  bool normalize = true;    ///< false: n = x
+  double eps = 1.0 / 8388608.0;  ///< the float32 eps of the layout, as a double
+  double weight_offset = 0.0;    ///< the weights read as w + weight_offset
 
+  int64_t k_heads() const { return kv_heads > 0 ? kv_heads : heads; }
+  int64_t input_heads() const { return heads + k_heads(); }  ///< Hq + Hkv: qk's rows per token
+  int64_t rotary() const { return rotary_dim < 0 ? head_dim : rotary_dim; }
   int64_t out_tokens() const { return paired ? 2 * tokens : tokens; }
-  int64_t out_heads() const { return paired ? heads / 2 : heads; }
+  int64_t q_out_heads() const { return paired ? heads / 2 : heads; }
+  int64_t k_out_heads() const { return paired ? k_heads() / 2 : k_heads(); }
+  /// Output heads of q (and of k when Hq = Hkv, the only case the speedrun's tests know).
+  int64_t out_heads() const { return q_out_heads(); }
   int64_t factor_width() const { return paired ? 2 * head_dim : head_dim; }
+  size_t qk_count() const { return size_t(tokens * input_heads() * head_dim); }
+  size_t q_count() const { return size_t(out_tokens() * q_out_heads() * head_dim); }
+  size_t k_count() const { return size_t(out_tokens() * k_out_heads() * head_dim); }
 };
 
-/// q, k: [out_tokens][out_heads][D], unrounded.
+/// What a rope call reads besides qk: its angles (factor tables, or a cos/sin cache at per-token
+/// positions) and its norm weights.
+struct RopeTensors {
+  std::vector<double> factor1, factor2;  ///< tables [T][factor_width] (cache == false)
+  bool cache = false;
+  int64_t cache_rows = 0;                ///< P
+  std::vector<double> cos_sin;           ///< [P][r]: cos of frequency i at i, sin at r/2 + i
+  std::vector<int64_t> positions;        ///< [T]; outside [0, P): NaN rotary lanes
+  std::vector<double> q_weight;          ///< [D], or empty: no query weight
+  std::vector<double> k_weight;          ///< [D], or empty: no key weight
+};
+
+/// q [out_tokens][Hq'][D], k [out_tokens][Hkv'][D], unrounded.
 struct QkPair {
   std::vector<double> q;
   std::vector<double> k;
 };
 
-/// qk [T][2H][D], factors [T][factor_width] -> q, k.
+/// qk [T][Hq + Hkv][D] -> q, k (SPEC.md sections 1 and 8).
+QkPair rope_forward(const Rope& rope, const std::vector<double>& qk, const RopeTensors& tensors);
+/// The same with factor tables and no weights.
 QkPair rope_forward(const Rope& rope, const std::vector<double>& qk,
                     const std::vector<double>& factor1, const std::vector<double>& factor2);
 
-/// grad_q, grad_k [out_tokens][out_heads][D] -> dqk [T][2H][D], unrounded. The exact gradient
-/// of rope_forward; it equals SPEC.md section 2 when the factors are stationary (1, 0) at the
-/// dims >= rotary_dim, which section 2 assumes for the key offset and every test table has.
+/// The exact gradients of rope_forward, and the magnitudes a float32 computation of them rounds
+/// against.
+struct RopeGradients {
+  std::vector<double> grad_qk;        ///< [T][Hq + Hkv][D]
+  std::vector<double> grad_q_weight;  ///< [D]: sum over query rows of dL/d(nw)[d] * n[d]
+  std::vector<double> grad_k_weight;  ///< [D]: the same over key rows (zeros without a weight)
+  /// Per lane, the sum over that weight's rows of |n[d]| times the magnitudes of every term of
+  /// dL/d(nw)[d]: the scale of a float32 sum's rounding error (fp32_sum_tolerance).
+  std::vector<double> q_weight_magnitude;
+  std::vector<double> k_weight_magnitude;
+  int64_t q_weight_terms = 0;  ///< rows summed into grad_q_weight (T * Hq)
+  int64_t k_weight_terms = 0;  ///< T * Hkv
+  /// Per input row [T][Hq + Hkv]: rstd * max_d (|dn[d]| + |n[d] * sum(dn * n) / D|) with dn's
+  /// terms taken by magnitude: dx is a difference of such terms, so its float32 rounding error
+  /// scales with this, not with dx (0 where not finite).
+  std::vector<double> term_scale;
+};
+
+/// grad_q, grad_k in the output layouts -> the gradients (the chain rule, scattered from every
+/// output element onto the values it was computed from).
+RopeGradients rope_gradients(const Rope& rope, const std::vector<double>& grad_q,
+                             const std::vector<double>& grad_k, const std::vector<double>& qk,
+                             const RopeTensors& tensors);
+
+/// grad_qk of rope_gradients with factor tables and no weights.
 std::vector<double> rope_backward(const Rope& rope, const std::vector<double>& grad_q,
                                   const std::vector<double>& grad_k, const std::vector<double>& qk,
                                   const std::vector<double>& factor1,
                                   const std::vector<double>& factor2);
 
-// ---- fused FP8 backward (SPEC.md section 3) ----------------------------------------------------
+// ---- fused FP8 backward (SPEC.md sections 3 and 8) ---------------------------------------------
+
+/// qkv_dim = (Hq + Hkv) * D + Hkv * Dv.
+int64_t qkv_dim(const Rope& rope, int64_t v_dim);
 
 /// The value each feature of grad_row [T][qkv_dim] holds before its e4m3 cast: dqk (unrounded)
-/// for the Q/K features, grad_v for the V features (grad_v [T][H][Dv]). The code of each is
+/// for the Q/K features, grad_v for the V features (grad_v [T][Hkv][Dv]). The code of each is
 /// quantize_code(round_bf16(value), grad_scale).
+std::vector<double> qkv_backward_values(const Rope& rope, int64_t v_dim,
+                                        const std::vector<double>& grad_q,
+                                        const std::vector<double>& grad_k,
+                                        const std::vector<double>& grad_v,
+                                        const std::vector<double>& qk, const RopeTensors& tensors);
+/// The same with factor tables and no weights.
 std::vector<double> qkv_backward_values(const Rope& rope, int64_t v_dim,
                                         const std::vector<double>& grad_q,
                                         const std::vector<double>& grad_k,
@@ -133,7 +199,8 @@ namespace qkvfuse::test {
 
 /// A CPU tensor for the tests: `sizes` laid out with `strides` (elements; empty = row-major)
 /// starting `offset` elements into a buffer that is created poisoned: bf16 elements hold
-/// kPoisonBF16, e4m3 kPoisonE4M3, float ones NaN. Padding between strided rows is poisoned too,
+/// kPoisonBF16, e4m3 kPoisonE4M3, float ones NaN, integer ones 0x7fc1... (far outside any
+/// position range). Padding between strided rows is poisoned too,
 /// so writes outside the view are caught as well as elements the op skipped.
 class HostTensor {
  public:
@@ -143,8 +210,10 @@ class HostTensor {
   TensorView view();
   int64_t numel() const;
 
-  /// Stores dense row-major values, rounded to the dtype (nearest even; e4m3 saturating).
+  /// Stores dense row-major values, rounded to the dtype (nearest even; e4m3 saturating;
+  /// integers truncated).
   void set(const std::vector<double>& values);
+  void set_ints(const std::vector<int64_t>& values);  ///< int32 / int64 only
   void set_codes(const std::vector<uint8_t>& codes);  ///< e4m3 only
   /// The elements in dense row-major order.
   std::vector<double> get() const;
@@ -230,10 +299,22 @@ struct Comparison {
 std::vector<double> row_noise(const std::vector<double>& ref, int64_t row_length, double relative);
 
 /// The noise bounds of the grad_row [T][qkv_dim] values of qkv_backward_values: `relative` times
-/// the largest |value| of each Q/K head row (D features); 0 for the V features, whose bf16 input
-/// involves no arithmetic.
+/// the largest |value| of each Q/K head row (D features), raised to `relative` times the row's
+/// term scale when one is given (ref::RopeGradients::term_scale); 0 for the V features, whose
+/// bf16 input involves no arithmetic.
 std::vector<double> qkv_feature_noise(const ref::Rope& rope, int64_t v_dim,
-                                      const std::vector<double>& values, double relative);
+                                      const std::vector<double>& values, double relative,
+                                      const std::vector<double>& term_scale = {});
+
+/// Raises each row's noise (rows of `row_length`) to `relative` times the row's term scale.
+void widen_by_terms(std::vector<double>& noise, const std::vector<double>& term_scale,
+                    int64_t row_length, double relative);
+
+/// The error bound of a float32 sum of `terms` products whose magnitudes add to `magnitude`, per
+/// element: 2^-24 * magnitude * (16 + sqrt(terms)). The 16 covers each term's own rounding (the
+/// gradient's two products, the normalized value, the product); sqrt(terms) the accumulation in
+/// any fixed order, well above its typical error and far below any wrong term.
+std::vector<double> fp32_sum_tolerance(const std::vector<double>& magnitude, int64_t terms);
 
 /// bf16 results against unrounded reference values: each must lie within one ulp of the
 /// interval [round_bf16(ref - noise), round_bf16(ref + noise)] (noise empty: zero).
@@ -257,6 +338,67 @@ Comparison compare_e4m3(const std::string& what, const std::vector<uint8_t>& got
 /// Wide-float results (float32, float64) against the reference: |got - ref| <= tolerance.
 Comparison compare_close(const std::string& what, const std::vector<double>& got,
                          const std::vector<double>& ref, const std::vector<double>& tolerance);
+
+// ---- rope inputs --------------------------------------------------------------------------------
+
+/// Factor tables [T][factor_width] for `rope` (its style and r): random angles, interleaved with
+/// the speedrun's signs (f2 = +sin at even lanes, -sin at odd), NeoX with the half-split signs
+/// (-sin for d < r/2, +sin for r/2 <= d < r); each D chunk of a paired table has its own angles.
+/// Lanes >= r hold random values in [-4, 4]: the contract says they are never read. Values are
+/// bf16, or nudged off the bf16 grid by a relative 2^-12 with `off_bf16_grid` (float32 tables).
+void rope_tables(std::mt19937_64& rng, const ref::Rope& rope, bool off_bf16_grid,
+                 std::vector<double>& factor1, std::vector<double>& factor2);
+
+/// A cos/sin cache [P][r]: cos(p * f_i) at column i, sin(p * f_i) at r/2 + i, f_i = base^(-2i/r)
+/// (the Hugging Face rotary frequencies), rounded to `dtype`.
+std::vector<double> cos_sin_cache(int64_t rows, int64_t rotary, DType dtype,
+                                  double base = 10000.0);
+
+/// Positions of packed documents: each document counts 0, 1, 2, ... from its first token; the
+/// lengths are random (1 to max(1, rows)), so positions restart several times within T.
+std::vector<int64_t> packed_positions(std::mt19937_64& rng, int64_t tokens, int64_t rows);
+
+/// How a test builds the tensors of a rope call around a ref::Rope.
+struct RopeSpec {
+  DType qk_dtype = DType::kBFloat16;
+  bool cache = false;                        ///< cos_sin + positions instead of factor tables
+  DType angle_dtype = DType::kBFloat16;      ///< of the tables or of cos_sin
+  DType position_dtype = DType::kInt64;
+  int64_t cache_rows = 0;                    ///< P; 0: T + 5
+  bool packed = false;                       ///< positions of packed documents (else random)
+  bool q_weight = false;
+  bool k_weight = false;
+  DType weight_dtype = DType::kBFloat16;
+  double weight_mean = 1.0;                  ///< weights ~ normal(mean, 0.5), rounded to dtype
+  int64_t qk_row_pad = 0;                    ///< qk a column slice: rows padded by this much
+  double qk_scale = 1.0;                     ///< qk ~ normal(0, qk_scale)
+
+  std::string describe() const;
+};
+
+/// Fresh random inputs of one rope call: the model's values and host tensors holding them.
+struct RopeData {
+  ref::Rope rope;
+  RopeSpec spec;
+  std::vector<double> qk;
+  ref::RopeTensors tensors;
+  std::optional<HostTensor> qk_tensor, factor1, factor2, cos_sin, positions, q_weight, k_weight;
+
+  RopeData(const ref::Rope& rope, const RopeSpec& spec, std::mt19937_64& rng);
+  /// Stores changed values of qk / tensors into the host tensors.
+  void refresh();
+  /// The layout of the call: rope's options (rotary_dim as the rope says, -1 included) and the
+  /// host tensors' views.
+  RopeLayout layout();
+};
+
+/// The speedrun's layout (SPEC.md sections 1-7): Hq = Hkv = heads, interleaved rotary over
+/// [0, rotary_dim) from the factor tables, weightless RMS-norm.
+RopeLayout tables_layout(int64_t heads, int64_t rotary_dim, bool paired, bool key_offset,
+                         const TensorView& factor1, const TensorView& factor2);
+
+/// "T=3 Hq=4 Hkv=2 D=64 r=32 neox ..." for traces.
+std::string describe(const ref::Rope& rope);
 
 // ---- errors ------------------------------------------------------------------------------------
 

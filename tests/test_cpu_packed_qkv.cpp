@@ -39,9 +39,10 @@ struct PackedCase {
 
   int64_t qk_features() const { return 2 * heads * head_dim; }
   int64_t qkv_dim() const { return qk_features() + heads * v_dim; }
-  ref::Rope rope() const { return {tokens, heads, head_dim, rotary_dim, paired, key_offset}; }
-  RopeLayout layout() const {
-    return {heads, key_offset ? rotary_dim : head_dim, paired, key_offset};
+  int64_t rotary() const { return key_offset ? rotary_dim : head_dim; }
+  ref::Rope rope() const { return {tokens, heads, head_dim, rotary(), paired, key_offset}; }
+  RopeLayout layout(const TensorView& factor1, const TensorView& factor2) const {
+    return tables_layout(heads, rotary(), paired, key_offset, factor1, factor2);
   }
   std::string describe() const {
     std::ostringstream out;
@@ -100,8 +101,8 @@ PackedResult run_and_check(const PackedCase& c) {
   const std::vector<uint8_t> x_f8 = random_e4m3(rng, size_t(T * C));
   const std::vector<uint8_t> weight_f8 = random_e4m3(rng, size_t(qkv_dim * C), 100.0f);
   std::vector<double> factor1, factor2;
-  rotary_factor_values(rng, T, c.head_dim, c.paired ? 2 : 1,
-                       c.key_offset ? c.rotary_dim : c.head_dim, false, factor1, factor2);
+  rotary_factor_values(rng, T, c.head_dim, c.paired ? 2 : 1, c.rotary(), false, factor1,
+                       factor2);
   HostTensor x_t(DType::kFloat8E4M3, {T, C}), weight_t(DType::kFloat8E4M3, {qkv_dim, C});
   HostTensor f1(DType::kBFloat16, {T, rope.factor_width()}),
       f2(DType::kBFloat16, {T, rope.factor_width()});
@@ -128,9 +129,16 @@ PackedResult run_and_check(const PackedCase& c) {
                                          : v_alone.view();
   HostTensor q(DType::kBFloat16, {rope.out_tokens(), rope.out_heads(), c.head_dim});
   HostTensor k(DType::kBFloat16, {rope.out_tokens(), rope.out_heads(), c.head_dim});
-  packed_qkv_forward({x_t.view(), weight_t.view(), x_scale.view(), weight_scale.view(),
-                      qkv_scale.view(), f1.view(), f2.view(), qk_view, v_view, q.view(), k.view(),
-                      c.layout()});
+  packed_qkv_forward({.x_f8 = x_t.view(),
+                      .weight_f8 = weight_t.view(),
+                      .x_scale = x_scale.view(),
+                      .weight_scale = weight_scale.view(),
+                      .qkv_scale = qkv_scale.view(),
+                      .qk = qk_view,
+                      .v = v_view,
+                      .q = q.view(),
+                      .k = k.view(),
+                      .layout = c.layout(f1.view(), f2.view())});
 
   std::vector<double> qkv_values;
   if (c.joined_qkv) {
@@ -204,14 +212,26 @@ PackedResult run_and_check(const PackedCase& c) {
                                      ? sub_view(grad_weight.view().data, qk_features * C,
                                                 DType::kBFloat16, {v_features, C}, {C, 1})
                                      : grad_v_alone.view();
-  packed_qkv_backward({grad_q_t.view(),   grad_k_t.view(),    grad_v_t.view(),
-                       qk_saved.view(),   f1.view(),          f2.view(),
-                       x_f8_t.view(),     weight_f8_t.view(), qk_weight_t.view(),
-                       v_weight_t.view(), x_scale.view(),     weight_scale.view(),
-                       qkv_scale.view(),  grad_scale.view(),  grad_row.view(),
-                       grad_t.view(),     partials.view(),    grad_x.view(),
-                       grad_qk_view,      grad_v_view,        grad_qkv_scale.view(),
-                       c.layout()});
+  packed_qkv_backward({.grad_q = grad_q_t.view(),
+                       .grad_k = grad_k_t.view(),
+                       .grad_v = grad_v_t.view(),
+                       .qk = qk_saved.view(),
+                       .x_f8_t = x_f8_t.view(),
+                       .weight_f8_t = weight_f8_t.view(),
+                       .qk_weight = qk_weight_t.view(),
+                       .v_weight = v_weight_t.view(),
+                       .x_scale = x_scale.view(),
+                       .weight_scale = weight_scale.view(),
+                       .qkv_scale = qkv_scale.view(),
+                       .grad_scale = grad_scale.view(),
+                       .grad_row = grad_row.view(),
+                       .grad_t = grad_t.view(),
+                       .partials = partials.view(),
+                       .grad_x = grad_x.view(),
+                       .grad_qk_weight = grad_qk_view,
+                       .grad_v_weight = grad_v_view,
+                       .grad_qkv_scale = grad_qkv_scale.view(),
+                       .layout = c.layout(f1.view(), f2.view())});
 
   // Fused FP8 gradient.
   const std::vector<double> values =

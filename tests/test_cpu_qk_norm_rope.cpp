@@ -31,7 +31,7 @@ struct RopeCase {
   int64_t head_dim = 64;
   bool paired = false;
   bool key_offset = false;
-  int64_t rotary_dim = 0;  ///< key offset only
+  int64_t rotary_dim = 0;  ///< with key offset (r = D otherwise: the tables rotate every lane)
   DType dtype = DType::kBFloat16;
   DType factor_dtype = DType::kBFloat16;
   int64_t qk_extra_columns = 0;  ///< qk is a column slice of a wider [T, 2HD + extra] buffer
@@ -46,9 +46,10 @@ struct RopeCase {
         << " grad padding " << grad_padding;
     return out.str();
   }
-  ref::Rope rope() const { return {tokens, heads, head_dim, rotary_dim, paired, key_offset}; }
-  RopeLayout layout() const {
-    return {heads, key_offset ? rotary_dim : head_dim, paired, key_offset};
+  int64_t rotary() const { return key_offset ? rotary_dim : head_dim; }
+  ref::Rope rope() const { return {tokens, heads, head_dim, rotary(), paired, key_offset}; }
+  RopeLayout layout(const TensorView& factor1, const TensorView& factor2) const {
+    return tables_layout(heads, rotary(), paired, key_offset, factor1, factor2);
   }
 };
 
@@ -65,11 +66,14 @@ struct RopeInputs {
         factor2_tensor(c.factor_dtype, {c.tokens, c.rope().factor_width()}) {
     qk = random_values(rng, size_t(c.tokens * 2 * c.heads * c.head_dim), c.dtype);
     const bool fine_factors = c.factor_dtype != DType::kBFloat16;
-    rotary_factor_values(rng, c.tokens, c.head_dim, c.paired ? 2 : 1,
-                         c.key_offset ? c.rotary_dim : c.head_dim, fine_factors, factor1, factor2);
+    rotary_factor_values(rng, c.tokens, c.head_dim, c.paired ? 2 : 1, c.rotary(), fine_factors,
+                         factor1, factor2);
     qk_tensor.set(qk);
     factor1_tensor.set(factor1);
     factor2_tensor.set(factor2);
+  }
+  RopeLayout layout(const RopeCase& c) {
+    return c.layout(factor1_tensor.view(), factor2_tensor.view());
   }
 };
 
@@ -101,8 +105,7 @@ void check_forward(const RopeCase& c) {
   RopeInputs in(c, rng);
   HostTensor q = output_tensor(c, 0);
   HostTensor k = output_tensor(c, 0);
-  qk_norm_rope({in.qk_tensor.view(), in.factor1_tensor.view(), in.factor2_tensor.view(), q.view(),
-                k.view(), c.layout()});
+  qk_norm_rope({in.qk_tensor.view(), q.view(), k.view(), in.layout(c)});
   const ref::QkPair expected = ref::rope_forward(c.rope(), in.qk, in.factor1, in.factor2);
   EXPECT_TRUE(matches("q", c.dtype, q, expected.q, c.head_dim));
   EXPECT_TRUE(matches("k", c.dtype, k, expected.k, c.head_dim));
@@ -215,8 +218,7 @@ TEST(CpuQkNormRope, TinyRowsWhereEpsilonMatters) {
   for (double& x : in.qk) x = ref::round_bf16(x / 4096);
   in.qk_tensor.set(in.qk);
   HostTensor q = output_tensor(c, 0), k = output_tensor(c, 0);
-  qk_norm_rope({in.qk_tensor.view(), in.factor1_tensor.view(), in.factor2_tensor.view(), q.view(),
-                k.view(), c.layout()});
+  qk_norm_rope({in.qk_tensor.view(), q.view(), k.view(), in.layout(c)});
   const ref::QkPair expected = ref::rope_forward(c.rope(), in.qk, in.factor1, in.factor2);
   EXPECT_TRUE(matches("q", c.dtype, q, expected.q, c.head_dim));
   EXPECT_TRUE(matches("k", c.dtype, k, expected.k, c.head_dim));
@@ -228,9 +230,11 @@ TEST(CpuQkNormRope, TinyRowsWhereEpsilonMatters) {
   grad_q_tensor.set(grad_q);
   grad_k_tensor.set(grad_k);
   HostTensor grad_qk(c.dtype, {c.tokens, 2 * c.heads, c.head_dim});
-  qk_norm_rope_backward({grad_q_tensor.view(), grad_k_tensor.view(), in.qk_tensor.view(),
-                         in.factor1_tensor.view(), in.factor2_tensor.view(), grad_qk.view(),
-                         c.layout()});
+  qk_norm_rope_backward({.grad_q = grad_q_tensor.view(),
+                         .grad_k = grad_k_tensor.view(),
+                         .qk = in.qk_tensor.view(),
+                         .grad_qk = grad_qk.view(),
+                         .layout = in.layout(c)});
   EXPECT_TRUE(matches("grad_qk", c.dtype, grad_qk,
                       ref::rope_backward(c.rope(), grad_q, grad_k, in.qk, in.factor1, in.factor2),
                       c.head_dim));
@@ -249,8 +253,7 @@ TEST(CpuQkNormRope, ForwardIsBitwiseDeterministic) {
   for (int run = 0; run < 2; ++run) {
     HostTensor q = output_tensor(c, 0);
     HostTensor k = output_tensor(c, 0);
-    qk_norm_rope({in.qk_tensor.view(), in.factor1_tensor.view(), in.factor2_tensor.view(), q.view(),
-                  k.view(), c.layout()});
+    qk_norm_rope({in.qk_tensor.view(), q.view(), k.view(), in.layout(c)});
     std::vector<uint16_t> bits = q.get_bf16_bits();
     const std::vector<uint16_t> k_bits = k.get_bf16_bits();
     bits.insert(bits.end(), k_bits.begin(), k_bits.end());
@@ -294,8 +297,8 @@ TEST(CpuQkNormRope, PairedPlacementElementByElement) {
   f2.set(factor2);
   HostTensor q(DType::kBFloat16, {2 * tokens, half, head_dim});
   HostTensor k(DType::kBFloat16, {2 * tokens, half, head_dim});
-  qk_norm_rope(
-      {qk_tensor.view(), f1.view(), f2.view(), q.view(), k.view(), {heads, head_dim, true, false}});
+  qk_norm_rope({qk_tensor.view(), q.view(), k.view(),
+                tables_layout(heads, head_dim, true, false, f1.view(), f2.view())});
 
   for (int key = 0; key < 2; ++key) {
     const std::vector<double> out = (key ? k : q).get();
@@ -331,12 +334,8 @@ TEST(CpuQkNormRope, KeyOffsetPlacementElementByElement) {
   f2.set(factor2);
   HostTensor q(DType::kBFloat16, {tokens, heads, head_dim});
   HostTensor k(DType::kBFloat16, {tokens, heads, head_dim});
-  qk_norm_rope({qk_tensor.view(),
-                f1.view(),
-                f2.view(),
-                q.view(),
-                k.view(),
-                {heads, rotary_dim, false, true}});
+  qk_norm_rope({qk_tensor.view(), q.view(), k.view(),
+                tables_layout(heads, rotary_dim, false, true, f1.view(), f2.view())});
 
   for (int key = 0; key < 2; ++key) {
     const std::vector<double> out = (key ? k : q).get();
@@ -371,9 +370,11 @@ void check_backward(const RopeCase& c) {
   grad_q_tensor.set(grad_q);
   grad_k_tensor.set(grad_k);
   HostTensor grad_qk(c.dtype, {c.tokens, 2 * c.heads, c.head_dim});
-  qk_norm_rope_backward({grad_q_tensor.view(), grad_k_tensor.view(), in.qk_tensor.view(),
-                         in.factor1_tensor.view(), in.factor2_tensor.view(), grad_qk.view(),
-                         c.layout()});
+  qk_norm_rope_backward({.grad_q = grad_q_tensor.view(),
+                         .grad_k = grad_k_tensor.view(),
+                         .qk = in.qk_tensor.view(),
+                         .grad_qk = grad_qk.view(),
+                         .layout = in.layout(c)});
   const std::vector<double> expected =
       ref::rope_backward(rope, grad_q, grad_k, in.qk, in.factor1, in.factor2);
   EXPECT_TRUE(matches("grad_qk", c.dtype, grad_qk, expected, c.head_dim));
@@ -506,8 +507,11 @@ TEST(CpuQkNormRope, BackwardAgreesWithFiniteDifferences) {
       f1.set(in.factor1);
       f2.set(in.factor2);
       HostTensor grad_qk(dtype, {c.tokens, 2 * c.heads, c.head_dim});
-      qk_norm_rope_backward({grad_q_tensor.view(), grad_k_tensor.view(), qk.view(), f1.view(),
-                             f2.view(), grad_qk.view(), c.layout()});
+      qk_norm_rope_backward({.grad_q = grad_q_tensor.view(),
+                             .grad_k = grad_k_tensor.view(),
+                             .qk = qk.view(),
+                             .grad_qk = grad_qk.view(),
+                             .layout = c.layout(f1.view(), f2.view())});
       if (dtype == DType::kFloat64) {
         EXPECT_TRUE(passes(compare_close("float64 backward vs finite differences", grad_qk.get(),
                                          numeric, row_noise(numeric, c.head_dim, 1e-7))));

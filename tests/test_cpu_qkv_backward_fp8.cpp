@@ -43,7 +43,8 @@ struct Fp8Case {
         << dtype_name(factor_dtype) << " grad_scale " << grad_scale << " padding " << padding;
     return out.str();
   }
-  ref::Rope rope() const { return {tokens, heads, head_dim, rotary_dim, paired, key_offset}; }
+  int64_t rotary() const { return key_offset ? rotary_dim : head_dim; }
+  ref::Rope rope() const { return {tokens, heads, head_dim, rotary(), paired, key_offset}; }
   int64_t qkv_dim() const { return 2 * heads * head_dim + heads * v_dim; }
 };
 
@@ -68,9 +69,8 @@ std::vector<uint8_t> check_backward_fp8(const Fp8Case& c) {
   const std::vector<double> grad_v =
       random_values(rng, size_t(c.tokens * c.heads * c.v_dim), DType::kBFloat16);
   std::vector<double> factor1, factor2;
-  rotary_factor_values(rng, c.tokens, c.head_dim, c.paired ? 2 : 1,
-                       c.key_offset ? c.rotary_dim : c.head_dim, c.factor_dtype == DType::kFloat32,
-                       factor1, factor2);
+  rotary_factor_values(rng, c.tokens, c.head_dim, c.paired ? 2 : 1, c.rotary(),
+                       c.factor_dtype == DType::kFloat32, factor1, factor2);
 
   HostTensor qk_t = padded(c.tokens, 2 * c.heads, c.head_dim, c.padding);
   HostTensor grad_q_t = padded(rope.out_tokens(), rope.out_heads(), c.head_dim, c.padding);
@@ -89,10 +89,16 @@ std::vector<uint8_t> check_backward_fp8(const Fp8Case& c) {
   HostTensor grad_row(DType::kFloat8E4M3, {c.tokens, qkv_dim});
   HostTensor grad_t(DType::kFloat8E4M3, {qkv_dim, c.tokens});
 
-  const RopeLayout layout{c.heads, c.key_offset ? c.rotary_dim : c.head_dim, c.paired,
-                          c.key_offset};
-  qkv_backward_fp8({grad_q_t.view(), grad_k_t.view(), grad_v_t.view(), qk_t.view(), f1.view(),
-                    f2.view(), scale.view(), grad_row.view(), grad_t.view(), layout});
+  const RopeLayout layout =
+      tables_layout(c.heads, c.rotary(), c.paired, c.key_offset, f1.view(), f2.view());
+  qkv_backward_fp8({.grad_q = grad_q_t.view(),
+                    .grad_k = grad_k_t.view(),
+                    .grad_v = grad_v_t.view(),
+                    .qk = qk_t.view(),
+                    .grad_scale = scale.view(),
+                    .grad_row = grad_row.view(),
+                    .grad_t = grad_t.view(),
+                    .layout = layout});
 
   const std::vector<double> values =
       ref::qkv_backward_values(rope, c.v_dim, grad_q, grad_k, grad_v, qk, factor1, factor2);
@@ -119,8 +125,11 @@ std::vector<uint8_t> check_backward_fp8(const Fp8Case& c) {
   // Q/K features: exactly the backend's own bf16 backward, divided and cast. The one-step
   // tolerance above cannot see a skipped bf16 rounding; this can.
   HostTensor dx(DType::kBFloat16, {c.tokens, 2 * c.heads, c.head_dim});
-  qk_norm_rope_backward(
-      {grad_q_t.view(), grad_k_t.view(), qk_t.view(), f1.view(), f2.view(), dx.view(), layout});
+  qk_norm_rope_backward({.grad_q = grad_q_t.view(),
+                         .grad_k = grad_k_t.view(),
+                         .qk = qk_t.view(),
+                         .grad_qk = dx.view(),
+                         .layout = layout});
   const std::vector<double> dx_values = dx.get();
   int64_t qk_mismatches = 0;
   for (int64_t t = 0; t < c.tokens; ++t) {
@@ -240,16 +249,14 @@ TEST(CpuQkvBackwardFp8, GradScaleIsATrueFp32Division) {
   scale.set({grad_scale});
   const int64_t qkv_dim = 2 * H * D + H * Dv;
   HostTensor grad_row(DType::kFloat8E4M3, {T, qkv_dim}), grad_t(DType::kFloat8E4M3, {qkv_dim, T});
-  qkv_backward_fp8({grad_q.view(),
-                    grad_k.view(),
-                    grad_v_t.view(),
-                    qk.view(),
-                    f1.view(),
-                    f2.view(),
-                    scale.view(),
-                    grad_row.view(),
-                    grad_t.view(),
-                    {H, D, false, false}});
+  qkv_backward_fp8({.grad_q = grad_q.view(),
+                    .grad_k = grad_k.view(),
+                    .grad_v = grad_v_t.view(),
+                    .qk = qk.view(),
+                    .grad_scale = scale.view(),
+                    .grad_row = grad_row.view(),
+                    .grad_t = grad_t.view(),
+                    .layout = tables_layout(H, D, false, false, f1.view(), f2.view())});
   const std::vector<uint8_t> codes = grad_row.get_codes();
   int64_t mismatches = 0;
   for (int64_t t = 0; t < T; ++t) {

@@ -27,9 +27,16 @@ const double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 // ---- rope helpers --------------------------------------------------------------------------------
 
-RopeLayout layout_of(const ref::Rope& rope) {
-  return {rope.heads, rope.key_offset ? rope.rotary_dim : rope.head_dim, rope.paired,
-          rope.key_offset};
+/// The tests below write ref::Rope{T, H, D, r, paired, key_offset} with r read only under the
+/// key offset (SPEC.md section 1's rotary_dim); without it every lane rotates (r = D).
+ref::Rope resolved(ref::Rope rope) {
+  if (!rope.key_offset) rope.rotary_dim = rope.head_dim;
+  return rope;
+}
+
+RopeLayout layout_of(const ref::Rope& rope, const TensorView& factor1,
+                     const TensorView& factor2) {
+  return tables_layout(rope.heads, rope.rotary(), rope.paired, rope.key_offset, factor1, factor2);
 }
 
 /// relative * the largest finite |value| of each row (an infinity must match, not widen a row).
@@ -51,11 +58,11 @@ struct RopeInputs {
 };
 
 RopeInputs rope_inputs(std::mt19937_64& rng, ref::Rope rope) {
+  rope = resolved(rope);
   RopeInputs in{rope, {}, {}, {}};
   in.qk = random_values(rng, size_t(rope.tokens * 2 * rope.heads * rope.head_dim), DType::kBFloat16);
-  rotary_factor_values(rng, rope.tokens, rope.head_dim, rope.paired ? 2 : 1,
-                       rope.key_offset ? rope.rotary_dim : rope.head_dim, false, in.factor1,
-                       in.factor2);
+  rotary_factor_values(rng, rope.tokens, rope.head_dim, rope.paired ? 2 : 1, rope.rotary(), false,
+                       in.factor1, in.factor2);
   return in;
 }
 
@@ -70,7 +77,7 @@ std::pair<std::vector<uint16_t>, std::vector<uint16_t>> run_forward(const RopeIn
   f2.set(in.factor2);
   HostTensor q(DType::kBFloat16, {r.out_tokens(), r.out_heads(), r.head_dim});
   HostTensor k(DType::kBFloat16, {r.out_tokens(), r.out_heads(), r.head_dim});
-  qk_norm_rope({qk.view(), f1.view(), f2.view(), q.view(), k.view(), layout_of(r)});
+  qk_norm_rope({qk.view(), q.view(), k.view(), layout_of(r, f1.view(), f2.view())});
   return {q.get_bf16_bits(), k.get_bf16_bits()};
 }
 
@@ -89,8 +96,11 @@ std::vector<uint16_t> run_backward(const RopeInputs& in, const std::vector<doubl
   gq.set(grad_q);
   gk.set(grad_k);
   HostTensor dx(DType::kBFloat16, {r.tokens, 2 * r.heads, r.head_dim});
-  qk_norm_rope_backward({gq.view(), gk.view(), qk.view(), f1.view(), f2.view(), dx.view(),
-                         layout_of(r)});
+  qk_norm_rope_backward({.grad_q = gq.view(),
+                         .grad_k = gk.view(),
+                         .qk = qk.view(),
+                         .grad_qk = dx.view(),
+                         .layout = layout_of(r, f1.view(), f2.view())});
   return dx.get_bf16_bits();
 }
 
@@ -116,7 +126,7 @@ TEST(CpuSpecialValues, ZeroRowStaysZero) {
   // mode, and the key offset copies those zeros into the next token's shifted dims.
   auto rng = rng_for_test();
   for (int mode = 0; mode < 3; ++mode) {
-    ref::Rope rope{4, 2, 16, 8, mode == 1, mode == 2};
+    const ref::Rope rope = resolved({4, 2, 16, 8, mode == 1, mode == 2});
     RopeInputs in = rope_inputs(rng, rope);
     for (int64_t d = 0; d < rope.head_dim; ++d) {
       in.qk[qk_index(rope, 1, 0, d)] = 0.0;   // a query row
@@ -144,7 +154,7 @@ TEST(CpuSpecialValues, ZeroRowStaysZero) {
 TEST(CpuSpecialValues, NaNInQkMakesItsOutputRowNaN) {
   auto rng = rng_for_test();
   for (bool key_offset : {false, true}) {
-    ref::Rope rope{4, 2, 16, 8, false, key_offset};
+    const ref::Rope rope = resolved({4, 2, 16, 8, false, key_offset});
     RopeInputs in = rope_inputs(rng, rope);
     in.qk[qk_index(rope, 1, 3, 5)] = kNaN;  // key head 1 of token 1, one element
     SCOPED_TRACE(::testing::Message() << "key offset " << key_offset);
@@ -169,7 +179,7 @@ TEST(CpuSpecialValues, InfinityInQkZeroesItsRowButTwoLanes) {
   // sum(x^2) = inf, rstd = 1/sqrt(inf) = 0: finite elements normalize to +-0, the infinite one
   // to inf * 0 = NaN, and the rotary mixes it into its lane pair: NaN at d and d ^ 1, 0 elsewhere.
   auto rng = rng_for_test();
-  ref::Rope rope{3, 2, 16, 0, false, false};
+  const ref::Rope rope = resolved({3, 2, 16, 0, false, false});
   RopeInputs in = rope_inputs(rng, rope);
   in.qk[qk_index(rope, 1, 0, 6)] = INFINITY;
   in.qk[qk_index(rope, 2, 2, 11)] = -INFINITY;
@@ -196,7 +206,7 @@ TEST(CpuSpecialValues, RowWhoseSumOfSquaresOverflowsNormalizesToZero) {
   // row, finite as it is, comes out as zeros (as F.rms_norm does in fp32). The float64 model
   // would normalize it; this is the fp32 behaviour, written out exactly.
   auto rng = rng_for_test();
-  ref::Rope rope{2, 1, 8, 0, false, false};
+  const ref::Rope rope = resolved({2, 1, 8, 0, false, false});
   RopeInputs in = rope_inputs(rng, rope);
   in.qk[qk_index(rope, 0, 0, 3)] = std::ldexp(1.0, 70);
   for (int64_t d = 0; d < 8; ++d) in.qk[qk_index(rope, 1, 1, d)] = -std::ldexp(1.0, 65);
@@ -232,7 +242,7 @@ TEST(CpuSpecialValues, NaNAndInfinityInFactorsStayInTheirColumn) {
   // y[d] = f1[d] * n[d] + f2[d] * n[d ^ 1]: factor column d feeds only output element d of every
   // row that reads that factor row; an infinite factor gives +-inf (or NaN where n[d] is 0).
   auto rng = rng_for_test();
-  ref::Rope rope{3, 2, 16, 0, false, false};
+  const ref::Rope rope = resolved({3, 2, 16, 0, false, false});
   RopeInputs in = rope_inputs(rng, rope);
   in.factor1[size_t(1 * 16 + 4)] = kNaN;
   in.factor2[size_t(2 * 16 + 9)] = INFINITY;
@@ -253,7 +263,7 @@ TEST(CpuSpecialValues, NaNAndInfinityInFactorsStayInTheirColumn) {
 TEST(CpuSpecialValues, BackwardZeroRowIsScaledByOneOverSqrtEps) {
   // A zero row: n = 0, so dx = rstd * dn with rstd = 1/sqrt(2^-23) ~ 2896: finite, large.
   auto rng = rng_for_test();
-  ref::Rope rope{3, 2, 16, 0, false, false};
+  const ref::Rope rope = resolved({3, 2, 16, 0, false, false});
   RopeInputs in = rope_inputs(rng, rope);
   for (int64_t d = 0; d < 16; ++d) in.qk[qk_index(rope, 1, 2, d)] = 0.0;
   const size_t out = size_t(rope.tokens * rope.heads * rope.head_dim);
@@ -277,7 +287,7 @@ TEST(CpuSpecialValues, BackwardNaNOrInfinityMakesTheWholeRowNaN) {
   // A NaN or infinite qk element (n has a NaN), or a NaN gradient element, reaches every element
   // of its row's dx through the row sum sum(dn * n).
   auto rng = rng_for_test();
-  ref::Rope rope{3, 2, 16, 0, false, false};
+  const ref::Rope rope = resolved({3, 2, 16, 0, false, false});
   RopeInputs in = rope_inputs(rng, rope);
   in.qk[qk_index(rope, 0, 1, 3)] = kNaN;
   in.qk[qk_index(rope, 2, 3, 12)] = INFINITY;
@@ -301,7 +311,7 @@ TEST(CpuSpecialValues, BackwardInfiniteGradientsFollowTheModel) {
   // the row's dx is non-finite (mostly NaN); the model, with the same IEEE rules, agrees.
   auto rng = rng_for_test();
   for (int mode = 0; mode < 2; ++mode) {
-    ref::Rope rope{3, 2, 16, 0, mode == 1, false};
+    const ref::Rope rope = resolved({3, 2, 16, 0, mode == 1, false});
     RopeInputs in = rope_inputs(rng, rope);
     const size_t out = size_t(rope.out_tokens() * rope.out_heads() * rope.head_dim);
     std::vector<double> grad_q = random_values(rng, out, DType::kBFloat16);
@@ -334,8 +344,14 @@ std::vector<uint8_t> run_fp8(const std::vector<double>& qk, const std::vector<do
   f2.set(std::vector<double>(size_t(tokens * 8), 0.0));
   scale.set({grad_scale});
   HostTensor row(DType::kFloat8E4M3, {tokens, 24}), t(DType::kFloat8E4M3, {24, tokens});
-  qkv_backward_fp8({gq.view(), gk.view(), gv.view(), qk_t.view(), f1.view(), f2.view(),
-                    scale.view(), row.view(), t.view(), RopeLayout{1, 8, false, false}});
+  qkv_backward_fp8({.grad_q = gq.view(),
+                    .grad_k = gk.view(),
+                    .grad_v = gv.view(),
+                    .qk = qk_t.view(),
+                    .grad_scale = scale.view(),
+                    .grad_row = row.view(),
+                    .grad_t = t.view(),
+                    .layout = tables_layout(1, 8, false, false, f1.view(), f2.view())});
   const std::vector<uint8_t> codes = row.get_codes();
   EXPECT_EQ(t.get_codes(), transpose(codes, tokens, 24));
   return codes;

@@ -16,10 +16,14 @@ TEST(Tensor, DtypeNamesAndSizes) {
   EXPECT_STREQ(dtype_name(DType::kFloat32), "float32");
   EXPECT_STREQ(dtype_name(DType::kFloat64), "float64");
   EXPECT_STREQ(dtype_name(DType::kFloat8E4M3), "float8_e4m3fn");
+  EXPECT_STREQ(dtype_name(DType::kInt32), "int32");
+  EXPECT_STREQ(dtype_name(DType::kInt64), "int64");
   EXPECT_EQ(dtype_size(DType::kBFloat16), 2u);
   EXPECT_EQ(dtype_size(DType::kFloat32), 4u);
   EXPECT_EQ(dtype_size(DType::kFloat64), 8u);
   EXPECT_EQ(dtype_size(DType::kFloat8E4M3), 1u);
+  EXPECT_EQ(dtype_size(DType::kInt32), 4u);
+  EXPECT_EQ(dtype_size(DType::kInt64), 8u);
   EXPECT_THROW(dtype_size(static_cast<DType>(42)), Error);
 }
 

@@ -64,17 +64,24 @@ struct RopeArgs {
     }
     factor2.set(std::vector<double>(size_t(factor2.numel()), 0.0));
   }
-  static RopeLayout layout() { return {H, D, false, false}; }
-  QkNormRopeParams forward() {
-    return {qk.view(), factor1.view(), factor2.view(), q.view(), k.view(), layout()};
-  }
+  RopeLayout layout() { return tables_layout(H, D, false, false, factor1.view(), factor2.view()); }
+  QkNormRopeParams forward() { return {qk.view(), q.view(), k.view(), layout()}; }
   QkNormRopeBackwardParams backward() {
-    return {grad_q.view(),  grad_k.view(),  qk.view(), factor1.view(),
-            factor2.view(), grad_qk.view(), layout()};
+    return {.grad_q = grad_q.view(),
+            .grad_k = grad_k.view(),
+            .qk = qk.view(),
+            .grad_qk = grad_qk.view(),
+            .layout = layout()};
   }
   QkvBackwardFp8Params fp8() {
-    return {grad_q.view(),  grad_k.view(),     grad_v.view(),   qk.view(),     factor1.view(),
-            factor2.view(), grad_scale.view(), grad_row.view(), grad_t.view(), layout()};
+    return {.grad_q = grad_q.view(),
+            .grad_k = grad_k.view(),
+            .grad_v = grad_v.view(),
+            .qk = qk.view(),
+            .grad_scale = grad_scale.view(),
+            .grad_row = grad_row.view(),
+            .grad_t = grad_t.view(),
+            .layout = layout()};
   }
 };
 
@@ -94,10 +101,10 @@ TEST(Validation, QkNormRopeWrongDtype) {
   p.q.dtype = DType::kFloat32;
   EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"q: expected dtype bfloat16", "float32"}));
   p = args.forward();
-  p.factor1.dtype = DType::kFloat8E4M3;
+  p.layout.factor1.dtype = DType::kFloat8E4M3;
   EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"factor1: expected dtype"}));
   p = args.forward();
-  p.factor2.dtype = DType::kFloat32;
+  p.layout.factor2.dtype = DType::kFloat32;
   EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"factor2: expected dtype bfloat16"}));
 }
 
@@ -107,12 +114,12 @@ TEST(Validation, QkNormRopeWrongHeadCountAndShapes) {
   p.layout.num_heads = 3;  // qk holds 4 heads, the layout says 6
   EXPECT_TRUE(
       throws_error([&] { qk_norm_rope(p); },
-                   {"qk: expected shape [T, 6, 32] (2*num_heads = 6 heads), got [4, 4, 32]"}));
+                   {"qk: expected shape [T, 6, 32] (num_heads + num_kv_heads = 6 heads), got [4, 4, 32]"}));
   p = args.forward();
   p.qk.ndim = 2;
   EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"qk: expected 3 dims"}));
   p = args.forward();
-  p.factor1.sizes[0] = 3;
+  p.layout.factor1.sizes[0] = 3;
   EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"factor1: expected shape [4, 32]"}));
   p = args.forward();
   p.layout.paired = true;  // paired factors are [T, 2D]
@@ -155,20 +162,20 @@ TEST(Validation, RopeOpsRefusePointersOffTheirElements) {
   EXPECT_TRUE(
       throws_error([&] { qk_norm_rope(p); }, {"qk_norm_rope: qk: ", not_aligned + "2-byte"}));
   p = args.forward();
-  p.factor2 = off(p.factor2, 1);
+  p.layout.factor2 = off(p.layout.factor2, 1);
   EXPECT_TRUE(
-      throws_error([&] { qk_norm_rope(p); }, {"qk_norm_rope: factor2: ", not_aligned + "2-byte"}));
+      throws_error([&] { qk_norm_rope(p); }, {"qk_norm_rope: layout.factor2: ", not_aligned + "2-byte"}));
   p = args.forward();
   p.q = off(p.q, 1);
   EXPECT_TRUE(
       throws_error([&] { qk_norm_rope(p); }, {"qk_norm_rope: q: ", not_aligned + "2-byte"}));
   HostTensor f32(DType::kFloat32, {RopeArgs::T * RopeArgs::D + 1});
   p = args.forward();
-  p.factor1 = p.factor2 =
+  p.layout.factor1 = p.layout.factor2 =
       make_view(static_cast<char*>(f32.view().data) + 2, DType::kFloat32, kCPU,
                 {RopeArgs::T, RopeArgs::D});
   EXPECT_TRUE(
-      throws_error([&] { qk_norm_rope(p); }, {"qk_norm_rope: factor1: ", not_aligned + "4-byte"}));
+      throws_error([&] { qk_norm_rope(p); }, {"qk_norm_rope: layout.factor1: ", not_aligned + "4-byte"}));
 
   auto b = args.backward();
   b.grad_q = off(b.grad_q, 1);
@@ -236,14 +243,21 @@ TEST(Validation, RopeOpsTakeElementAlignedPointersAndAnyStrides) {
     grad.set(grad_values);
     grad_v.set(v_values);
     scale.set({1.0 / 448});
-    const RopeLayout layout{H, D, false, false};
-    EXPECT_NO_THROW(
-        qk_norm_rope({qk.view(), factor1.view(), factor2.view(), q.view(), k.view(), layout}));
-    EXPECT_NO_THROW(qk_norm_rope_backward({grad.view(), grad.view(), qk.view(), factor1.view(),
-                                           factor2.view(), grad_qk.view(), layout}));
-    EXPECT_NO_THROW(qkv_backward_fp8({grad.view(), grad.view(), grad_v.view(), qk.view(),
-                                      factor1.view(), factor2.view(), scale.view(),
-                                      grad_row.view(), grad_t.view(), layout}));
+    const RopeLayout layout = tables_layout(H, D, false, false, factor1.view(), factor2.view());
+    EXPECT_NO_THROW(qk_norm_rope({qk.view(), q.view(), k.view(), layout}));
+    EXPECT_NO_THROW(qk_norm_rope_backward({.grad_q = grad.view(),
+                                           .grad_k = grad.view(),
+                                           .qk = qk.view(),
+                                           .grad_qk = grad_qk.view(),
+                                           .layout = layout}));
+    EXPECT_NO_THROW(qkv_backward_fp8({.grad_q = grad.view(),
+                                      .grad_k = grad.view(),
+                                      .grad_v = grad_v.view(),
+                                      .qk = qk.view(),
+                                      .grad_scale = scale.view(),
+                                      .grad_row = grad_row.view(),
+                                      .grad_t = grad_t.view(),
+                                      .layout = layout}));
     q_bits[odd] = q.get_bf16_bits();
     k_bits[odd] = k.get_bf16_bits();
     grad_qk_bits[odd] = grad_qk.get_bf16_bits();
@@ -263,7 +277,7 @@ TEST(Validation, QkNormRopeStrides) {
   p.qk.strides[2] = 2;
   EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"qk: expected its last dim contiguous"}));
   p = args.forward();
-  p.factor2.strides[1] = 2;
+  p.layout.factor2.strides[1] = 2;
   EXPECT_TRUE(
       throws_error([&] { qk_norm_rope(p); }, {"factor2: expected its last dim contiguous"}));
   p = args.forward();
@@ -285,12 +299,19 @@ TEST(Validation, RopeLayoutFlags) {
   for (int64_t bad : {3, 34, -2}) {
     p.layout.rotary_dim = bad;
     EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); },
-                             {"layout.rotary_dim: expected an even value in [0, D = 32]",
+                             {"layout.rotary_dim: expected ", "an even value in [0, D = 32]",
                               "got " + std::to_string(bad)}));
   }
+  // rotary_dim applies to every row now (SPEC.md section 8), so an odd one is refused without
+  // the key offset too; -1 (the whole head) and 0 (no rotation) are fine.
   p = args.forward();
-  p.layout.rotary_dim = 3;  // ignored without key_offset
-  EXPECT_NO_THROW(qk_norm_rope(p));
+  p.layout.rotary_dim = 3;
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); },
+                           {"qk_norm_rope: layout.rotary_dim: expected an even value", "got 3"}));
+  for (int64_t fine : {-1, 0, 2, 32}) {
+    p.layout.rotary_dim = fine;
+    EXPECT_NO_THROW(qk_norm_rope(p)) << "rotary_dim " << fine;
+  }
 
   p = args.forward();
   p.layout.paired = true;
@@ -310,9 +331,10 @@ TEST(Validation, PairedNeedsEvenHeads) {
   HostTensor out2(DType::kBFloat16, {2 * T, 1, D});
   EXPECT_TRUE(throws_error(
       [&] {
-        qk_norm_rope({qk.view(), f.view(), f.view(), out.view(), out2.view(), {H, D, true, false}});
+        qk_norm_rope({qk.view(), out.view(), out2.view(),
+                      tables_layout(H, D, true, false, f.view(), f.view())});
       },
-      {"layout.paired: needs an even num_heads, got num_heads = 3"}));
+      {"layout.paired: needs num_kv_heads = num_heads and an even num_heads, got 3 and 3"}));
 }
 
 TEST(Validation, QkNormRopeOutputAliasing) {
@@ -324,9 +346,9 @@ TEST(Validation, QkNormRopeOutputAliasing) {
   p.k = p.q;
   EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"q: overlaps output k"}));
   p = args.forward();
-  p.k = alias(p.factor2, DType::kBFloat16, {RopeArgs::T, RopeArgs::H, RopeArgs::D});
-  p.k.data = static_cast<char*>(p.factor2.data) - 2;  // a partial overlap, one element in
-  EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"k: overlaps input factor2"}));
+  p.k = alias(p.layout.factor2, DType::kBFloat16, {RopeArgs::T, RopeArgs::H, RopeArgs::D});
+  p.k.data = static_cast<char*>(p.layout.factor2.data) - 2;  // a partial overlap, one element in
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"k: overlaps input layout.factor2"}));
 }
 
 TEST(Validation, QkNormRopeBackwardChecks) {
@@ -349,7 +371,7 @@ TEST(Validation, QkNormRopeBackwardChecks) {
   p = args.backward();
   p.layout.num_heads = 1;
   EXPECT_TRUE(
-      throws_error([&] { qk_norm_rope_backward(p); }, {"qk: expected shape", "2*num_heads = 2"}));
+      throws_error([&] { qk_norm_rope_backward(p); }, {"qk: expected shape", "num_heads + num_kv_heads = 2"}));
   p = args.backward();
   p.grad_qk.dtype = DType::kFloat32;  // qk is bf16: the gradient takes qk's dtype
   EXPECT_TRUE(throws_error([&] { qk_norm_rope_backward(p); },
@@ -358,7 +380,7 @@ TEST(Validation, QkNormRopeBackwardChecks) {
   p.grad_qk = with_strides(p.grad_qk, {2 * RopeArgs::H * RopeArgs::D + 2, RopeArgs::D, 1});
   p.grad_qk.sizes[0] = RopeArgs::T - 1;  // stays inside the buffer: only the stride is wrong
   p.grad_q.sizes[0] = p.grad_k.sizes[0] = p.qk.sizes[0] = RopeArgs::T - 1;
-  p.factor1.sizes[0] = p.factor2.sizes[0] = RopeArgs::T - 1;
+  p.layout.factor1.sizes[0] = p.layout.factor2.sizes[0] = RopeArgs::T - 1;
   EXPECT_TRUE(throws_error([&] { qk_norm_rope_backward(p); },
                            {"qk_norm_rope_backward: grad_qk: expected a row-major contiguous"}));
 }
@@ -380,7 +402,7 @@ TEST(Validation, QkvBackwardFp8Checks) {
   p = args.fp8();
   p.grad_row.sizes[1] = RopeArgs::kQkvDim - 1;
   EXPECT_TRUE(throws_error([&] { qkv_backward_fp8(p); },
-                           {"grad_row: expected shape [4, 160] (qkv_dim = 2*H*D + H*Dv = 160)"}));
+                           {"grad_row: expected shape [4, 160] (qkv_dim = (Hq + Hkv)*D + Hkv*Dv = 160)"}));
   p = args.fp8();
   p.grad_t = with_strides(p.grad_t, {RopeArgs::T + 1, 1});
   EXPECT_TRUE(
@@ -395,7 +417,7 @@ TEST(Validation, QkvBackwardFp8Checks) {
   p.qk.dtype = DType::kFloat32;  // the wide-qk CPU path is for qk_norm_rope only
   EXPECT_TRUE(throws_error([&] { qkv_backward_fp8(p); }, {"qk: expected dtype bfloat16"}));
   p = args.fp8();
-  p.factor1.dtype = p.factor2.dtype = DType::kFloat64;
+  p.layout.factor1.dtype = p.layout.factor2.dtype = DType::kFloat64;
   EXPECT_TRUE(
       throws_error([&] { qkv_backward_fp8(p); }, {"factor1: expected dtype bfloat16 or float32"}));
   p = args.fp8();
@@ -456,12 +478,21 @@ TEST(Validation, EmptyRopeWorkIsANoOpThatWritesNothing) {
   HostTensor scale(DType::kFloat32, {});
   const TensorView empty_row = make_view(guard_f8.view().data, DType::kFloat8E4M3, kCPU, {0, 160});
   const TensorView empty_t = make_view(guard_f8.view().data, DType::kFloat8E4M3, kCPU, {160, 0});
-  const RopeLayout layout{H, D, false, false};
-  EXPECT_NO_THROW(qk_norm_rope({empty_qk, empty_f, empty_f, empty_out, empty_out, layout}));
-  EXPECT_NO_THROW(
-      qk_norm_rope_backward({empty_out, empty_out, empty_qk, empty_f, empty_f, empty_qk, layout}));
-  EXPECT_NO_THROW(qkv_backward_fp8({empty_out, empty_out, empty_v, empty_qk, empty_f, empty_f,
-                                    scale.view(), empty_row, empty_t, layout}));
+  const RopeLayout layout = tables_layout(H, D, false, false, empty_f, empty_f);
+  EXPECT_NO_THROW(qk_norm_rope({empty_qk, empty_out, empty_out, layout}));
+  EXPECT_NO_THROW(qk_norm_rope_backward({.grad_q = empty_out,
+                                         .grad_k = empty_out,
+                                         .qk = empty_qk,
+                                         .grad_qk = empty_qk,
+                                         .layout = layout}));
+  EXPECT_NO_THROW(qkv_backward_fp8({.grad_q = empty_out,
+                                    .grad_k = empty_out,
+                                    .grad_v = empty_v,
+                                    .qk = empty_qk,
+                                    .grad_scale = scale.view(),
+                                    .grad_row = empty_row,
+                                    .grad_t = empty_t,
+                                    .layout = layout}));
   EXPECT_TRUE(untouched(guard));
   EXPECT_TRUE(untouched(guard_f8));
 }
@@ -471,9 +502,9 @@ TEST(Validation, EmptyRopeWorkIsANoOpThatWritesNothing) {
 TEST(Validation, TensorsOnDifferentDevicesAreRefused) {
   RopeArgs args;
   auto p = args.forward();
-  p.factor1 = on_device(p.factor1, kCuda0);
+  p.layout.factor1 = on_device(p.layout.factor1, kCuda0);
   EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); },
-                           {"qk_norm_rope: factor1: is on cuda:0, but qk is on cpu"}));
+                           {"qk_norm_rope: layout.factor1: is on cuda:0, but qk is on cpu"}));
 }
 
 TEST(Validation, ScalesOnAnotherDeviceAreRefused) {
@@ -492,7 +523,7 @@ TEST(Validation, CudaViewsOfHostMemoryGiveAClearError) {
   // says there is no device, or that the pointer is not memory of that GPU. Never a crash.
   RopeArgs args;
   auto p = args.forward();
-  for (TensorView* view : {&p.qk, &p.factor1, &p.factor2, &p.q, &p.k})
+  for (TensorView* view : {&p.qk, &p.layout.factor1, &p.layout.factor2, &p.q, &p.k})
     *view = on_device(*view, kCuda0);
   try {
     qk_norm_rope(p);
@@ -771,7 +802,7 @@ struct PackedArgs {
     }
     factor2.set(std::vector<double>(size_t(factor2.numel()), 0.0));
   }
-  static RopeLayout layout() { return {H, D, false, false}; }
+  RopeLayout layout() { return tables_layout(H, D, false, false, factor1.view(), factor2.view()); }
   TensorView qk_out() {
     return make_view(qkv.view().data, DType::kBFloat16, kCPU, {T, 2 * H, D}, {kQkv, D, 1});
   }
@@ -780,21 +811,42 @@ struct PackedArgs {
                      {T, H, Dv}, {kQkv, Dv, 1});
   }
   PackedQkvForwardParams forward() {
-    return {x_f8.view(),  weight_f8.view(), scale.view(),   scale.view(),
-            scale.view(), factor1.view(),   factor2.view(), qk_out(),
-            v_out(),      q.view(),         k.view(),       layout()};
+    return {.x_f8 = x_f8.view(),
+            .weight_f8 = weight_f8.view(),
+            .x_scale = scale.view(),
+            .weight_scale = scale.view(),
+            .qkv_scale = scale.view(),
+            .qk = qk_out(),
+            .v = v_out(),
+            .q = q.view(),
+            .k = k.view(),
+            .layout = layout()};
   }
   PackedQkvBackwardParams backward() {
     const TensorView grad_qk_weight =
         make_view(grad_weight.view().data, DType::kBFloat16, kCPU, {kQk, C});
     const TensorView grad_v_weight = make_view(
         static_cast<uint16_t*>(grad_weight.view().data) + kQk * C, DType::kBFloat16, kCPU, {kV, C});
-    return {grad_q.view(),         grad_k.view(),   grad_v.view(),   qk_saved.view(),
-            factor1.view(),        factor2.view(),  x_f8_t.view(),   weight_f8_t.view(),
-            qk_weight.view(),      v_weight.view(), scale.view(),    scale.view(),
-            scale.view(),          scale.view(),    grad_row.view(), grad_t.view(),
-            partials.view(),       grad_x.view(),   grad_qk_weight,  grad_v_weight,
-            grad_qkv_scale.view(), layout()};
+    return {.grad_q = grad_q.view(),
+            .grad_k = grad_k.view(),
+            .grad_v = grad_v.view(),
+            .qk = qk_saved.view(),
+            .x_f8_t = x_f8_t.view(),
+            .weight_f8_t = weight_f8_t.view(),
+            .qk_weight = qk_weight.view(),
+            .v_weight = v_weight.view(),
+            .x_scale = scale.view(),
+            .weight_scale = scale.view(),
+            .qkv_scale = scale.view(),
+            .grad_scale = scale.view(),
+            .grad_row = grad_row.view(),
+            .grad_t = grad_t.view(),
+            .partials = partials.view(),
+            .grad_x = grad_x.view(),
+            .grad_qk_weight = grad_qk_weight,
+            .grad_v_weight = grad_v_weight,
+            .grad_qkv_scale = grad_qkv_scale.view(),
+            .layout = layout()};
   }
 };
 
@@ -813,7 +865,7 @@ TEST(Validation, PackedForwardChecks) {
   p = args.forward();
   p.weight_f8.sizes[0] = PackedArgs::kQkv - 16;
   EXPECT_TRUE(throws_error([&] { packed_qkv_forward(p); },
-                           {"weight_f8: expected shape [160, 16] (qkv_dim = 2*H*D + H*Dv = 160"}));
+                           {"weight_f8: expected shape [160, 16] (qkv_dim = (Hq + Hkv)*D + Hkv*Dv = 160"}));
   p = args.forward();
   p.qk.strides[1] = PackedArgs::D + 2;
   EXPECT_TRUE(
@@ -825,7 +877,7 @@ TEST(Validation, PackedForwardChecks) {
   p = args.forward();
   p.layout.num_heads = 4;
   EXPECT_TRUE(
-      throws_error([&] { packed_qkv_forward(p); }, {"qk: expected shape", "2*num_heads = 8"}));
+      throws_error([&] { packed_qkv_forward(p); }, {"qk: expected shape", "num_heads + num_kv_heads = 8"}));
   p = args.forward();
   p.qkv_scale = alias(p.qkv_scale, DType::kFloat32, {2});
   EXPECT_TRUE(
@@ -862,7 +914,7 @@ TEST(Validation, PackedForwardRefusesBeforeWritingAnything) {
   // A bad factor table is only seen by the qk_norm_rope step; the GEMM before it must not run.
   PackedArgs args;
   auto p = args.forward();
-  p.factor1.sizes[1] = PackedArgs::D + 2;
+  p.layout.factor1.sizes[1] = PackedArgs::D + 2;
   EXPECT_TRUE(throws_error([&] { packed_qkv_forward(p); },
                            {"packed_qkv_forward", "factor1: expected shape [4, 32]"}));
   EXPECT_TRUE(untouched(args.qkv));
@@ -882,7 +934,7 @@ TEST(Validation, PackedBackwardChecks) {
   p = args.backward();
   p.qk_weight.sizes[0] = PackedArgs::kQk + 1;
   EXPECT_TRUE(throws_error([&] { packed_qkv_backward(p); },
-                           {"qk_weight: expected shape [128, 16] ([2*H*D, C])"}));
+                           {"qk_weight: expected shape [128, 16] ([(Hq+Hkv)*D, C])"}));
   p = args.backward();
   p.grad_v_weight.strides[0] = PackedArgs::C + 1;
   EXPECT_TRUE(throws_error([&] { packed_qkv_backward(p); },
@@ -963,11 +1015,11 @@ TEST(Validation, EmptyPackedWorkIsANoOpThatWritesNothing) {
   PackedArgs args;
   auto f = args.forward();
   f.x_f8.sizes[0] = f.qk.sizes[0] = f.v.sizes[0] = f.q.sizes[0] = f.k.sizes[0] = 0;
-  f.factor1.sizes[0] = f.factor2.sizes[0] = 0;
+  f.layout.factor1.sizes[0] = f.layout.factor2.sizes[0] = 0;
   EXPECT_NO_THROW(packed_qkv_forward(f));
   auto b = args.backward();
   for (TensorView* view :
-       {&b.grad_q, &b.grad_k, &b.grad_v, &b.qk, &b.factor1, &b.factor2, &b.grad_row, &b.grad_x}) {
+       {&b.grad_q, &b.grad_k, &b.grad_v, &b.qk, &b.layout.factor1, &b.layout.factor2, &b.grad_row, &b.grad_x}) {
     view->sizes[0] = 0;
   }
   b.x_f8_t.sizes[1] = b.grad_t.sizes[1] = 0;

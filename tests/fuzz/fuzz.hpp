@@ -109,6 +109,8 @@ struct Case {
   int64_t out_heads() const { return paired ? heads / 2 : heads; }
   int64_t factor_width() const { return paired ? 2 * head_dim : head_dim; }
   int64_t qkv_dim() const { return 2 * heads * head_dim + heads * v_dim; }
+  int64_t rotary() const { return key_offset ? rotary_dim : head_dim; }
+  /// The layout's options; run_case adds its tensors.
   RopeLayout layout() const;
   /// Everything needed to understand and replay the case (with the seed and its number).
   std::string describe() const;

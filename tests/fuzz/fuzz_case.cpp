@@ -545,7 +545,12 @@ std::string Placement::describe() const {
 }
 
 RopeLayout Case::layout() const {
-  return {heads, key_offset ? rotary_dim : head_dim, paired, key_offset};
+  RopeLayout layout;
+  layout.num_heads = heads;
+  layout.rotary_dim = rotary();
+  layout.paired = paired;
+  layout.key_offset = key_offset;
+  return layout;
 }
 
 std::string Case::describe() const {

@@ -232,7 +232,7 @@ std::vector<double> feature_noise(const Case& c, const std::vector<double>& valu
 std::vector<bool> zero_scale_ambiguity(const Case& c, const Inputs& in,
                                        const std::vector<double>& term_scale) {
   if (c.scales[0] != 0.0f) return {};
-  const ref::Rope rope{c.tokens, c.heads, c.head_dim, c.rotary_dim, c.paired, c.key_offset};
+  const ref::Rope rope{c.tokens, c.heads, c.head_dim, c.rotary(), c.paired, c.key_offset};
   const std::vector<double> values = ref::qkv_backward_values(
       rope, c.v_dim, in.grad_q.get_values(), in.grad_k.get_values(), in.grad_v.get_values(),
       in.qk.get_values(), in.factor1.get_values(), in.factor2.get_values());
@@ -463,7 +463,7 @@ void check_poison_e4m3(Findings& findings, const std::string& what, const std::v
 void compare_cpu_model(Findings& findings, const Case& c, const Inputs& in,
                        const std::vector<Output>& cpu) {
   if (is_rope_op(c.op)) {
-    const ref::Rope rope{c.tokens, c.heads, c.head_dim, c.rotary_dim, c.paired, c.key_offset};
+    const ref::Rope rope{c.tokens, c.heads, c.head_dim, c.rotary(), c.paired, c.key_offset};
     const std::vector<double> qk = in.qk.get_values();
     const std::vector<double> f1 = in.factor1.get_values();
     const std::vector<double> f2 = in.factor2.get_values();

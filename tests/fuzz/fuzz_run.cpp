@@ -126,11 +126,11 @@ std::vector<Output> run_case(const Case& c, const Inputs& in, Memory& memory) {
     case Op::kRopeForward: {
       QkNormRopeParams p;
       p.qk = memory.input(in.qk);
-      p.factor1 = memory.input(in.factor1);
-      p.factor2 = memory.input(in.factor2);
       p.q = output("q", bf16, {c.out_tokens(), c.out_heads(), c.head_dim});
       p.k = output("k", bf16, {c.out_tokens(), c.out_heads(), c.head_dim});
       p.layout = c.layout();
+      p.layout.factor1 = memory.input(in.factor1);
+      p.layout.factor2 = memory.input(in.factor2);
       p.stream = stream;
       qk_norm_rope(p);
       break;
@@ -140,10 +140,10 @@ std::vector<Output> run_case(const Case& c, const Inputs& in, Memory& memory) {
       p.grad_q = memory.input(in.grad_q);
       p.grad_k = memory.input(in.grad_k);
       p.qk = memory.input(in.qk);
-      p.factor1 = memory.input(in.factor1);
-      p.factor2 = memory.input(in.factor2);
       p.grad_qk = output("grad_qk", bf16, {c.tokens, 2 * c.heads, c.head_dim});
       p.layout = c.layout();
+      p.layout.factor1 = memory.input(in.factor1);
+      p.layout.factor2 = memory.input(in.factor2);
       p.stream = stream;
       qk_norm_rope_backward(p);
       break;
@@ -154,12 +154,12 @@ std::vector<Output> run_case(const Case& c, const Inputs& in, Memory& memory) {
       p.grad_k = memory.input(in.grad_k);
       p.grad_v = memory.input(in.grad_v);
       p.qk = memory.input(in.qk);
-      p.factor1 = memory.input(in.factor1);
-      p.factor2 = memory.input(in.factor2);
       p.grad_scale = memory.input(in.scale);
       p.grad_row = output("grad_row", e4m3, {c.tokens, c.qkv_dim()});
       p.grad_t = output("grad_t", e4m3, {c.qkv_dim(), c.tokens});
       p.layout = c.layout();
+      p.layout.factor1 = memory.input(in.factor1);
+      p.layout.factor2 = memory.input(in.factor2);
       p.stream = stream;
       qkv_backward_fp8(p);
       break;
