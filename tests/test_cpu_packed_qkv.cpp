@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -27,7 +28,8 @@ constexpr double kFp32Noise = 1.0 / (1 << 18);
 struct PackedCase {
   int64_t tokens = 3;
   int64_t channels = 40;
-  int64_t heads = 2;
+  int64_t heads = 2;     ///< Hq
+  int64_t kv_heads = 0;  ///< Hkv; 0: Hq
   int64_t head_dim = 34;
   int64_t v_dim = 20;
   bool paired = false;
@@ -36,18 +38,34 @@ struct PackedCase {
   bool joined_qkv = true;           ///< qk and v column slices of one [T, qkv_dim] buffer
   bool joined_weight_grads = true;  ///< grad_qk_weight, grad_v_weight rows of one buffer
   float qkv_scale = 0.83f;
+  /// The general layout's options (SPEC.md section 8): style, norm, eps, weight offset; `spec`
+  /// picks the angle source and the weights (qk itself comes from the GEMM).
+  bool neox = false;
+  bool normalize = true;
+  double eps = 1.0 / 8388608.0;
+  double weight_offset = 0.0;
+  RopeSpec spec;
 
-  int64_t qk_features() const { return 2 * heads * head_dim; }
-  int64_t qkv_dim() const { return qk_features() + heads * v_dim; }
-  int64_t rotary() const { return key_offset ? rotary_dim : head_dim; }
-  ref::Rope rope() const { return {tokens, heads, head_dim, rotary(), paired, key_offset}; }
-  RopeLayout layout(const TensorView& factor1, const TensorView& factor2) const {
-    return tables_layout(heads, rotary(), paired, key_offset, factor1, factor2);
+  int64_t k_heads() const { return kv_heads ? kv_heads : heads; }
+  int64_t qk_features() const { return (heads + k_heads()) * head_dim; }
+  int64_t v_features() const { return k_heads() * v_dim; }
+  int64_t qkv_dim() const { return qk_features() + v_features(); }
+  int64_t rotary() const { return key_offset ? rotary_dim : rotary_dim > 0 ? rotary_dim : head_dim; }
+  ref::Rope rope() const {
+    ref::Rope rope{tokens, heads, head_dim, rotary(), paired, key_offset};
+    rope.kv_heads = kv_heads;
+    rope.neox = neox;
+    rope.normalize = normalize;
+    rope.eps = eps;
+    rope.weight_offset = weight_offset;
+    return rope;
   }
   std::string describe() const {
     std::ostringstream out;
-    out << "T=" << tokens << " C=" << channels << " H=" << heads << " D=" << head_dim
-        << " Dv=" << v_dim << (paired ? " paired" : "") << (key_offset ? " key_offset" : "")
+    out << "T=" << tokens << " C=" << channels << " Hq=" << heads << " Hkv=" << k_heads()
+        << " D=" << head_dim << " Dv=" << v_dim << " r=" << rotary() << (neox ? " neox" : "")
+        << (normalize ? "" : " no-norm") << " eps=" << eps << " offset=" << weight_offset << " "
+        << spec.describe() << (paired ? " paired" : "") << (key_offset ? " key_offset" : "")
         << (joined_qkv ? " one QKV GEMM" : " two QKV GEMMs")
         << (joined_weight_grads ? " one wgrad GEMM" : " two wgrad GEMMs");
     return out.str();
@@ -94,41 +112,38 @@ PackedResult run_and_check(const PackedCase& c) {
   auto rng = rng_for_test();
   const ref::Rope rope = c.rope();
   const int64_t T = c.tokens, C = c.channels, qkv_dim = c.qkv_dim(), qk_features = c.qk_features();
-  const int64_t v_features = c.heads * c.v_dim;
+  const int64_t v_features = c.v_features();
+  const int64_t Hq = c.heads, Hkv = c.k_heads(), D = c.head_dim;
   PackedResult result;
 
   // ---- inputs
   const std::vector<uint8_t> x_f8 = random_e4m3(rng, size_t(T * C));
   const std::vector<uint8_t> weight_f8 = random_e4m3(rng, size_t(qkv_dim * C), 100.0f);
-  std::vector<double> factor1, factor2;
-  rotary_factor_values(rng, T, c.head_dim, c.paired ? 2 : 1, c.rotary(), false, factor1,
-                       factor2);
+  // The layout's angles and weights (RopeData's own qk is not used: the GEMM makes qk).
+  RopeData angles(rope, c.spec, rng);
+  const RopeLayout layout = angles.layout();
   HostTensor x_t(DType::kFloat8E4M3, {T, C}), weight_t(DType::kFloat8E4M3, {qkv_dim, C});
-  HostTensor f1(DType::kBFloat16, {T, rope.factor_width()}),
-      f2(DType::kBFloat16, {T, rope.factor_width()});
   HostTensor x_scale(DType::kFloat32, {}), weight_scale(DType::kFloat32, {}),
       qkv_scale(DType::kFloat32, {});
   x_t.set_codes(x_f8);
   weight_t.set_codes(weight_f8);
-  f1.set(factor1);
-  f2.set(factor2);
   x_scale.set({kXScale});
   weight_scale.set({kWeightScale});
   qkv_scale.set({c.qkv_scale});
 
   // ---- forward
   HostTensor qkv(DType::kBFloat16, {T, qkv_dim});  // used when joined
-  HostTensor qk_alone(DType::kBFloat16, {T, 2 * c.heads, c.head_dim});
-  HostTensor v_alone(DType::kBFloat16, {T, c.heads, c.v_dim});
+  HostTensor qk_alone(DType::kBFloat16, {T, Hq + Hkv, D});
+  HostTensor v_alone(DType::kBFloat16, {T, Hkv, c.v_dim});
   const TensorView qk_view = c.joined_qkv
-                                 ? sub_view(qkv.view().data, 0, DType::kBFloat16,
-                                            {T, 2 * c.heads, c.head_dim}, {qkv_dim, c.head_dim, 1})
+                                 ? sub_view(qkv.view().data, 0, DType::kBFloat16, {T, Hq + Hkv, D},
+                                            {qkv_dim, D, 1})
                                  : qk_alone.view();
   const TensorView v_view = c.joined_qkv ? sub_view(qkv.view().data, qk_features, DType::kBFloat16,
-                                                    {T, c.heads, c.v_dim}, {qkv_dim, c.v_dim, 1})
+                                                    {T, Hkv, c.v_dim}, {qkv_dim, c.v_dim, 1})
                                          : v_alone.view();
-  HostTensor q(DType::kBFloat16, {rope.out_tokens(), rope.out_heads(), c.head_dim});
-  HostTensor k(DType::kBFloat16, {rope.out_tokens(), rope.out_heads(), c.head_dim});
+  HostTensor q(DType::kBFloat16, {rope.out_tokens(), rope.q_out_heads(), D});
+  HostTensor k(DType::kBFloat16, {rope.out_tokens(), rope.k_out_heads(), D});
   packed_qkv_forward({.x_f8 = x_t.view(),
                       .weight_f8 = weight_t.view(),
                       .x_scale = x_scale.view(),
@@ -138,7 +153,7 @@ PackedResult run_and_check(const PackedCase& c) {
                       .v = v_view,
                       .q = q.view(),
                       .k = k.view(),
-                      .layout = c.layout(f1.view(), f2.view())});
+                      .layout = layout});
 
   std::vector<double> qkv_values;
   if (c.joined_qkv) {
@@ -161,7 +176,7 @@ PackedResult run_and_check(const PackedCase& c) {
   EXPECT_TRUE(passes(compare_bf16("qkv (qk and v)", result.qkv, expected_qkv, slack)));
 
   const std::vector<double> qk_values = columns(qkv_values, T, qkv_dim, 0, qk_features);
-  const ref::QkPair expected_qk = ref::rope_forward(rope, qk_values, factor1, factor2);
+  const ref::QkPair expected_qk = ref::rope_forward(rope, qk_values, angles.tensors);
   result.q = q.get_bf16_bits();
   result.k = k.get_bf16_bits();
   EXPECT_TRUE(passes(compare_bf16("q", result.q, expected_qk.q,
@@ -170,19 +185,18 @@ PackedResult run_and_check(const PackedCase& c) {
                                   row_noise(expected_qk.k, c.head_dim, kFp32Noise))));
 
   // ---- backward
-  const size_t out_count = size_t(rope.out_tokens() * rope.out_heads() * c.head_dim);
-  const std::vector<double> grad_q = random_values(rng, out_count, DType::kBFloat16, 0.02);
-  const std::vector<double> grad_k = random_values(rng, out_count, DType::kBFloat16, 0.02);
+  const std::vector<double> grad_q = random_values(rng, rope.q_count(), DType::kBFloat16, 0.02);
+  const std::vector<double> grad_k = random_values(rng, rope.k_count(), DType::kBFloat16, 0.02);
   const std::vector<double> grad_v =
       random_values(rng, size_t(T * v_features), DType::kBFloat16, 0.02);
   const std::vector<double> qk_weight =
       random_values(rng, size_t(qk_features * C), DType::kBFloat16, 0.02);
   const std::vector<double> v_weight =
       random_values(rng, size_t(v_features * C), DType::kBFloat16, 0.02);
-  HostTensor grad_q_t(DType::kBFloat16, {rope.out_tokens(), rope.out_heads(), c.head_dim});
-  HostTensor grad_k_t(DType::kBFloat16, {rope.out_tokens(), rope.out_heads(), c.head_dim});
-  HostTensor grad_v_t(DType::kBFloat16, {T, c.heads, c.v_dim});
-  HostTensor qk_saved(DType::kBFloat16, {T, 2 * c.heads, c.head_dim});
+  HostTensor grad_q_t(DType::kBFloat16, {rope.out_tokens(), rope.q_out_heads(), D});
+  HostTensor grad_k_t(DType::kBFloat16, {rope.out_tokens(), rope.k_out_heads(), D});
+  HostTensor grad_v_t(DType::kBFloat16, {T, Hkv, c.v_dim});
+  HostTensor qk_saved(DType::kBFloat16, {T, Hq + Hkv, D});
   HostTensor x_f8_t(DType::kFloat8E4M3, {C, T}), weight_f8_t(DType::kFloat8E4M3, {C, qkv_dim});
   HostTensor qk_weight_t(DType::kBFloat16, {qk_features, C}),
       v_weight_t(DType::kBFloat16, {v_features, C});
@@ -204,6 +218,10 @@ PackedResult run_and_check(const PackedCase& c) {
   HostTensor grad_qk_alone(DType::kBFloat16, {qk_features, C}),
       grad_v_alone(DType::kBFloat16, {v_features, C});
   HostTensor grad_qkv_scale(DType::kFloat32, {});
+  // The norm weights' gradients: present exactly when the weights are, poisoned.
+  std::optional<HostTensor> grad_q_norm, grad_k_norm;
+  if (angles.q_weight) grad_q_norm.emplace(c.spec.weight_dtype, std::vector<int64_t>{D});
+  if (angles.k_weight) grad_k_norm.emplace(c.spec.weight_dtype, std::vector<int64_t>{D});
   const TensorView grad_qk_view =
       c.joined_weight_grads
           ? sub_view(grad_weight.view().data, 0, DType::kBFloat16, {qk_features, C}, {C, 1})
@@ -212,7 +230,7 @@ PackedResult run_and_check(const PackedCase& c) {
                                      ? sub_view(grad_weight.view().data, qk_features * C,
                                                 DType::kBFloat16, {v_features, C}, {C, 1})
                                      : grad_v_alone.view();
-  packed_qkv_backward({.grad_q = grad_q_t.view(),
+  PackedQkvBackwardParams backward{.grad_q = grad_q_t.view(),
                        .grad_k = grad_k_t.view(),
                        .grad_v = grad_v_t.view(),
                        .qk = qk_saved.view(),
@@ -231,16 +249,39 @@ PackedResult run_and_check(const PackedCase& c) {
                        .grad_qk_weight = grad_qk_view,
                        .grad_v_weight = grad_v_view,
                        .grad_qkv_scale = grad_qkv_scale.view(),
-                       .layout = c.layout(f1.view(), f2.view())});
+                       .layout = layout};
+  backward.grad_q_weight = grad_q_norm ? grad_q_norm->view() : TensorView{};
+  backward.grad_k_weight = grad_k_norm ? grad_k_norm->view() : TensorView{};
+  EXPECT_EQ(backward_workspace_size(backward), 0) << "the CPU backend needs no rope workspace";
+  packed_qkv_backward(backward);
 
   // Fused FP8 gradient.
-  const std::vector<double> values =
-      ref::qkv_backward_values(rope, c.v_dim, grad_q, grad_k, grad_v, qk_values, factor1, factor2);
-  const std::vector<double> noise = qkv_feature_noise(rope, c.v_dim, values, kFp32Noise);
+  const std::vector<double> values = ref::qkv_backward_values(rope, c.v_dim, grad_q, grad_k,
+                                                              grad_v, qk_values, angles.tensors);
+  const ref::RopeGradients rope_grads =
+      ref::rope_gradients(rope, grad_q, grad_k, qk_values, angles.tensors);
+  const std::vector<double> noise =
+      qkv_feature_noise(rope, c.v_dim, values, kFp32Noise, rope_grads.term_scale);
   result.grad_row = grad_row.get_codes();
   result.grad_t = grad_t.get_codes();
   EXPECT_TRUE(passes(compare_e4m3("grad_row", result.grad_row, values, kGradScale, noise)));
   EXPECT_EQ(result.grad_t, transpose(result.grad_row, T, qkv_dim));
+
+  // The norm weights' gradients: the model's sums within a float32 sum's error.
+  for (int kind = 0; kind < 2; ++kind) {
+    std::optional<HostTensor>& got = kind == 0 ? grad_q_norm : grad_k_norm;
+    if (!got) continue;
+    const std::vector<double> tolerance =
+        fp32_sum_tolerance(kind == 0 ? rope_grads.q_weight_magnitude : rope_grads.k_weight_magnitude,
+                           kind == 0 ? rope_grads.q_weight_terms : rope_grads.k_weight_terms);
+    const std::vector<double>& want = kind == 0 ? rope_grads.grad_q_weight : rope_grads.grad_k_weight;
+    const std::string what = kind == 0 ? "grad_q_weight (norm)" : "grad_k_weight (norm)";
+    if (c.spec.weight_dtype == DType::kBFloat16) {
+      EXPECT_TRUE(passes(compare_bf16(what, got->get_bf16_bits(), want, tolerance)));
+    } else {
+      EXPECT_TRUE(passes(compare_close(what, got->get(), want, tolerance)));
+    }
+  }
 
   // Weight gradient: the reference GEMM of the op's own grad_t, scaled by qkv_scale.
   const std::vector<double> unscaled =
@@ -354,6 +395,134 @@ TEST(CpuPackedQkv, ModelD96AndD64) {
   c.joined_qkv = false;
   run_and_check(c);
   run_and_check(model_case(64, 12));
+}
+
+// ---- general layouts (SPEC.md section 8) -------------------------------------------------------
+
+TEST(CpuPackedQkv, GqaWithNormWeightsAndACosSinCache) {
+  // Qwen3-like: 4 query heads over 2 KV heads, NeoX from a cos/sin cache at packed positions,
+  // q_norm and k_norm weights; one and two GEMMs for qkv and for the weight gradients.
+  for (int variant = 0; variant < 4; ++variant) {
+    PackedCase c;
+    c.tokens = 7;
+    c.channels = 48;
+    c.heads = 4;
+    c.kv_heads = 2;
+    c.head_dim = 32;
+    c.v_dim = 24;
+    c.neox = true;
+    c.eps = double(1e-6f);
+    c.spec.cache = true;
+    c.spec.packed = true;
+    c.spec.position_dtype = variant % 2 ? DType::kInt32 : DType::kInt64;
+    c.spec.q_weight = c.spec.k_weight = true;
+    c.spec.weight_dtype = variant < 2 ? DType::kBFloat16 : DType::kFloat32;
+    c.joined_qkv = variant != 1;
+    c.joined_weight_grads = variant != 2;
+    run_and_check(c);
+  }
+}
+
+TEST(CpuPackedQkv, MqaGemmaAndPartialRotaryLayouts) {
+  PackedCase mqa;  // MQA, Gemma's (1 + w) with weights around 0, interleaved tables
+  mqa.tokens = 5;
+  mqa.channels = 32;
+  mqa.heads = 3;
+  mqa.kv_heads = 1;
+  mqa.head_dim = 64;
+  mqa.v_dim = 64;
+  mqa.weight_offset = 1.0;
+  mqa.spec.q_weight = mqa.spec.k_weight = true;
+  mqa.spec.weight_mean = 0.0;
+  run_and_check(mqa);
+
+  PackedCase glm;  // partial NeoX rotary (r = D/2) over a cache, key weight only
+  glm.tokens = 9;
+  glm.channels = 40;
+  glm.heads = 4;
+  glm.kv_heads = 1;
+  glm.head_dim = 32;
+  glm.rotary_dim = 16;
+  glm.v_dim = 16;
+  glm.neox = true;
+  glm.spec.cache = true;
+  glm.spec.k_weight = true;
+  run_and_check(glm);
+
+  PackedCase llama;  // no QK norm, GQA, cache
+  llama.tokens = 3;
+  llama.channels = 24;
+  llama.heads = 6;
+  llama.kv_heads = 2;
+  llama.head_dim = 16;
+  llama.v_dim = 8;
+  llama.neox = true;
+  llama.normalize = false;
+  llama.spec.cache = true;
+  run_and_check(llama);
+}
+
+TEST(CpuPackedQkv, EmptyBackwardWritesZeroNormWeightGradients) {
+  // T = 0: the projection writes nothing; the norm weights' gradients are zeros.
+  const int64_t C = 16, Hq = 4, Hkv = 2, D = 32, Dv = 8;
+  const int64_t qk_features = (Hq + Hkv) * D, v_features = Hkv * Dv;
+  const int64_t qkv = qk_features + v_features;
+  HostTensor guard(DType::kBFloat16, {64}), guard_f8(DType::kFloat8E4M3, {64});
+  HostTensor weight_f8_t(DType::kFloat8E4M3, {C, qkv});
+  HostTensor qk_weight(DType::kBFloat16, {qk_features, C}), v_weight(DType::kBFloat16, {v_features, C});
+  HostTensor scale(DType::kFloat32, {}), partials(DType::kFloat32, {kGradScalePartials});
+  HostTensor grad_weight(DType::kBFloat16, {qkv, C}), grad_qkv_scale(DType::kFloat32, {});
+  HostTensor q_weight(DType::kFloat32, {D}), k_weight(DType::kBFloat16, {D});
+  HostTensor grad_q_weight(DType::kFloat32, {D}), grad_k_weight(DType::kBFloat16, {D});
+  HostTensor cos_sin(DType::kBFloat16, {4, D});
+  for (HostTensor* t : {&weight_f8_t, &qk_weight, &v_weight, &scale, &q_weight, &k_weight, &cos_sin}) {
+    t->set(std::vector<double>(size_t(t->numel()), 0.5));
+  }
+  RopeLayout layout;
+  layout.num_heads = Hq;
+  layout.num_kv_heads = Hkv;
+  layout.rotary_style = RotaryStyle::kNeox;
+  layout.cos_sin = cos_sin.view();
+  layout.positions = make_view(guard.view().data, DType::kInt64, kCPU, {0});
+  layout.q_weight = q_weight.view();
+  layout.k_weight = k_weight.view();
+  const auto bf16 = [&](std::initializer_list<int64_t> sizes) {
+    return make_view(guard.view().data, DType::kBFloat16, kCPU, sizes);
+  };
+  const auto f8 = [&](std::initializer_list<int64_t> sizes) {
+    return make_view(guard_f8.view().data, DType::kFloat8E4M3, kCPU, sizes);
+  };
+  packed_qkv_backward({.grad_q = bf16({0, Hq, D}),
+                       .grad_k = bf16({0, Hkv, D}),
+                       .grad_v = bf16({0, Hkv, Dv}),
+                       .qk = bf16({0, Hq + Hkv, D}),
+                       .x_f8_t = f8({C, 0}),
+                       .weight_f8_t = weight_f8_t.view(),
+                       .qk_weight = qk_weight.view(),
+                       .v_weight = v_weight.view(),
+                       .x_scale = scale.view(),
+                       .weight_scale = scale.view(),
+                       .qkv_scale = scale.view(),
+                       .grad_scale = scale.view(),
+                       .grad_row = f8({0, qkv}),
+                       .grad_t = f8({qkv, 0}),
+                       .partials = partials.view(),
+                       .grad_q_weight = grad_q_weight.view(),
+                       .grad_k_weight = grad_k_weight.view(),
+                       .grad_x = bf16({0, C}),
+                       .grad_qk_weight = make_view(grad_weight.view().data, DType::kBFloat16, kCPU,
+                                                   {qk_features, C}),
+                       .grad_v_weight = make_view(static_cast<uint16_t*>(grad_weight.view().data) +
+                                                      qk_features * C,
+                                                  DType::kBFloat16, kCPU, {v_features, C}),
+                       .grad_qkv_scale = grad_qkv_scale.view(),
+                       .layout = layout});
+  EXPECT_EQ(grad_q_weight.get(), std::vector<double>(D, 0.0));
+  EXPECT_EQ(grad_k_weight.get(), std::vector<double>(D, 0.0));
+  EXPECT_EQ(grad_weight.elements_touched(), 0) << "the projection's gradient was written";
+  EXPECT_EQ(grad_qkv_scale.elements_touched(), 0);
+  EXPECT_EQ(guard.elements_touched(), 0);
+  EXPECT_EQ(guard_f8.elements_touched(), 0);
 }
 
 // ---- the finalize step on its own (exact inputs, tight tolerance) ----------------------------
