@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -495,6 +497,673 @@ TEST(Validation, EmptyRopeWorkIsANoOpThatWritesNothing) {
                                     .layout = layout}));
   EXPECT_TRUE(untouched(guard));
   EXPECT_TRUE(untouched(guard_f8));
+}
+
+// ---- general layouts (SPEC.md section 8): every refusal of rope_options, rope_inputs and
+// rope_weight_grads, on each rope op ----------------------------------------------------------------
+
+/// Valid general-layout arguments: T=4, Hq=4 over Hkv=2, D=32, NeoX over r=16 from a cos/sin
+/// cache [P=8, 16] at int32 positions, a bf16 q_weight and a float32 k_weight (so the two
+/// gradients differ in dtype), Dv=16. `tables()` swaps the cache for factor tables.
+struct LayoutArgs {
+  static constexpr int64_t T = 4, Hq = 4, Hkv = 2, D = 32, R = 16, P = 8, Dv = 16;
+  static constexpr int64_t kQkvDim = (Hq + Hkv) * D + Hkv * Dv;
+  HostTensor qk{DType::kBFloat16, {T, Hq + Hkv, D}};
+  HostTensor cos_sin{DType::kBFloat16, {P, R}};
+  HostTensor positions{DType::kInt32, {T}};
+  HostTensor factor1{DType::kBFloat16, {T, D}};
+  HostTensor factor2{DType::kBFloat16, {T, D}};
+  HostTensor q_weight{DType::kBFloat16, {D}};
+  HostTensor k_weight{DType::kFloat32, {D}};
+  HostTensor q{DType::kBFloat16, {T, Hq, D}};
+  HostTensor k{DType::kBFloat16, {T, Hkv, D}};
+  HostTensor grad_q{DType::kBFloat16, {T, Hq, D}};
+  HostTensor grad_k{DType::kBFloat16, {T, Hkv, D}};
+  HostTensor grad_qk{DType::kBFloat16, {T, Hq + Hkv, D}};
+  HostTensor grad_v{DType::kBFloat16, {T, Hkv, Dv}};
+  HostTensor grad_scale{DType::kFloat32, {}};
+  HostTensor grad_row{DType::kFloat8E4M3, {T, kQkvDim}};
+  HostTensor grad_t{DType::kFloat8E4M3, {kQkvDim, T}};
+  HostTensor grad_q_weight{DType::kBFloat16, {D}};
+  HostTensor grad_k_weight{DType::kFloat32, {D}};
+
+  LayoutArgs() {
+    for (HostTensor* input : {&qk, &cos_sin, &factor1, &factor2, &q_weight, &k_weight, &grad_q,
+                              &grad_k, &grad_v, &grad_scale}) {
+      input->set(std::vector<double>(size_t(input->numel()), 0.5));
+    }
+    positions.set_ints({0, 7, 3, 0});
+  }
+  RopeLayout layout() {
+    RopeLayout layout;
+    layout.num_heads = Hq;
+    layout.num_kv_heads = Hkv;
+    layout.rotary_dim = R;
+    layout.rotary_style = RotaryStyle::kNeox;
+    layout.eps = 1e-6f;
+    layout.cos_sin = cos_sin.view();
+    layout.positions = positions.view();
+    layout.q_weight = q_weight.view();
+    layout.k_weight = k_weight.view();
+    return layout;
+  }
+  /// The same layout with factor tables [T, D] instead of the cache.
+  RopeLayout tables() {
+    RopeLayout layout = this->layout();
+    layout.cos_sin = TensorView{};
+    layout.positions = TensorView{};
+    layout.factor1 = factor1.view();
+    layout.factor2 = factor2.view();
+    return layout;
+  }
+  QkNormRopeParams forward() { return {qk.view(), q.view(), k.view(), layout()}; }
+  QkNormRopeBackwardParams backward() {
+    return {.grad_q = grad_q.view(),
+            .grad_k = grad_k.view(),
+            .qk = qk.view(),
+            .grad_qk = grad_qk.view(),
+            .grad_q_weight = grad_q_weight.view(),
+            .grad_k_weight = grad_k_weight.view(),
+            .layout = layout()};
+  }
+  QkvBackwardFp8Params fp8() {
+    return {.grad_q = grad_q.view(),
+            .grad_k = grad_k.view(),
+            .grad_v = grad_v.view(),
+            .qk = qk.view(),
+            .grad_scale = grad_scale.view(),
+            .grad_row = grad_row.view(),
+            .grad_t = grad_t.view(),
+            .grad_q_weight = grad_q_weight.view(),
+            .grad_k_weight = grad_k_weight.view(),
+            .layout = layout()};
+  }
+  /// Every output still holds its poison.
+  bool nothing_written() const {
+    for (const HostTensor* out :
+         {&q, &k, &grad_qk, &grad_row, &grad_t, &grad_q_weight, &grad_k_weight}) {
+      if (!untouched(*out)) return false;
+    }
+    return true;
+  }
+};
+
+/// Passes when `call` throws qkvfuse::Error whose message contains every part.
+::testing::AssertionResult refuses(const std::function<void()>& call,
+                                   const std::vector<std::string>& parts) {
+  try {
+    call();
+  } catch (const Error& error) {
+    const std::string message = error.what();
+    for (const std::string& part : parts) {
+      if (message.find(part) == std::string::npos) {
+        return ::testing::AssertionFailure() << "the message lacks \"" << part << "\": " << message;
+      }
+    }
+    return ::testing::AssertionSuccess() << message;
+  }
+  return ::testing::AssertionFailure() << "did not throw";
+}
+
+/// The layout broken by `breaks` is refused by all three rope ops, each message naming the op and
+/// containing `parts`, and nothing is written. `tables` starts from the factor-table layout.
+void expect_layout_refused(const std::function<void(RopeLayout&)>& breaks,
+                           const std::vector<std::string>& parts, bool tables = false) {
+  LayoutArgs args;
+  const RopeLayout base = tables ? args.tables() : args.layout();
+  const auto with = [&](const std::string& op) {
+    std::vector<std::string> all = {op + ": "};
+    all.insert(all.end(), parts.begin(), parts.end());
+    return all;
+  };
+  auto f = args.forward();
+  f.layout = base;
+  breaks(f.layout);
+  EXPECT_TRUE(refuses([&] { qk_norm_rope(f); }, with("qk_norm_rope")));
+  auto b = args.backward();
+  b.layout = base;
+  breaks(b.layout);
+  EXPECT_TRUE(refuses([&] { qk_norm_rope_backward(b); }, with("qk_norm_rope_backward")));
+  auto p = args.fp8();
+  p.layout = base;
+  breaks(p.layout);
+  EXPECT_TRUE(refuses([&] { qkv_backward_fp8(p); }, with("qkv_backward_fp8")));
+  EXPECT_TRUE(args.nothing_written());
+}
+
+TEST(ValidationLayout, ValidGeneralCallsSucceed) {
+  for (bool tables : {false, true}) {
+    LayoutArgs args;
+    auto f = args.forward();
+    auto b = args.backward();
+    auto p = args.fp8();
+    if (tables) f.layout = b.layout = p.layout = args.tables();
+    EXPECT_NO_THROW(qk_norm_rope(f));
+    EXPECT_NO_THROW(qk_norm_rope_backward(b));
+    EXPECT_NO_THROW(qkv_backward_fp8(p));
+  }
+  // Hkv = 0 means Hq; MQA; the layout's defaults (r = -1: the cache's width).
+  LayoutArgs args;
+  auto f = args.forward();
+  f.layout.rotary_dim = -1;
+  EXPECT_NO_THROW(qk_norm_rope(f));
+  HostTensor k1(DType::kBFloat16, {LayoutArgs::T, 1, LayoutArgs::D});
+  HostTensor qk5(DType::kBFloat16, {LayoutArgs::T, 5, LayoutArgs::D});
+  qk5.set(std::vector<double>(size_t(qk5.numel()), 0.5));
+  f = args.forward();
+  f.qk = qk5.view();
+  f.k = k1.view();
+  f.layout.num_kv_heads = 1;
+  EXPECT_NO_THROW(qk_norm_rope(f));
+}
+
+TEST(ValidationLayout, KvHeadsMustDivideQueryHeads) {
+  for (int64_t bad : {3, -1, 5}) {
+    SCOPED_TRACE(bad);
+    expect_layout_refused([bad](RopeLayout& l) { l.num_kv_heads = bad; },
+                          {"layout.num_kv_heads: expected a divisor of num_heads = 4 (0 for "
+                           "num_heads), got " + std::to_string(bad)});
+  }
+}
+
+TEST(ValidationLayout, UnknownRotaryStyle) {
+  expect_layout_refused([](RopeLayout& l) { l.rotary_style = static_cast<RotaryStyle>(7); },
+                        {"layout.rotary_style: expected kInterleaved or kNeox, got 7"});
+}
+
+TEST(ValidationLayout, ExactlyOneAngleSource) {
+  LayoutArgs tensors;  // views to add
+  const TensorView f1 = tensors.factor1.view(), f2 = tensors.factor2.view();
+  const TensorView cos_sin = tensors.cos_sin.view(), positions = tensors.positions.view();
+  expect_layout_refused(
+      [&](RopeLayout& l) {
+        l.factor1 = f1;
+        l.factor2 = f2;
+      },
+      {"layout: expected one angle source, got both the factor tables (factor1, factor2) and a "
+       "cos/sin cache (cos_sin, positions)"});
+  expect_layout_refused([&](RopeLayout& l) { l.factor1 = f1; }, {"expected one angle source"});
+  expect_layout_refused(
+      [](RopeLayout& l) {
+        l.cos_sin = TensorView{};
+        l.positions = TensorView{};
+      },
+      {"layout: expected an angle source: factor1 and factor2, or cos_sin and positions"});
+  expect_layout_refused([](RopeLayout& l) { l.factor2 = TensorView{}; },
+                        {"layout: factor1 and factor2 go together, got only factor1"}, true);
+  expect_layout_refused([](RopeLayout& l) { l.factor1 = TensorView{}; },
+                        {"layout: factor1 and factor2 go together, got only factor2"}, true);
+  expect_layout_refused([](RopeLayout& l) { l.positions = TensorView{}; },
+                        {"layout: cos_sin and positions go together, got only cos_sin"});
+  expect_layout_refused([](RopeLayout& l) { l.cos_sin = TensorView{}; },
+                        {"layout: cos_sin and positions go together, got only positions"});
+  (void)cos_sin;
+  (void)positions;
+}
+
+TEST(ValidationLayout, CosSinMustBeTwoDimensional) {
+  LayoutArgs memory;
+  const TensorView flat = alias(memory.cos_sin.view(), DType::kBFloat16, {LayoutArgs::P * 16});
+  const TensorView cube = alias(memory.cos_sin.view(), DType::kBFloat16, {2, 4, 16});
+  expect_layout_refused([&](RopeLayout& l) { l.cos_sin = flat; },
+                        {"layout.cos_sin: expected 2 dims [P, r]"});
+  expect_layout_refused([&](RopeLayout& l) { l.cos_sin = cube; },
+                        {"layout.cos_sin: expected 2 dims [P, r]"});
+}
+
+TEST(ValidationLayout, RotaryDim) {
+  // Below -1; odd; past D (factor tables: r is the layout's).
+  expect_layout_refused([](RopeLayout& l) { l.rotary_dim = -2; },
+                        {"layout.rotary_dim: expected -1 (the default) or an even value in "
+                         "[0, D = 32], got -2"},
+                        true);
+  for (int64_t bad : {15, 33, 34, 64}) {
+    SCOPED_TRACE(bad);
+    expect_layout_refused([bad](RopeLayout& l) { l.rotary_dim = bad; },
+                          {"layout.rotary_dim: expected an even value in [0, D = 32], got " +
+                           std::to_string(bad)},
+                          true);
+  }
+  // With a cache, r must equal cos_sin's width.
+  expect_layout_refused([](RopeLayout& l) { l.rotary_dim = 8; },
+                        {"layout.cos_sin: expected width r = 8 (layout.rotary_dim), got",
+                         "[8, 16]"});
+  expect_layout_refused([](RopeLayout& l) { l.rotary_dim = 32; },
+                        {"layout.cos_sin: expected width r = 32"});
+  // r = -1 takes the cache's width, which must then be even and at most D.
+  for (int64_t width : {15, 34}) {
+    SCOPED_TRACE(width);
+    HostTensor odd(DType::kBFloat16, {LayoutArgs::P, width});
+    expect_layout_refused(
+        [&](RopeLayout& l) {
+          l.rotary_dim = -1;
+          l.cos_sin = odd.view();
+        },
+        {"layout.cos_sin: expected an even width r in [0, D = 32], got " +
+         std::to_string(width)});
+  }
+}
+
+TEST(ValidationLayout, PairedAndKeyOffsetNeedEqualHeads) {
+  LayoutArgs memory;
+  HostTensor wide1(DType::kBFloat16, {LayoutArgs::T, 2 * LayoutArgs::D});
+  HostTensor wide2(DType::kBFloat16, {LayoutArgs::T, 2 * LayoutArgs::D});
+  expect_layout_refused([](RopeLayout& l) { l.paired = true; },
+                        {"layout.paired: needs num_kv_heads = num_heads and an even num_heads, "
+                         "got 4 and 2"},
+                        true);
+  // Paired with a cache, even with equal heads: defined with factor tables only.
+  expect_layout_refused(
+      [](RopeLayout& l) {
+        l.paired = true;
+        l.num_kv_heads = 0;
+      },
+      {"layout.paired: defined with factor tables [T, 2D] only, got a cos/sin cache"});
+  expect_layout_refused([](RopeLayout& l) { l.key_offset = true; },
+                        {"layout.key_offset: needs num_kv_heads = num_heads, got 4 and 2"});
+  expect_layout_refused([](RopeLayout& l) { l.key_offset = true; },
+                        {"layout.key_offset: needs num_kv_heads = num_heads, got 4 and 2"}, true);
+  // MQA and an odd head count for paired.
+  expect_layout_refused(
+      [](RopeLayout& l) {
+        l.paired = true;
+        l.num_kv_heads = 1;
+      },
+      {"layout.paired: needs num_kv_heads = num_heads", "got 4 and 1"}, true);
+}
+
+TEST(ValidationLayout, WeightsNeedTheNorm) {
+  expect_layout_refused([](RopeLayout& l) { l.normalize = false; },
+                        {"layout: norm weights (q_weight, k_weight) need normalize = true"});
+  expect_layout_refused(
+      [](RopeLayout& l) {
+        l.normalize = false;
+        l.q_weight = TensorView{};
+      },
+      {"layout: norm weights (q_weight, k_weight) need normalize = true"});
+  // Without weights, no norm is fine (and eps is not read: 0 passes).
+  LayoutArgs args;
+  auto f = args.forward();
+  f.layout.normalize = false;
+  f.layout.q_weight = f.layout.k_weight = TensorView{};
+  f.layout.eps = 0.0f;
+  EXPECT_NO_THROW(qk_norm_rope(f));
+}
+
+TEST(ValidationLayout, EpsMustBePositiveAndFinite) {
+  for (float bad : {0.0f, -0.0f, -1e-6f, INFINITY, -INFINITY, NAN}) {
+    SCOPED_TRACE(bad);
+    expect_layout_refused([bad](RopeLayout& l) { l.eps = bad; },
+                          {"layout.eps: expected a positive finite value, got"});
+  }
+  LayoutArgs args;
+  auto f = args.forward();
+  for (float fine : {1e-38f, 1e-6f, 1.0f, 3e38f}) {
+    f.layout.eps = fine;
+    EXPECT_NO_THROW(qk_norm_rope(f)) << fine;
+  }
+}
+
+TEST(ValidationLayout, WeightOffsetMustBeFinite) {
+  for (float bad : {INFINITY, -INFINITY, NAN}) {
+    SCOPED_TRACE(bad);
+    expect_layout_refused([bad](RopeLayout& l) { l.weight_offset = bad; },
+                          {"layout.weight_offset: expected a finite value, got"});
+  }
+  LayoutArgs args;
+  auto f = args.forward();
+  for (float fine : {1.0f, -3.5f, 0.0f}) {
+    f.layout.weight_offset = fine;
+    EXPECT_NO_THROW(qk_norm_rope(f)) << fine;
+  }
+}
+
+TEST(ValidationLayout, WeightTensors) {
+  LayoutArgs memory;
+  HostTensor f64(DType::kFloat64, {LayoutArgs::D});
+  HostTensor long_weight(DType::kBFloat16, {LayoutArgs::D + 2});
+  HostTensor strided(DType::kBFloat16, {LayoutArgs::D}, {2});
+  HostTensor row(DType::kBFloat16, {1, LayoutArgs::D});
+  f64.set(std::vector<double>(LayoutArgs::D, 1.0));
+  const auto retyped = [](TensorView view, DType dtype) {
+    view.dtype = dtype;
+    return view;
+  };
+  const TensorView fp8 = retyped(memory.q_weight.view(), DType::kFloat8E4M3);
+  const TensorView ints = retyped(memory.k_weight.view(), DType::kInt32);
+  expect_layout_refused([&](RopeLayout& l) { l.q_weight = fp8; },
+                        {"layout.q_weight: expected dtype bfloat16 or float32, got float8_e4m3fn"});
+  expect_layout_refused([&](RopeLayout& l) { l.k_weight = ints; },
+                        {"layout.k_weight: expected dtype bfloat16 or float32, got int32"});
+  // float64 weights only with float64 qk (the CPU's gradient checks).
+  expect_layout_refused([&](RopeLayout& l) { l.q_weight = f64.view(); },
+                        {"layout.q_weight: expected dtype bfloat16 or float32, got float64"});
+  expect_layout_refused([&](RopeLayout& l) { l.k_weight = long_weight.view(); },
+                        {"layout.k_weight: expected shape [32] ([D]), got [34]"});
+  expect_layout_refused([&](RopeLayout& l) { l.q_weight = row.view(); },
+                        {"layout.q_weight: expected shape [32] ([D]), got [1, 32]"});
+  expect_layout_refused([&](RopeLayout& l) { l.q_weight = strided.view(); },
+                        {"layout.q_weight: expected its last dim contiguous"});
+  HostTensor roomy(DType::kFloat32, {LayoutArgs::D + 1});
+  TensorView off = roomy.view();
+  off.data = static_cast<char*>(off.data) + 2;
+  off.sizes[0] = LayoutArgs::D;
+  expect_layout_refused(
+      [&](RopeLayout& l) { l.k_weight = off; },
+      {"layout.k_weight: data pointer", "is not aligned to its 4-byte elements"});
+  expect_layout_refused([&](RopeLayout& l) { l.q_weight = on_device(l.q_weight, kCuda0); },
+                        {"layout.q_weight: is on cuda:0, but ", " is on cpu"});
+}
+
+TEST(ValidationLayout, CacheTensors) {
+  LayoutArgs memory;
+  const auto retyped = [](TensorView view, DType dtype) {
+    view.dtype = dtype;
+    return view;
+  };
+  HostTensor f64(DType::kFloat64, {LayoutArgs::P, LayoutArgs::R});
+  expect_layout_refused([&](RopeLayout& l) { l.cos_sin = f64.view(); },
+                        {"layout.cos_sin: expected dtype bfloat16 or float32, got float64"});
+  expect_layout_refused(
+      [&](RopeLayout& l) { l.cos_sin = retyped(l.cos_sin, DType::kFloat8E4M3); },
+      {"layout.cos_sin: expected dtype bfloat16 or float32, got float8_e4m3fn"});
+  expect_layout_refused([](RopeLayout& l) { l.cos_sin.sizes[0] = 0; },
+                        {"layout.cos_sin: expected at least one position P >= 1"});
+  expect_layout_refused(
+      [](RopeLayout& l) {
+        l.cos_sin.sizes[0] = 2;
+        l.cos_sin.strides[1] = 2;
+        l.cos_sin.strides[0] = 32;
+      },
+      {"layout.cos_sin: expected its last dim contiguous"});
+  TensorView odd = memory.cos_sin.view();
+  odd.data = static_cast<char*>(odd.data) + 1;
+  odd.sizes[0] = LayoutArgs::P - 1;
+  expect_layout_refused([&](RopeLayout& l) { l.cos_sin = odd; },
+                        {"layout.cos_sin: data pointer", "is not aligned to its 2-byte elements"});
+  // positions: int32 or int64 [T].
+  expect_layout_refused(
+      [&](RopeLayout& l) { l.positions = retyped(l.positions, DType::kFloat32); },
+      {"layout.positions: expected dtype int32 or int64, got float32"});
+  expect_layout_refused(
+      [&](RopeLayout& l) { l.positions = retyped(l.positions, DType::kBFloat16); },
+      {"layout.positions: expected dtype int32 or int64, got bfloat16"});
+  HostTensor longer(DType::kInt64, {LayoutArgs::T + 1});
+  expect_layout_refused([&](RopeLayout& l) { l.positions = longer.view(); },
+                        {"layout.positions: expected shape [4] ([T], T from qk), got [5]"});
+  HostTensor column(DType::kInt32, {LayoutArgs::T, 1});
+  expect_layout_refused([&](RopeLayout& l) { l.positions = column.view(); },
+                        {"layout.positions: expected shape [4]", "got [4, 1]"});
+  HostTensor wide(DType::kInt64, {LayoutArgs::T + 1});
+  TensorView off = wide.view();
+  off.data = static_cast<char*>(off.data) + 4;
+  off.sizes[0] = LayoutArgs::T;
+  expect_layout_refused([&](RopeLayout& l) { l.positions = off; },
+                        {"layout.positions: data pointer", "is not aligned to its 8-byte elements"});
+  expect_layout_refused([](RopeLayout& l) { l.positions = on_device(l.positions, kCuda0); },
+                        {"layout.positions: is on cuda:0, but ", " is on cpu"});
+  // Strided positions (a column of a [T, 2] int64 batch) are fine.
+  HostTensor pairs(DType::kInt64, {LayoutArgs::T, 2});
+  pairs.set_ints({0, 9, 1, 9, 2, 9, 3, 9});
+  LayoutArgs args;
+  auto f = args.forward();
+  f.layout.positions = make_view(pairs.view().data, DType::kInt64, kCPU, {LayoutArgs::T}, {2});
+  EXPECT_NO_THROW(qk_norm_rope(f));
+}
+
+TEST(ValidationLayout, GqaShapes) {
+  LayoutArgs args;
+  auto f = args.forward();
+  f.k = alias(f.k, DType::kBFloat16, {LayoutArgs::T, LayoutArgs::Hq, LayoutArgs::D});
+  f.k.data = args.q.view().data;  // shape checked before overlap
+  EXPECT_TRUE(refuses([&] { qk_norm_rope(f); },
+                      {"qk_norm_rope: k: expected shape [4, 2, 32] ([T, num_kv_heads, D])"}));
+  f = args.forward();
+  f.layout.num_kv_heads = 4;  // qk holds 6 heads, the layout now says 8
+  EXPECT_TRUE(refuses([&] { qk_norm_rope(f); },
+                      {"qk: expected shape [T, 8, 32] (num_heads + num_kv_heads = 8 heads)"}));
+  auto b = args.backward();
+  b.grad_k.sizes[1] = LayoutArgs::Hq;
+  EXPECT_TRUE(refuses([&] { qk_norm_rope_backward(b); },
+                      {"qk_norm_rope_backward: grad_k: expected shape [4, 2, 32]"}));
+  b = args.backward();
+  b.grad_qk.sizes[1] = 2 * LayoutArgs::Hq;
+  EXPECT_TRUE(refuses([&] { qk_norm_rope_backward(b); },
+                      {"qk_norm_rope_backward: grad_qk: expected shape [4, 6, 32]"}));
+  auto p = args.fp8();
+  p.grad_v.sizes[1] = LayoutArgs::Hq;
+  EXPECT_TRUE(refuses([&] { qkv_backward_fp8(p); },
+                      {"qkv_backward_fp8: grad_v: expected shape [4, 2, Dv] (T from qk, "
+                       "num_kv_heads)"}));
+  p = args.fp8();
+  p.grad_row.sizes[1] = 2 * LayoutArgs::Hq * LayoutArgs::D + LayoutArgs::Hq * LayoutArgs::Dv;
+  EXPECT_TRUE(refuses([&] { qkv_backward_fp8(p); },
+                      {"qkv_backward_fp8: grad_row: expected shape [4, 224] (qkv_dim = "
+                       "(Hq + Hkv)*D + Hkv*Dv = 224)"}));
+  EXPECT_TRUE(args.nothing_written());
+}
+
+/// The weight-gradient refusals of one backward op, given its valid params.
+template <typename Params>
+void check_weight_grad_refusals(LayoutArgs& args, Params valid, const std::string& op,
+                                const std::function<void(const Params&)>& run) {
+  HostTensor f32(DType::kFloat32, {LayoutArgs::D});
+  HostTensor bf16(DType::kBFloat16, {LayoutArgs::D});
+  HostTensor longer(DType::kFloat32, {LayoutArgs::D + 1});
+  HostTensor strided(DType::kBFloat16, {LayoutArgs::D}, {2});
+  Params p = valid;
+  // A gradient given without its weight, and missing with it.
+  p.layout.q_weight = TensorView{};
+  EXPECT_TRUE(refuses([&] { run(p); },
+                      {op + ": grad_q_weight: given, but its weight is not (a gradient goes with "
+                            "its weight)"}));
+  p = valid;
+  p.layout.k_weight = TensorView{};
+  EXPECT_TRUE(refuses([&] { run(p); }, {op + ": grad_k_weight: given, but its weight is not"}));
+  p = valid;
+  p.grad_q_weight = TensorView{};
+  EXPECT_TRUE(refuses([&] { run(p); },
+                      {op + ": grad_q_weight: missing (the layout has its weight, whose gradient "
+                            "it receives)"}));
+  p = valid;
+  p.grad_k_weight = TensorView{};
+  EXPECT_TRUE(refuses([&] { run(p); }, {op + ": grad_k_weight: missing"}));
+  // The weight's dtype ([D] bf16 for q, float32 for k here), shape, contiguity.
+  p = valid;
+  p.grad_q_weight = f32.view();
+  EXPECT_TRUE(refuses([&] { run(p); },
+                      {op + ": grad_q_weight: expected dtype bfloat16, got float32"}));
+  p = valid;
+  p.grad_k_weight = bf16.view();
+  EXPECT_TRUE(refuses([&] { run(p); },
+                      {op + ": grad_k_weight: expected dtype float32, got bfloat16"}));
+  p = valid;
+  p.grad_k_weight = longer.view();
+  EXPECT_TRUE(refuses([&] { run(p); },
+                      {op + ": grad_k_weight: expected shape [32] ([D], as its weight), got [33]"}));
+  p = valid;
+  p.grad_q_weight = strided.view();
+  EXPECT_TRUE(refuses([&] { run(p); },
+                      {op + ": grad_q_weight: expected a row-major contiguous tensor"}));
+  // Outputs overlap nothing: the weight itself, the other gradient.
+  p = valid;
+  p.grad_q_weight = p.layout.q_weight;
+  EXPECT_TRUE(refuses([&] { run(p); }, {op + ": grad_q_weight: overlaps input layout.q_weight"}));
+  p = valid;
+  p.grad_k_weight = alias(p.layout.k_weight, DType::kFloat32, {LayoutArgs::D});
+  EXPECT_TRUE(refuses([&] { run(p); }, {op + ": grad_k_weight: overlaps input layout.k_weight"}));
+  // The workspace: none is needed on the CPU (size 0); one given must still be float32 [n].
+  p = valid;
+  EXPECT_EQ(backward_workspace_size(p), 0);
+  HostTensor workspace(DType::kFloat32, {16});
+  p.workspace = workspace.view();
+  EXPECT_NO_THROW(run(p));
+  HostTensor f64(DType::kFloat64, {16});
+  p.workspace = f64.view();
+  EXPECT_TRUE(refuses([&] { run(p); }, {op + ": workspace: expected dtype float32, got float64"}));
+  HostTensor matrix(DType::kFloat32, {4, 4});
+  p.workspace = matrix.view();
+  EXPECT_TRUE(refuses([&] { run(p); }, {op + ": workspace: expected 1 dims"}));
+  HostTensor gapped(DType::kFloat32, {8}, {2});
+  p.workspace = gapped.view();
+  EXPECT_TRUE(refuses([&] { run(p); }, {op + ": workspace: expected a row-major contiguous"}));
+  p = valid;
+  p.workspace = alias(p.grad_q_weight, DType::kFloat32, {4});
+  EXPECT_TRUE(refuses([&] { run(p); }, {op + ": grad_q_weight: overlaps output workspace"}));
+  (void)args;
+}
+
+TEST(ValidationLayout, WeightGradientsOfTheBf16Backward) {
+  LayoutArgs args;
+  check_weight_grad_refusals<QkNormRopeBackwardParams>(
+      args, args.backward(), "qk_norm_rope_backward",
+      [](const QkNormRopeBackwardParams& p) { qk_norm_rope_backward(p); });
+}
+
+TEST(ValidationLayout, WeightGradientsOfTheFp8Backward) {
+  LayoutArgs args;
+  check_weight_grad_refusals<QkvBackwardFp8Params>(
+      args, args.fp8(), "qkv_backward_fp8",
+      [](const QkvBackwardFp8Params& p) { qkv_backward_fp8(p); });
+}
+
+// The packed op takes the layout whole (its tensors too), with the norm weights' gradients and
+// their workspace among its own arguments.
+struct PackedLayoutArgs {
+  static constexpr int64_t T = 4, C = 16, Hq = 4, Hkv = 2, D = 32, Dv = 16;
+  static constexpr int64_t kQk = (Hq + Hkv) * D, kV = Hkv * Dv, kQkv = kQk + kV;
+  LayoutArgs rope;  // cos_sin, positions, weights (T = 4, D = 32)
+  HostTensor x_f8{DType::kFloat8E4M3, {T, C}};
+  HostTensor x_f8_t{DType::kFloat8E4M3, {C, T}};
+  HostTensor weight_f8{DType::kFloat8E4M3, {kQkv, C}};
+  HostTensor weight_f8_t{DType::kFloat8E4M3, {C, kQkv}};
+  HostTensor scale{DType::kFloat32, {}};
+  HostTensor qkv{DType::kBFloat16, {T, kQkv}};
+  HostTensor qk_weight{DType::kBFloat16, {kQk, C}};
+  HostTensor v_weight{DType::kBFloat16, {kV, C}};
+  HostTensor partials{DType::kFloat32, {kGradScalePartials}};
+  HostTensor grad_x{DType::kBFloat16, {T, C}};
+  HostTensor grad_weight{DType::kBFloat16, {kQkv, C}};
+  HostTensor grad_qkv_scale{DType::kFloat32, {}};
+
+  PackedLayoutArgs() {
+    for (HostTensor* input : {&x_f8, &x_f8_t, &weight_f8, &weight_f8_t, &scale, &qk_weight,
+                              &v_weight}) {
+      input->set(std::vector<double>(size_t(input->numel()), 1.0));
+    }
+  }
+  PackedQkvForwardParams forward() {
+    return {.x_f8 = x_f8.view(),
+            .weight_f8 = weight_f8.view(),
+            .x_scale = scale.view(),
+            .weight_scale = scale.view(),
+            .qkv_scale = scale.view(),
+            .qk = make_view(qkv.view().data, DType::kBFloat16, kCPU, {T, Hq + Hkv, D},
+                            {kQkv, D, 1}),
+            .v = make_view(static_cast<uint16_t*>(qkv.view().data) + kQk, DType::kBFloat16, kCPU,
+                           {T, Hkv, Dv}, {kQkv, Dv, 1}),
+            .q = rope.q.view(),
+            .k = rope.k.view(),
+            .layout = rope.layout()};
+  }
+  PackedQkvBackwardParams backward() {
+    return {.grad_q = rope.grad_q.view(),
+            .grad_k = rope.grad_k.view(),
+            .grad_v = rope.grad_v.view(),
+            .qk = rope.qk.view(),
+            .x_f8_t = x_f8_t.view(),
+            .weight_f8_t = weight_f8_t.view(),
+            .qk_weight = qk_weight.view(),
+            .v_weight = v_weight.view(),
+            .x_scale = scale.view(),
+            .weight_scale = scale.view(),
+            .qkv_scale = scale.view(),
+            .grad_scale = scale.view(),
+            .grad_row = rope.grad_row.view(),
+            .grad_t = rope.grad_t.view(),
+            .partials = partials.view(),
+            .grad_q_weight = rope.grad_q_weight.view(),
+            .grad_k_weight = rope.grad_k_weight.view(),
+            .grad_x = grad_x.view(),
+            .grad_qk_weight = make_view(grad_weight.view().data, DType::kBFloat16, kCPU, {kQk, C}),
+            .grad_v_weight = make_view(static_cast<uint16_t*>(grad_weight.view().data) + kQk * C,
+                                       DType::kBFloat16, kCPU, {kV, C}),
+            .grad_qkv_scale = grad_qkv_scale.view(),
+            .layout = rope.layout()};
+  }
+  bool nothing_written() const {
+    return untouched(qkv) && untouched(grad_x) && untouched(grad_weight) &&
+           untouched(grad_qkv_scale) && rope.nothing_written();
+  }
+};
+
+TEST(ValidationLayout, PackedOpWithAGeneralLayout) {
+  {
+    PackedLayoutArgs args;
+    EXPECT_NO_THROW(packed_qkv_forward(args.forward()));
+    EXPECT_NO_THROW(packed_qkv_backward(args.backward()));
+    EXPECT_EQ(backward_workspace_size(args.backward()), 0);
+  }
+  PackedLayoutArgs args;
+  auto f = args.forward();
+  f.v.sizes[1] = PackedLayoutArgs::Hq;
+  EXPECT_TRUE(refuses([&] { packed_qkv_forward(f); },
+                      {"packed_qkv_forward: v: expected shape [4, 2, Dv] (T from x_f8, "
+                       "num_kv_heads)"}));
+  f = args.forward();
+  f.weight_f8.sizes[0] = 2 * PackedLayoutArgs::Hq * PackedLayoutArgs::D;
+  EXPECT_TRUE(refuses([&] { packed_qkv_forward(f); },
+                      {"packed_qkv_forward: weight_f8: expected shape [224, 16] (qkv_dim = "
+                       "(Hq + Hkv)*D + Hkv*Dv = 224)"}));
+  f = args.forward();
+  f.layout.key_offset = true;
+  EXPECT_TRUE(refuses([&] { packed_qkv_forward(f); },
+                      {"packed_qkv_forward", "layout.key_offset: needs num_kv_heads = num_heads"}));
+  f = args.forward();
+  f.layout.positions.sizes[0] = PackedLayoutArgs::T - 1;
+  EXPECT_TRUE(refuses([&] { packed_qkv_forward(f); },
+                      {"packed_qkv_forward", "layout.positions: expected shape [4]"}));
+  f = args.forward();
+  f.layout.q_weight.dtype = DType::kFloat8E4M3;
+  EXPECT_TRUE(refuses([&] { packed_qkv_forward(f); }, {"packed_qkv_forward", "layout.q_weight"}));
+
+  auto b = args.backward();
+  b.qk_weight.sizes[0] = 2 * PackedLayoutArgs::Hq * PackedLayoutArgs::D;
+  EXPECT_TRUE(refuses([&] { packed_qkv_backward(b); },
+                      {"packed_qkv_backward: qk_weight: expected shape [192, 16] "
+                       "([(Hq+Hkv)*D, C])"}));
+  b = args.backward();
+  b.v_weight.sizes[0] = PackedLayoutArgs::Hq * PackedLayoutArgs::Dv;
+  EXPECT_TRUE(refuses([&] { packed_qkv_backward(b); },
+                      {"packed_qkv_backward: v_weight: expected shape [32, 16] ([Hkv*Dv, C])"}));
+  b = args.backward();
+  b.grad_q_weight = TensorView{};
+  EXPECT_TRUE(refuses([&] { packed_qkv_backward(b); },
+                      {"packed_qkv_backward", "grad_q_weight: missing"}));
+  b = args.backward();
+  b.layout.k_weight = TensorView{};
+  EXPECT_TRUE(refuses([&] { packed_qkv_backward(b); },
+                      {"packed_qkv_backward", "grad_k_weight: given, but its weight is not"}));
+  b = args.backward();
+  b.grad_k_weight = alias(b.grad_x, DType::kFloat32, {PackedLayoutArgs::D});
+  EXPECT_TRUE(refuses([&] { packed_qkv_backward(b); },
+                      {"packed_qkv_backward", "grad_k_weight: overlaps output grad_x"}));
+  EXPECT_TRUE(args.nothing_written());
+}
+
+TEST(ValidationLayout, PackedRopeWorkspaceIsNamedAsThePackedArgument) {
+  // SUSPECTED BUG (src/packed_qkv.cpp, fp8_step): packed_qkv_backward's norm-weight workspace
+  // is the argument `rope_workspace`, but its refusals come from the qkv_backward_fp8 step, which
+  // calls it `workspace`: "packed_qkv_backward: qkv_backward_fp8: workspace: expected dtype
+  // float32, got float64" does not name the argument the caller passed (validate.hpp: messages
+  // name the argument). Expected: a message naming rope_workspace.
+  PackedLayoutArgs args;
+  HostTensor f64(DType::kFloat64, {16});
+  auto b = args.backward();
+  b.rope_workspace = f64.view();
+  EXPECT_TRUE(refuses([&] { packed_qkv_backward(b); },
+                      {"packed_qkv_backward", "rope_workspace", "expected dtype float32"}));
+  EXPECT_TRUE(args.nothing_written());
 }
 
 // ---- devices -----------------------------------------------------------------------------------
