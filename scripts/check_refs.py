@@ -11,7 +11,8 @@ brace lists (`*_ncu_*.txt`, `<name>.{txt,csv}`) must match at least one file.
 
 Not checked: URLs, absolute paths, `$VARIABLE` paths, #include lines (the compiler checks those),
 paths under ../shared/ (the developers' shared folder, outside the repository, documented as
-such), paths that git ignores (build trees, the carried .seed/ and .gtest/), and the output names
+such), a file of another project named after its project and a colon
+(`transformers:src/transformers/models/qwen3/modeling_qwen3.py`; any `word:path` is skipped), paths that git ignores (build trees, the carried .seed/ and .gtest/), and the output names
 that programs write at run time (in a code file a bare name is checked only when it names a
 source or a document; in Python only comments and strings are read). The raw benchmark outputs
 under bench/results/ are records and are not scanned. Prints each missing reference as
