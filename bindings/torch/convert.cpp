@@ -1,4 +1,5 @@
-// convert.cpp: torch::Tensor -> qkvfuse::TensorView, and torch's current CUDA stream.
+// convert.cpp: torch::Tensor -> qkvfuse::TensorView, boxed-call arguments by name, and torch's
+// current CUDA stream.
 #include "convert.hpp"
 
 #include "qkvfuse/error.hpp"
@@ -16,6 +17,8 @@ bool to_dtype(at::ScalarType type, DType* dtype) {
     case at::kFloat: *dtype = DType::kFloat32; return true;
     case at::kDouble: *dtype = DType::kFloat64; return true;
     case at::kFloat8_e4m3fn: *dtype = DType::kFloat8E4M3; return true;
+    case at::kInt: *dtype = DType::kInt32; return true;
+    case at::kLong: *dtype = DType::kInt64; return true;
     default: return false;
   }
 }
@@ -32,7 +35,7 @@ std::string shape_text(const at::Tensor& tensor) {
 TensorView OpArgs::view(const at::Tensor& tensor, const char* name) const {
   TensorView view;
   QKVF_CHECK(to_dtype(tensor.scalar_type(), &view.dtype), op_, ": ", name,
-             ": expected dtype bfloat16, float32, float64 or float8_e4m3fn, got ",
+             ": expected dtype bfloat16, float32, float64, float8_e4m3fn, int32 or int64, got ",
              c10::toString(tensor.scalar_type()));
   QKVF_CHECK(tensor.dim() <= kMaxDims, op_, ": ", name, ": expected at most ", kMaxDims,
              " dims, got shape ", shape_text(tensor));
@@ -60,8 +63,39 @@ void OpArgs::expect_dims(const at::Tensor& tensor, int64_t ndim, const char* nam
              ", got shape ", shape_text(tensor));
 }
 
-void OpArgs::expect_positive(int64_t value, const char* name) const {
-  QKVF_CHECK(value >= 1, op_, ": ", name, ": expected >= 1, got ", value);
+void OpArgs::expect_positive(int64_t value, const char* name, int64_t least) const {
+  QKVF_CHECK(value >= least, op_, ": ", name, ": expected >= ", least, ", got ", value);
+}
+
+BoxedCall::BoxedCall(const c10::OperatorHandle& op, torch::jit::Stack* stack)
+    : schema_(op.schema()),
+      stack_(stack),
+      arguments_(schema_.arguments().size()),
+      first_(stack->size() - arguments_) {}
+
+const c10::IValue& BoxedCall::operator[](const char* name) const {
+  const auto& arguments = schema_.arguments();
+  for (std::size_t i = 0; i < arguments_; ++i) {
+    const std::size_t index = (cursor_ + i) % arguments_;
+    if (arguments[index].name() == name) {
+      cursor_ = index + 1;
+      return (*stack_)[first_ + index];
+    }
+  }
+  QKVF_FAIL(schema_.name(), ": the binding reads an argument `", name,
+            "` that its schema does not declare");
+}
+
+std::optional<at::Tensor> BoxedCall::optional_tensor(const char* name) const {
+  const c10::IValue& value = (*this)[name];
+  if (value.isNone()) return std::nullopt;
+  return value.toTensor();
+}
+
+std::optional<int64_t> BoxedCall::optional_integer(const char* name) const {
+  const c10::IValue& value = (*this)[name];
+  if (value.isNone()) return std::nullopt;
+  return value.toInt();
 }
 
 Stream current_stream(const at::Tensor& tensor) {

@@ -4,17 +4,27 @@
 // TensorViews and calls the public C++ entry point, which validates the arguments and runs on the
 // device the tensors live on. So CPU and CUDA register the same functions.
 //
+// The rope ops (qk_norm_rope, its backward, qkv_backward_fp8 and the packed op's forward and
+// backward) share one description of the layout: the schema fragment kRopeLayoutSchema, appended
+// to each of their schemas, read back into a qkvfuse::RopeLayout by rope_layout(). They are boxed
+// kernels, reading their arguments by name (BoxedCall, convert.hpp), so the fragment is read in one
+// place. python/qkvfuse/_layout.py's RopeLayout holds the same fields in the same order.
+//
 // Every op is functional: its outputs are fresh tensors that alias no input and no other output
 // (torch.library's rule for custom ops, which torch.compile relies on). Where the library writes two
 // results into one buffer (the packed forward's Q/K and V columns, the backward's two weight
 // gradients), the op returns that buffer whole and the Python package cuts the views
-// (python/qkvfuse/_layout.py). Fake (meta) kernels and autograd live in the Python package.
+// (python/qkvfuse/_layout.py). The schemas have no optional outputs: a norm weight's gradient is
+// returned as an empty float32 [0] tensor when that weight is absent. Fake (meta) kernels and
+// autograd live in the Python package.
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
+#include <vector>
 
 #include "convert.hpp"
 #include "qkvfuse/error.hpp"
@@ -24,98 +34,324 @@ namespace qkvfuse::torch_binding {
 namespace {
 
 using at::Tensor;
+using torch::jit::Stack;
 
-RopeLayout rope_layout(int64_t num_heads, int64_t rotary_dim, bool paired, bool key_offset) {
-  RopeLayout layout;
-  layout.num_heads = num_heads;
-  layout.rotary_dim = rotary_dim;
-  layout.paired = paired;
-  layout.key_offset = key_offset;
-  return layout;
+// ---- the rope layout -----------------------------------------------------------------------------
+
+// The arguments of qkvfuse::RopeLayout (include/qkvfuse/qk_norm_rope.hpp), in its field order,
+// appended to every rope op's schema. None is the C++ default: num_kv_heads = num_heads;
+// rotary_dim = D with factor tables, cos_sin's width with a cos/sin cache.
+constexpr const char* kRopeLayoutSchema =
+    "int num_heads, int? num_kv_heads, int? rotary_dim, str rotary_style, bool normalize, "
+    "float eps, float weight_offset, bool paired, bool key_offset, Tensor? factor1, "
+    "Tensor? factor2, Tensor? cos_sin, Tensor? positions, Tensor? q_weight, Tensor? k_weight";
+
+/// The schema "name(args, <layout>) -> returns" of a rope op.
+std::string rope_schema(const char* name, const char* args, const char* returns) {
+  return std::string(name) + "(" + args + ", " + kRopeLayoutSchema + ") -> " + returns;
 }
 
-// q and k: [T, H, D], or [2T, H/2, D] for paired heads (the library checks that H is even).
-std::vector<int64_t> rope_output_shape(const OpArgs& args, const Tensor& qk, int64_t num_heads,
-                                       bool paired) {
-  args.expect_dims(qk, 3, "qk", "[T, 2H, D]");
-  args.expect_positive(num_heads, "num_heads");
-  if (paired) return {2 * qk.size(0), num_heads / 2, qk.size(2)};
-  return {qk.size(0), num_heads, qk.size(2)};
+/// The layout fragment of a rope op's call. The library validates every field; checked here is
+/// only what sizes the outputs (head counts) and what has no C++ counterpart (the style's name).
+/// Messages name the fields as the library does: layout.<name>.
+RopeLayout rope_layout(const BoxedCall& call, const OpArgs& args) {
+  const int64_t num_heads = call.integer("num_heads");
+  args.expect_positive(num_heads, "layout.num_heads");
+  const std::optional<int64_t> num_kv_heads = call.optional_integer("num_kv_heads");
+  if (num_kv_heads) args.expect_positive(*num_kv_heads, "layout.num_kv_heads");
+  const std::optional<int64_t> rotary_dim = call.optional_integer("rotary_dim");
+  const std::string style = call.text("rotary_style");
+  QKVF_CHECK(style == "interleaved" || style == "neox", args.op(),
+             ": layout.rotary_style: expected \"interleaved\" or \"neox\", got \"", style, "\"");
+  return {.num_heads = num_heads,
+          .num_kv_heads = num_kv_heads.value_or(0),
+          .rotary_dim = rotary_dim.value_or(-1),
+          .rotary_style = style == "neox" ? RotaryStyle::kNeox : RotaryStyle::kInterleaved,
+          .normalize = call.flag("normalize"),
+          .eps = float(call.real("eps")),
+          .weight_offset = float(call.real("weight_offset")),
+          .paired = call.flag("paired"),
+          .key_offset = call.flag("key_offset"),
+          .factor1 = args.optional_view(call.optional_tensor("factor1"), "layout.factor1"),
+          .factor2 = args.optional_view(call.optional_tensor("factor2"), "layout.factor2"),
+          .cos_sin = args.optional_view(call.optional_tensor("cos_sin"), "layout.cos_sin"),
+          .positions = args.optional_view(call.optional_tensor("positions"), "layout.positions"),
+          .q_weight = args.optional_view(call.optional_tensor("q_weight"), "layout.q_weight"),
+          .k_weight = args.optional_view(call.optional_tensor("k_weight"), "layout.k_weight")};
 }
+
+/// q's and k's shapes: [T, Hq, D] and [T, Hkv, D], or [2T, Hq/2, D] each when paired (the
+/// library checks that Hq = Hkv is even).
+struct RopeOutputShapes {
+  std::vector<int64_t> q;
+  std::vector<int64_t> k;
+};
+
+RopeOutputShapes rope_output_shapes(const OpArgs& args, const Tensor& qk,
+                                    const RopeLayout& layout) {
+  args.expect_dims(qk, 3, "qk", "[T, Hq + Hkv, D]");
+  const int64_t tokens = qk.size(0);
+  const int64_t dim = qk.size(2);
+  const int64_t q_heads = layout.num_heads;
+  const int64_t k_heads = kv_heads(layout);
+  if (layout.paired) return {{2 * tokens, q_heads / 2, dim}, {2 * tokens, k_heads / 2, dim}};
+  return {{tokens, q_heads, dim}, {tokens, k_heads, dim}};
+}
+
+/// The gradients of the norm weights and the backward's workspace, allocated by the op.
+struct WeightGrads {
+  Tensor q;          ///< [D] in q_weight's dtype, or an empty float32 [0] without q_weight
+  Tensor k;          ///< likewise for k_weight
+  Tensor workspace;  ///< float32, backward_workspace_size elements (undefined when 0)
+
+  /// Allocates q and k from the call's weights (their views go in the params).
+  WeightGrads(const BoxedCall& call, const Tensor& like)
+      : q(grad_of(call.optional_tensor("q_weight"), like)),
+        k(grad_of(call.optional_tensor("k_weight"), like)) {}
+
+  TensorView q_view(const OpArgs& args, const RopeLayout& layout) const {
+    return is_absent(layout.q_weight) ? TensorView{} : args.view(q, "grad_q_weight");
+  }
+  TensorView k_view(const OpArgs& args, const RopeLayout& layout) const {
+    return is_absent(layout.k_weight) ? TensorView{} : args.view(k, "grad_k_weight");
+  }
+
+  /// Allocates the workspace the params need and returns its view (absent when none).
+  template <typename Params>
+  TensorView workspace_for(const OpArgs& args, const Params& params, const Tensor& like) {
+    const int64_t size = backward_workspace_size(params);
+    if (size == 0) return {};
+    workspace = at::empty({size}, like.options().dtype(at::kFloat));
+    return args.view(workspace, "workspace");
+  }
+
+ private:
+  static Tensor grad_of(const std::optional<Tensor>& weight, const Tensor& like) {
+    if (weight) return at::empty(weight->sizes(), weight->options());
+    return at::empty({0}, like.options().dtype(at::kFloat));
+  }
+};
 
 at::TensorOptions e4m3_like(const Tensor& tensor) {
   return tensor.options().dtype(at::kFloat8_e4m3fn);
 }
 
-std::tuple<Tensor, Tensor> qk_norm_rope(const Tensor& qk, const Tensor& factor1,
-                                        const Tensor& factor2, int64_t num_heads,
-                                        int64_t rotary_dim, bool paired, bool key_offset) {
+// ---- the rope ops (boxed) -------------------------------------------------------------------------
+
+// qk_norm_rope(Tensor qk, <layout>) -> (Tensor q, Tensor k)
+void qk_norm_rope(const c10::OperatorHandle& op, Stack* stack) {
+  BoxedCall call(op, stack);
   const OpArgs args("qk_norm_rope");
+  const Tensor& qk = call.tensor("qk");
   const c10::DeviceGuard guard(qk.device());
-  const auto shape = rope_output_shape(args, qk, num_heads, paired);
-  Tensor q = at::empty(shape, qk.options());
-  Tensor k = at::empty(shape, qk.options());
-  QkNormRopeParams params;
-  params.qk = args.view(qk, "qk");
-  params.factor1 = args.view(factor1, "factor1");
-  params.factor2 = args.view(factor2, "factor2");
-  params.q = args.view(q, "q");
-  params.k = args.view(k, "k");
-  params.layout = rope_layout(num_heads, rotary_dim, paired, key_offset);
-  params.stream = current_stream(qk);
-  qkvfuse::qk_norm_rope(params);
-  return {q, k};
+  const RopeLayout layout = rope_layout(call, args);
+  const RopeOutputShapes shapes = rope_output_shapes(args, qk, layout);
+  Tensor q = at::empty(shapes.q, qk.options());
+  Tensor k = at::empty(shapes.k, qk.options());
+  qkvfuse::qk_norm_rope({.qk = args.view(qk, "qk"),
+                         .q = args.view(q, "q"),
+                         .k = args.view(k, "k"),
+                         .layout = layout,
+                         .stream = current_stream(qk)});
+  call.finish(std::move(q), std::move(k));
 }
 
-Tensor qk_norm_rope_backward(const Tensor& grad_q, const Tensor& grad_k, const Tensor& qk,
-                             const Tensor& factor1, const Tensor& factor2, int64_t num_heads,
-                             int64_t rotary_dim, bool paired, bool key_offset) {
+// qk_norm_rope_backward(Tensor grad_q, Tensor grad_k, Tensor qk, <layout>)
+//   -> (Tensor grad_qk, Tensor grad_q_weight, Tensor grad_k_weight)
+void qk_norm_rope_backward(const c10::OperatorHandle& op, Stack* stack) {
+  BoxedCall call(op, stack);
   const OpArgs args("qk_norm_rope_backward");
+  const Tensor& qk = call.tensor("qk");
   const c10::DeviceGuard guard(qk.device());
-  args.expect_dims(qk, 3, "qk", "[T, 2H, D]");
+  args.expect_dims(qk, 3, "qk", "[T, Hq + Hkv, D]");
+  const RopeLayout layout = rope_layout(call, args);
   Tensor grad_qk = at::empty(qk.sizes(), qk.options());
-  QkNormRopeBackwardParams params;
-  params.grad_q = args.view(grad_q, "grad_q");
-  params.grad_k = args.view(grad_k, "grad_k");
-  params.qk = args.view(qk, "qk");
-  params.factor1 = args.view(factor1, "factor1");
-  params.factor2 = args.view(factor2, "factor2");
-  params.grad_qk = args.view(grad_qk, "grad_qk");
-  params.layout = rope_layout(num_heads, rotary_dim, paired, key_offset);
-  params.stream = current_stream(qk);
+  WeightGrads weights(call, qk);
+  QkNormRopeBackwardParams params{.grad_q = args.view(call.tensor("grad_q"), "grad_q"),
+                                  .grad_k = args.view(call.tensor("grad_k"), "grad_k"),
+                                  .qk = args.view(qk, "qk"),
+                                  .grad_qk = args.view(grad_qk, "grad_qk"),
+                                  .grad_q_weight = weights.q_view(args, layout),
+                                  .grad_k_weight = weights.k_view(args, layout),
+                                  .workspace = {},  // sized from these params, below
+                                  .layout = layout,
+                                  .stream = current_stream(qk)};
+  params.workspace = weights.workspace_for(args, params, qk);
   qkvfuse::qk_norm_rope_backward(params);
-  return grad_qk;
+  call.finish(std::move(grad_qk), std::move(weights.q), std::move(weights.k));
 }
 
-std::tuple<Tensor, Tensor> qkv_backward_fp8(const Tensor& grad_q, const Tensor& grad_k,
-                                            const Tensor& grad_v, const Tensor& qk,
-                                            const Tensor& factor1, const Tensor& factor2,
-                                            const Tensor& grad_scale, int64_t num_heads,
-                                            int64_t rotary_dim, bool paired, bool key_offset) {
+// qkv_backward_fp8(Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor qk, Tensor grad_scale,
+//                  <layout>) -> (Tensor grad_row, Tensor grad_t, Tensor grad_q_weight,
+//                                Tensor grad_k_weight)
+void qkv_backward_fp8(const c10::OperatorHandle& op, Stack* stack) {
+  BoxedCall call(op, stack);
   const OpArgs args("qkv_backward_fp8");
+  const Tensor& qk = call.tensor("qk");
+  const Tensor& grad_v = call.tensor("grad_v");
   const c10::DeviceGuard guard(qk.device());
-  args.expect_dims(qk, 3, "qk", "[T, 2H, D]");
-  args.expect_dims(grad_v, 3, "grad_v", "[T, H, Dv]");
-  args.expect_positive(num_heads, "num_heads");
+  args.expect_dims(qk, 3, "qk", "[T, Hq + Hkv, D]");
+  args.expect_dims(grad_v, 3, "grad_v", "[T, Hkv, Dv]");
+  const RopeLayout layout = rope_layout(call, args);
   const int64_t tokens = qk.size(0);
-  const int64_t qkv_dim = qk.size(1) * qk.size(2) + num_heads * grad_v.size(2);
-  Tensor grad_row = at::empty({tokens, qkv_dim}, e4m3_like(qk));
-  Tensor grad_t = at::empty({qkv_dim, tokens}, e4m3_like(qk));
-  QkvBackwardFp8Params params;
-  params.grad_q = args.view(grad_q, "grad_q");
-  params.grad_k = args.view(grad_k, "grad_k");
-  params.grad_v = args.view(grad_v, "grad_v");
-  params.qk = args.view(qk, "qk");
-  params.factor1 = args.view(factor1, "factor1");
-  params.factor2 = args.view(factor2, "factor2");
-  params.grad_scale = args.view(grad_scale, "grad_scale");
-  params.grad_row = args.view(grad_row, "grad_row");
-  params.grad_t = args.view(grad_t, "grad_t");
-  params.layout = rope_layout(num_heads, rotary_dim, paired, key_offset);
-  params.stream = current_stream(qk);
+  const int64_t features = qkv_dim(layout, qk.size(2), grad_v.size(2));
+  Tensor grad_row = at::empty({tokens, features}, e4m3_like(qk));
+  Tensor grad_t = at::empty({features, tokens}, e4m3_like(qk));
+  WeightGrads weights(call, qk);
+  QkvBackwardFp8Params params{.grad_q = args.view(call.tensor("grad_q"), "grad_q"),
+                              .grad_k = args.view(call.tensor("grad_k"), "grad_k"),
+                              .grad_v = args.view(grad_v, "grad_v"),
+                              .qk = args.view(qk, "qk"),
+                              .grad_scale = args.view(call.tensor("grad_scale"), "grad_scale"),
+                              .grad_row = args.view(grad_row, "grad_row"),
+                              .grad_t = args.view(grad_t, "grad_t"),
+                              .grad_q_weight = weights.q_view(args, layout),
+                              .grad_k_weight = weights.k_view(args, layout),
+                              .workspace = {},  // sized from these params, below
+                              .layout = layout,
+                              .stream = current_stream(qk)};
+  params.workspace = weights.workspace_for(args, params, qk);
   qkvfuse::qkv_backward_fp8(params);
-  return {grad_row, grad_t};
+  call.finish(std::move(grad_row), std::move(grad_t), std::move(weights.q),
+              std::move(weights.k));
 }
+
+// packed_qkv_forward(Tensor x_f8, Tensor weight_f8, Tensor x_scale, Tensor weight_scale,
+//                    Tensor qkv_scale, int qk_dim, int v_dim, <layout>)
+//   -> (Tensor q, Tensor k, Tensor qkv)
+// qkv is one flat bf16 buffer of T * qkv_dim holding the GEMM's Q/K columns (saved for the
+// backward) and V. Plain layers store it as row-major [T, qkv_dim] so that one GEMM writes both
+// column slices; paired layers store [T, (Hq+Hkv)*D] then [T, Hkv*Dv] so that V is dense (two
+// GEMMs). python/qkvfuse/_layout.py's qkv_views cuts the same views from the returned buffer.
+void packed_qkv_forward(const c10::OperatorHandle& op, Stack* stack) {
+  BoxedCall call(op, stack);
+  const OpArgs args("packed_qkv_forward");
+  const Tensor& x_f8 = call.tensor("x_f8");
+  const c10::DeviceGuard guard(x_f8.device());
+  args.expect_dims(x_f8, 2, "x_f8", "[T, C]");
+  const int64_t qk_dim = call.integer("qk_dim");
+  const int64_t v_dim = call.integer("v_dim");
+  args.expect_positive(qk_dim, "qk_dim");
+  args.expect_positive(v_dim, "v_dim");
+  const RopeLayout layout = rope_layout(call, args);
+  const int64_t tokens = x_f8.size(0);
+  const int64_t qk_heads = layout.num_heads + kv_heads(layout);
+  const int64_t qk_features = qk_heads * qk_dim;
+  const int64_t v_features = kv_heads(layout) * v_dim;
+  const auto bf16 = x_f8.options().dtype(at::kBFloat16);
+  Tensor qkv = at::empty({tokens * (qk_features + v_features)}, bf16);
+  Tensor qk_flat, v_flat;
+  if (layout.paired) {
+    qk_flat = qkv.narrow(0, 0, tokens * qk_features).view({tokens, qk_features});
+    v_flat = qkv.narrow(0, tokens * qk_features, tokens * v_features).view({tokens, v_features});
+  } else {
+    const Tensor rows = qkv.view({tokens, qk_features + v_features});
+    qk_flat = rows.narrow(1, 0, qk_features);
+    v_flat = rows.narrow(1, qk_features, v_features);
+  }
+  const Tensor qk = qk_flat.view({tokens, qk_heads, qk_dim});
+  const Tensor v = v_flat.view({tokens, kv_heads(layout), v_dim});
+  const RopeOutputShapes shapes = rope_output_shapes(args, qk, layout);
+  Tensor q = at::empty(shapes.q, bf16);
+  Tensor k = at::empty(shapes.k, bf16);
+  qkvfuse::packed_qkv_forward(
+      {.x_f8 = args.view(x_f8, "x_f8"),
+       .weight_f8 = args.view(call.tensor("weight_f8"), "weight_f8"),
+       .x_scale = args.view(call.tensor("x_scale"), "x_scale"),
+       .weight_scale = args.view(call.tensor("weight_scale"), "weight_scale"),
+       .qkv_scale = args.view(call.tensor("qkv_scale"), "qkv_scale"),
+       .qk = args.view(qk, "qk"),
+       .v = args.view(v, "v"),
+       .q = args.view(q, "q"),
+       .k = args.view(k, "k"),
+       .layout = layout,
+       .stream = current_stream(x_f8)});
+  call.finish(std::move(q), std::move(k), std::move(qkv));
+}
+
+// packed_qkv_backward(Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor qk, Tensor x_f8_t,
+//                     Tensor weight_f8_t, Tensor qk_weight, Tensor v_weight, Tensor x_scale,
+//                     Tensor weight_scale, Tensor qkv_scale, Tensor grad_scale, <layout>)
+//   -> (Tensor grad_x, Tensor grad_weight, Tensor grad_qkv_scale, Tensor grad_q_weight,
+//       Tensor grad_k_weight)
+// grad_weight is [qkv_dim, C]: the gradients of qk_weight (its first (Hq+Hkv)*D rows) and
+// v_weight (the rest), written by one wgrad GEMM.
+void packed_qkv_backward(const c10::OperatorHandle& op, Stack* stack) {
+  BoxedCall call(op, stack);
+  const OpArgs args("packed_qkv_backward");
+  const Tensor& qk = call.tensor("qk");
+  const Tensor& x_f8_t = call.tensor("x_f8_t");
+  const Tensor& qk_weight = call.tensor("qk_weight");
+  const Tensor& v_weight = call.tensor("v_weight");
+  const Tensor& qkv_scale = call.tensor("qkv_scale");
+  const c10::DeviceGuard guard(qk.device());
+  args.expect_dims(qk, 3, "qk", "[T, Hq + Hkv, D]");
+  args.expect_dims(x_f8_t, 2, "x_f8_t", "[C, T]");
+  args.expect_dims(qk_weight, 2, "qk_weight", "[(Hq+Hkv)*D, C]");
+  args.expect_dims(v_weight, 2, "v_weight", "[Hkv*Dv, C]");
+  const RopeLayout layout = rope_layout(call, args);
+  const TensorView qkv_scale_view = args.view(qkv_scale, "qkv_scale");
+  const int64_t tokens = qk.size(0);
+  const int64_t channels = x_f8_t.size(0);
+  const int64_t qk_features = qk_weight.size(0);
+  const int64_t v_features = v_weight.size(0);
+  const auto bf16 = qk.options().dtype(at::kBFloat16);
+  const auto f32 = qk.options().dtype(at::kFloat);
+
+  Tensor grad_x = at::empty({tokens, channels}, bf16);
+  Tensor grad_weight = at::empty({qk_features + v_features, channels}, bf16);
+  Tensor grad_qkv_scale = at::empty(qkv_scale.sizes(), f32);
+  WeightGrads weights(call, qk);
+  // Workspaces: the caching allocator takes them back when the op returns; on CUDA the stream
+  // order makes the memory safe to reuse for work queued after this op.
+  Tensor grad_row = at::empty({tokens, qk_features + v_features}, e4m3_like(qk));
+  Tensor grad_t = at::empty({qk_features + v_features, tokens}, e4m3_like(qk));
+  Tensor partials = at::empty({kGradScalePartials}, f32);
+
+  PackedQkvBackwardParams params{
+      .grad_q = args.view(call.tensor("grad_q"), "grad_q"),
+      .grad_k = args.view(call.tensor("grad_k"), "grad_k"),
+      .grad_v = args.view(call.tensor("grad_v"), "grad_v"),
+      .qk = args.view(qk, "qk"),
+      .x_f8_t = args.view(x_f8_t, "x_f8_t"),
+      .weight_f8_t = args.view(call.tensor("weight_f8_t"), "weight_f8_t"),
+      .qk_weight = args.view(qk_weight, "qk_weight"),
+      .v_weight = args.view(v_weight, "v_weight"),
+      .x_scale = args.view(call.tensor("x_scale"), "x_scale"),
+      .weight_scale = args.view(call.tensor("weight_scale"), "weight_scale"),
+      .qkv_scale = qkv_scale_view,
+      .grad_scale = args.view(call.tensor("grad_scale"), "grad_scale"),
+      .grad_row = args.view(grad_row, "grad_row"),
+      .grad_t = args.view(grad_t, "grad_t"),
+      .partials = args.view(partials, "partials"),
+      .grad_q_weight = weights.q_view(args, layout),
+      .grad_k_weight = weights.k_view(args, layout),
+      .rope_workspace = {},  // sized from these params, below
+      .grad_x = args.view(grad_x, "grad_x"),
+      .grad_qk_weight = args.view(grad_weight.narrow(0, 0, qk_features), "grad_qk_weight"),
+      .grad_v_weight = args.view(grad_weight.narrow(0, qk_features, v_features), "grad_v_weight"),
+      .grad_qkv_scale = args.view(grad_qkv_scale, "grad_qkv_scale"),
+      .layout = layout,
+      .stream = current_stream(qk)};
+  params.rope_workspace = weights.workspace_for(args, params, qk);
+  qkvfuse::packed_qkv_backward(params);
+  if (tokens == 0) {
+    // The library writes no projection gradient at T = 0; a sum over no tokens is 0.
+    grad_weight.zero_();
+    grad_qkv_scale.zero_();
+  }
+  call.finish(std::move(grad_x), std::move(grad_weight), std::move(grad_qkv_scale),
+              std::move(weights.q), std::move(weights.k));
+}
+
+void check_positions(const Tensor& positions, int64_t num_positions) {
+  const OpArgs args("check_positions");
+  const c10::DeviceGuard guard(positions.device());
+  qkvfuse::check_positions(args.view(positions, "positions"), num_positions,
+                           current_stream(positions));
+}
+
+// ---- the FP8 producers (unboxed) -------------------------------------------------------------------
 
 // The e4m3 outputs of a dual-layout quantize of src [M, N] or [B, M, N]: row (src's shape) and t
 // (the last two dims swapped).
@@ -136,19 +372,17 @@ std::tuple<Tensor, Tensor, std::optional<Tensor>> run_quantize_dual(const char* 
   const OpArgs args(op);
   const c10::DeviceGuard guard(src.device());
   auto [row, t] = alloc_dual_layout(args, src);
-  QuantizeDualParams params;
-  params.scale = args.view(scale, "scale");
   std::optional<Tensor> amax;
   if (with_amax) {
     const auto f32 = src.options().dtype(at::kFloat);
     amax = src.numel() == 0 ? at::zeros(scale.sizes(), f32) : at::empty(scale.sizes(), f32);
   }
-  params.src = args.view(src, "src");
-  params.row = args.view(row, "row");
-  params.t = args.view(t, "t");
-  params.amax = args.optional_view(amax, "amax");
-  params.stream = current_stream(src);
-  qkvfuse::quantize_dual_layout(params);
+  qkvfuse::quantize_dual_layout({.src = args.view(src, "src"),
+                                 .scale = args.view(scale, "scale"),
+                                 .row = args.view(row, "row"),
+                                 .t = args.view(t, "t"),
+                                 .amax = args.optional_view(amax, "amax"),
+                                 .stream = current_stream(src)});
   return {row, t, amax};
 }
 
@@ -171,13 +405,11 @@ std::tuple<Tensor, Tensor, Tensor> quantize_weight_bank(const Tensor& weights) {
   const auto f32 = weights.options().dtype(at::kFloat);
   Tensor scale = weights.numel() == 0 ? at::ones({weights.size(0)}, f32)
                                       : at::empty({weights.size(0)}, f32);
-  QuantizeWeightBankParams params;
-  params.src = args.view(weights, "src");
-  params.scale = args.view(scale, "scale");
-  params.row = args.view(row, "row");
-  params.t = args.view(t, "t");
-  params.stream = current_stream(weights);
-  qkvfuse::quantize_weight_bank(params);
+  qkvfuse::quantize_weight_bank({.src = args.view(weights, "src"),
+                                 .scale = args.view(scale, "scale"),
+                                 .row = args.view(row, "row"),
+                                 .t = args.view(t, "t"),
+                                 .stream = current_stream(weights)});
   return {row, t, scale};
 }
 
@@ -188,182 +420,80 @@ Tensor fp8_gemm(const Tensor& a, const Tensor& b, const Tensor& scale_a, const T
   args.expect_dims(a, 2, "a", "[M, K]");
   args.expect_dims(b, 2, "b", "[N, K]");
   Tensor d = at::empty({a.size(0), b.size(0)}, a.options().dtype(at::kBFloat16));
-  Fp8GemmParams params;
-  params.a = args.view(a, "a");
-  params.b = args.view(b, "b");
-  params.scale_a = args.view(scale_a, "scale_a");
-  params.scale_b = args.view(scale_b, "scale_b");
-  params.alpha = args.optional_view(alpha, "alpha");
-  params.d = args.view(d, "d");
-  params.fast_accum = fast_accum;
-  params.stream = current_stream(a);
-  qkvfuse::fp8_gemm(params);
+  qkvfuse::fp8_gemm({.a = args.view(a, "a"),
+                     .b = args.view(b, "b"),
+                     .scale_a = args.view(scale_a, "scale_a"),
+                     .scale_b = args.view(scale_b, "scale_b"),
+                     .alpha = args.optional_view(alpha, "alpha"),
+                     .d = args.view(d, "d"),
+                     .fast_accum = fast_accum,
+                     .stream = current_stream(a)});
   return d;
 }
 
-// Returns (q, k, qkv): qkv is one flat bf16 buffer of T * qkv_dim holding the GEMM's Q/K columns
-// (saved for the backward) and V. Plain layers store it as row-major [T, qkv_dim] so that one GEMM
-// writes both column slices; paired layers store [T, 2HD] then [T, HDv] so that V is dense (two
-// GEMMs). python/qkvfuse/_layout.py's qkv_views cuts the same views from the returned buffer.
-std::tuple<Tensor, Tensor, Tensor> packed_qkv_forward(
-    const Tensor& x_f8, const Tensor& weight_f8, const Tensor& x_scale, const Tensor& weight_scale,
-    const Tensor& qkv_scale, const Tensor& factor1, const Tensor& factor2, int64_t num_heads,
-    int64_t qk_dim, int64_t v_dim, int64_t rotary_dim, bool paired, bool key_offset) {
-  const OpArgs args("packed_qkv_forward");
-  const c10::DeviceGuard guard(x_f8.device());
-  args.expect_dims(x_f8, 2, "x_f8", "[T, C]");
-  args.expect_positive(num_heads, "num_heads");
-  args.expect_positive(qk_dim, "qk_dim");
-  args.expect_positive(v_dim, "v_dim");
-  const int64_t tokens = x_f8.size(0);
-  const int64_t qk_features = 2 * num_heads * qk_dim;
-  const int64_t v_features = num_heads * v_dim;
-  const auto bf16 = x_f8.options().dtype(at::kBFloat16);
-  Tensor qkv = at::empty({tokens * (qk_features + v_features)}, bf16);
-  Tensor qk_flat, v_flat;
-  if (paired) {
-    qk_flat = qkv.narrow(0, 0, tokens * qk_features).view({tokens, qk_features});
-    v_flat = qkv.narrow(0, tokens * qk_features, tokens * v_features).view({tokens, v_features});
-  } else {
-    const Tensor rows = qkv.view({tokens, qk_features + v_features});
-    qk_flat = rows.narrow(1, 0, qk_features);
-    v_flat = rows.narrow(1, qk_features, v_features);
-  }
-  const Tensor qk = qk_flat.view({tokens, 2 * num_heads, qk_dim});
-  const Tensor v = v_flat.view({tokens, num_heads, v_dim});
-  const auto shape = rope_output_shape(args, qk, num_heads, paired);
-  Tensor q = at::empty(shape, bf16);
-  Tensor k = at::empty(shape, bf16);
-
-  PackedQkvForwardParams params;
-  params.x_f8 = args.view(x_f8, "x_f8");
-  params.weight_f8 = args.view(weight_f8, "weight_f8");
-  params.x_scale = args.view(x_scale, "x_scale");
-  params.weight_scale = args.view(weight_scale, "weight_scale");
-  params.qkv_scale = args.view(qkv_scale, "qkv_scale");
-  params.factor1 = args.view(factor1, "factor1");
-  params.factor2 = args.view(factor2, "factor2");
-  params.qk = args.view(qk, "qk");
-  params.v = args.view(v, "v");
-  params.q = args.view(q, "q");
-  params.k = args.view(k, "k");
-  params.layout = rope_layout(num_heads, rotary_dim, paired, key_offset);
-  params.stream = current_stream(x_f8);
-  qkvfuse::packed_qkv_forward(params);
-  return {q, k, qkv};
-}
-
-// Returns (grad_x, grad_weight, grad_qkv_scale). grad_weight is [qkv_dim, C]: the gradients of
-// qk_weight (its first 2HD rows) and v_weight (the rest), written by one wgrad GEMM.
-std::tuple<Tensor, Tensor, Tensor> packed_qkv_backward(
-    const Tensor& grad_q, const Tensor& grad_k, const Tensor& grad_v, const Tensor& qk,
-    const Tensor& factor1, const Tensor& factor2, const Tensor& x_f8_t, const Tensor& weight_f8_t,
-    const Tensor& qk_weight, const Tensor& v_weight, const Tensor& x_scale,
-    const Tensor& weight_scale, const Tensor& qkv_scale, const Tensor& grad_scale,
-    int64_t num_heads, int64_t rotary_dim, bool paired, bool key_offset) {
-  const OpArgs args("packed_qkv_backward");
-  const c10::DeviceGuard guard(qk.device());
-  args.expect_dims(qk, 3, "qk", "[T, 2H, D]");
-  args.expect_dims(x_f8_t, 2, "x_f8_t", "[C, T]");
-  args.expect_dims(qk_weight, 2, "qk_weight", "[2*H*D, C]");
-  args.expect_dims(v_weight, 2, "v_weight", "[H*Dv, C]");
-  const TensorView qkv_scale_view = args.view(qkv_scale, "qkv_scale");
-  const int64_t tokens = qk.size(0);
-  const int64_t channels = x_f8_t.size(0);
-  const int64_t qk_features = qk_weight.size(0);
-  const int64_t v_features = v_weight.size(0);
-  const auto bf16 = qk.options().dtype(at::kBFloat16);
-  const auto f32 = qk.options().dtype(at::kFloat);
-
-  Tensor grad_x = at::empty({tokens, channels}, bf16);
-  Tensor grad_weight = at::empty({qk_features + v_features, channels}, bf16);
-  Tensor grad_qkv_scale = at::empty(qkv_scale.sizes(), f32);
-  // Workspaces: the caching allocator takes them back when the op returns; on CUDA the stream
-  // order makes the memory safe to reuse for work queued after this op.
-  Tensor grad_row = at::empty({tokens, qk_features + v_features}, e4m3_like(qk));
-  Tensor grad_t = at::empty({qk_features + v_features, tokens}, e4m3_like(qk));
-  Tensor partials = at::empty({kGradScalePartials}, f32);
-
-  PackedQkvBackwardParams params;
-  params.grad_q = args.view(grad_q, "grad_q");
-  params.grad_k = args.view(grad_k, "grad_k");
-  params.grad_v = args.view(grad_v, "grad_v");
-  params.qk = args.view(qk, "qk");
-  params.factor1 = args.view(factor1, "factor1");
-  params.factor2 = args.view(factor2, "factor2");
-  params.x_f8_t = args.view(x_f8_t, "x_f8_t");
-  params.weight_f8_t = args.view(weight_f8_t, "weight_f8_t");
-  params.qk_weight = args.view(qk_weight, "qk_weight");
-  params.v_weight = args.view(v_weight, "v_weight");
-  params.x_scale = args.view(x_scale, "x_scale");
-  params.weight_scale = args.view(weight_scale, "weight_scale");
-  params.qkv_scale = qkv_scale_view;
-  params.grad_scale = args.view(grad_scale, "grad_scale");
-  params.grad_row = args.view(grad_row, "grad_row");
-  params.grad_t = args.view(grad_t, "grad_t");
-  params.partials = args.view(partials, "partials");
-  params.grad_x = args.view(grad_x, "grad_x");
-  params.grad_qk_weight = args.view(grad_weight.narrow(0, 0, qk_features), "grad_qk_weight");
-  params.grad_v_weight = args.view(grad_weight.narrow(0, qk_features, v_features), "grad_v_weight");
-  params.grad_qkv_scale = args.view(grad_qkv_scale, "grad_qkv_scale");
-  params.layout = rope_layout(num_heads, rotary_dim, paired, key_offset);
-  params.stream = current_stream(qk);
-  qkvfuse::packed_qkv_backward(params);
-  if (tokens == 0) {
-    // The library writes nothing at T = 0; a sum over no tokens is 0.
-    grad_weight.zero_();
-    grad_qkv_scale.zero_();
-  }
-  return {grad_x, grad_weight, grad_qkv_scale};
-}
+// ---- registration ----------------------------------------------------------------------------------
 
 // The Autograd kernel of the ops without a gradient of their own: the FP8 producers, the backward
-// ops, and the packed forward (whose gradient python/qkvfuse/packed.py defines around it). It runs
-// the op below autograd, so outputs simply do not require grad, instead of carrying the fallback's
-// grad_fn that fails only when a backward reaches it. (qk_norm_rope's autograd is registered from
-// Python with torch.library.register_autograd.)
-void run_without_gradient(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+// ops, the packed forward (whose gradient python/qkvfuse/packed.py defines around it) and
+// check_positions. It runs the op below autograd, so outputs simply do not require grad, instead
+// of carrying the fallback's grad_fn that fails only when a backward reaches it. (qk_norm_rope's
+// autograd is registered from Python with torch.library.register_autograd.)
+void run_without_gradient(const c10::OperatorHandle& op, Stack* stack) {
   const at::AutoDispatchBelowADInplaceOrView guard;
   op.callBoxed(stack);
 }
 
 constexpr const char* kOpsWithoutGradient[] = {
-    "qk_norm_rope_backward", "qkv_backward_fp8", "quantize_dual_layout",
+    "qk_norm_rope_backward", "qkv_backward_fp8",     "quantize_dual_layout",
     "quantize_dual_layout_amax", "quantize_weight_bank", "fp8_gemm",
-    "packed_qkv_forward", "packed_qkv_backward",
+    "packed_qkv_forward",    "packed_qkv_backward",  "check_positions",
 };
 
+template <void (*kernel)(const c10::OperatorHandle&, Stack*)>
+torch::CppFunction boxed() {
+  return torch::CppFunction::makeFromBoxedFunction<kernel>();
+}
+
 void register_kernels(torch::Library& m) {
-  m.impl("qk_norm_rope", &qk_norm_rope);
-  m.impl("qk_norm_rope_backward", &qk_norm_rope_backward);
-  m.impl("qkv_backward_fp8", &qkv_backward_fp8);
+  m.impl("qk_norm_rope", boxed<&qk_norm_rope>());
+  m.impl("qk_norm_rope_backward", boxed<&qk_norm_rope_backward>());
+  m.impl("qkv_backward_fp8", boxed<&qkv_backward_fp8>());
+  m.impl("packed_qkv_forward", boxed<&packed_qkv_forward>());
+  m.impl("packed_qkv_backward", boxed<&packed_qkv_backward>());
+  m.impl("check_positions", &check_positions);
   m.impl("quantize_dual_layout", &quantize_dual_layout);
   m.impl("quantize_dual_layout_amax", &quantize_dual_layout_amax);
   m.impl("quantize_weight_bank", &quantize_weight_bank);
   m.impl("fp8_gemm", &fp8_gemm);
-  m.impl("packed_qkv_forward", &packed_qkv_forward);
-  m.impl("packed_qkv_backward", &packed_qkv_backward);
 }
 
-}  // namespace
-}  // namespace qkvfuse::torch_binding
-
-// Schemas. Argument names match the Python package and the C++ params structs. pt2_compliant_tag:
-// each op has a fake kernel (python/qkvfuse/_fake.py) and passes torch.library.opcheck.
-TORCH_LIBRARY(qkvfuse, m) {
+void define_ops(torch::Library& m) {
   // Tells torch where the fake kernels are registered, so it can name the module to import.
   m.set_python_module("qkvfuse._fake");
+  // pt2_compliant_tag: each op has a fake kernel (python/qkvfuse/_fake.py) and passes
+  // torch.library.opcheck.
   const std::vector<at::Tag> tags{at::Tag::pt2_compliant_tag};
-  m.def("qk_norm_rope(Tensor qk, Tensor factor1, Tensor factor2, int num_heads, int rotary_dim, "
-        "bool paired, bool key_offset) -> (Tensor q, Tensor k)",
-        tags);
-  m.def("qk_norm_rope_backward(Tensor grad_q, Tensor grad_k, Tensor qk, Tensor factor1, "
-        "Tensor factor2, int num_heads, int rotary_dim, bool paired, bool key_offset) -> Tensor",
-        tags);
-  m.def("qkv_backward_fp8(Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor qk, "
-        "Tensor factor1, Tensor factor2, Tensor grad_scale, int num_heads, int rotary_dim, "
-        "bool paired, bool key_offset) -> (Tensor grad_row, Tensor grad_t)",
-        tags);
+  // Argument names match the Python package and the C++ params structs.
+  const std::string rope_ops[] = {
+      rope_schema("qk_norm_rope", "Tensor qk", "(Tensor q, Tensor k)"),
+      rope_schema("qk_norm_rope_backward", "Tensor grad_q, Tensor grad_k, Tensor qk",
+                  "(Tensor grad_qk, Tensor grad_q_weight, Tensor grad_k_weight)"),
+      rope_schema("qkv_backward_fp8",
+                  "Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor qk, Tensor grad_scale",
+                  "(Tensor grad_row, Tensor grad_t, Tensor grad_q_weight, Tensor grad_k_weight)"),
+      rope_schema("packed_qkv_forward",
+                  "Tensor x_f8, Tensor weight_f8, Tensor x_scale, Tensor weight_scale, "
+                  "Tensor qkv_scale, int qk_dim, int v_dim",
+                  "(Tensor q, Tensor k, Tensor qkv)"),
+      rope_schema("packed_qkv_backward",
+                  "Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor qk, Tensor x_f8_t, "
+                  "Tensor weight_f8_t, Tensor qk_weight, Tensor v_weight, Tensor x_scale, "
+                  "Tensor weight_scale, Tensor qkv_scale, Tensor grad_scale",
+                  "(Tensor grad_x, Tensor grad_weight, Tensor grad_qkv_scale, "
+                  "Tensor grad_q_weight, Tensor grad_k_weight)"),
+  };
+  for (const std::string& schema : rope_ops) m.def(schema.c_str(), tags);
+  m.def("check_positions(Tensor positions, int num_positions) -> ()", tags);
   m.def("quantize_dual_layout(Tensor x, Tensor scale) -> (Tensor row, Tensor t)", tags);
   m.def("quantize_dual_layout_amax(Tensor x, Tensor scale) -> (Tensor row, Tensor t, Tensor amax)",
         tags);
@@ -371,18 +501,12 @@ TORCH_LIBRARY(qkvfuse, m) {
   m.def("fp8_gemm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor? alpha=None, "
         "bool fast_accum=False) -> Tensor",
         tags);
-  m.def("packed_qkv_forward(Tensor x_f8, Tensor weight_f8, Tensor x_scale, Tensor weight_scale, "
-        "Tensor qkv_scale, Tensor factor1, Tensor factor2, int num_heads, int qk_dim, int v_dim, "
-        "int rotary_dim, bool paired, bool key_offset) -> (Tensor q, Tensor k, Tensor qkv)",
-        tags);
-  m.def("packed_qkv_backward(Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor qk, "
-        "Tensor factor1, Tensor factor2, Tensor x_f8_t, Tensor weight_f8_t, Tensor qk_weight, "
-        "Tensor v_weight, Tensor x_scale, Tensor weight_scale, Tensor qkv_scale, "
-        "Tensor grad_scale, int num_heads, int rotary_dim, bool paired, bool key_offset) "
-        "-> (Tensor grad_x, Tensor grad_weight, Tensor grad_qkv_scale)",
-        tags);
 }
 
+}  // namespace
+}  // namespace qkvfuse::torch_binding
+
+TORCH_LIBRARY(qkvfuse, m) { qkvfuse::torch_binding::define_ops(m); }
 TORCH_LIBRARY_IMPL(qkvfuse, CPU, m) { qkvfuse::torch_binding::register_kernels(m); }
 TORCH_LIBRARY_IMPL(qkvfuse, CUDA, m) { qkvfuse::torch_binding::register_kernels(m); }
 TORCH_LIBRARY_IMPL(qkvfuse, Autograd, m) {

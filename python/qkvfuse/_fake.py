@@ -1,9 +1,10 @@
 """Fake (meta) kernels for torch.compile and FakeTensor tracing: the same output shapes, dtypes and
-(contiguous) strides as torch/ops.cpp allocates. torch/ops.cpp names this module with
+(contiguous) strides as bindings/torch/ops.cpp allocates. The rope ops end with the layout's
+arguments, which RopeLayout.of_op reads back. ops.cpp names this module with
 m.set_python_module, so torch can point at it when it is missing."""
 import torch
 
-from ._layout import rope_output_shape
+from ._layout import RopeLayout
 
 E4M3 = torch.float8_e4m3fn
 
@@ -14,23 +15,28 @@ def _dual_layout(x):
 
 
 @torch.library.register_fake("qkvfuse::qk_norm_rope")
-def _qk_norm_rope(qk, factor1, factor2, num_heads, rotary_dim, paired, key_offset):
-    shape = rope_output_shape(qk.shape[0], num_heads, qk.shape[2], paired)
-    return qk.new_empty(shape), qk.new_empty(shape)
+def _qk_norm_rope(qk, *layout):
+    q_shape, k_shape = RopeLayout.of_op(layout).output_shapes(qk.shape[0], qk.shape[2])
+    return qk.new_empty(q_shape), qk.new_empty(k_shape)
 
 
 @torch.library.register_fake("qkvfuse::qk_norm_rope_backward")
-def _qk_norm_rope_backward(grad_q, grad_k, qk, factor1, factor2, num_heads, rotary_dim, paired,
-                           key_offset):
-    return qk.new_empty(qk.shape)
+def _qk_norm_rope_backward(grad_q, grad_k, qk, *layout):
+    return (qk.new_empty(qk.shape), *RopeLayout.of_op(layout).weight_grads_like(qk))
 
 
 @torch.library.register_fake("qkvfuse::qkv_backward_fp8")
-def _qkv_backward_fp8(grad_q, grad_k, grad_v, qk, factor1, factor2, grad_scale, num_heads,
-                      rotary_dim, paired, key_offset):
+def _qkv_backward_fp8(grad_q, grad_k, grad_v, qk, grad_scale, *layout):
+    layout = RopeLayout.of_op(layout)
     tokens = qk.shape[0]
-    qkv_dim = qk.shape[1] * qk.shape[2] + num_heads * grad_v.shape[2]
-    return qk.new_empty((tokens, qkv_dim), dtype=E4M3), qk.new_empty((qkv_dim, tokens), dtype=E4M3)
+    qkv_dim = layout.qkv_dim(qk.shape[2], grad_v.shape[2])
+    return (qk.new_empty((tokens, qkv_dim), dtype=E4M3), qk.new_empty((qkv_dim, tokens), dtype=E4M3),
+            *layout.weight_grads_like(qk))
+
+
+@torch.library.register_fake("qkvfuse::check_positions")
+def _check_positions(positions, num_positions):
+    return None
 
 
 @torch.library.register_fake("qkvfuse::quantize_dual_layout")
@@ -54,23 +60,22 @@ def _fp8_gemm(a, b, scale_a, scale_b, alpha=None, fast_accum=False):
 
 
 @torch.library.register_fake("qkvfuse::packed_qkv_forward")
-def _packed_qkv_forward(x_f8, weight_f8, x_scale, weight_scale, qkv_scale, factor1, factor2,
-                        num_heads, qk_dim, v_dim, rotary_dim, paired, key_offset):
+def _packed_qkv_forward(x_f8, weight_f8, x_scale, weight_scale, qkv_scale, qk_dim, v_dim, *layout):
+    layout = RopeLayout.of_op(layout)
     tokens = x_f8.shape[0]
-    shape = rope_output_shape(tokens, num_heads, qk_dim, paired)
-    qkv_dim = 2 * num_heads * qk_dim + num_heads * v_dim
+    q_shape, k_shape = layout.output_shapes(tokens, qk_dim)
     bf16 = torch.bfloat16
-    return (x_f8.new_empty(shape, dtype=bf16), x_f8.new_empty(shape, dtype=bf16),
-            x_f8.new_empty((tokens * qkv_dim,), dtype=bf16))
+    return (x_f8.new_empty(q_shape, dtype=bf16), x_f8.new_empty(k_shape, dtype=bf16),
+            x_f8.new_empty((tokens * layout.qkv_dim(qk_dim, v_dim),), dtype=bf16))
 
 
 @torch.library.register_fake("qkvfuse::packed_qkv_backward")
-def _packed_qkv_backward(grad_q, grad_k, grad_v, qk, factor1, factor2, x_f8_t, weight_f8_t,
-                         qk_weight, v_weight, x_scale, weight_scale, qkv_scale, grad_scale,
-                         num_heads, rotary_dim, paired, key_offset):
+def _packed_qkv_backward(grad_q, grad_k, grad_v, qk, x_f8_t, weight_f8_t, qk_weight, v_weight,
+                         x_scale, weight_scale, qkv_scale, grad_scale, *layout):
     tokens, channels = qk.shape[0], x_f8_t.shape[0]
     qkv_dim = qk_weight.shape[0] + v_weight.shape[0]
     bf16 = torch.bfloat16
     return (qk.new_empty((tokens, channels), dtype=bf16),
             qk.new_empty((qkv_dim, channels), dtype=bf16),
-            qk.new_empty(qkv_scale.shape, dtype=torch.float32))
+            qk.new_empty(qkv_scale.shape, dtype=torch.float32),
+            *RopeLayout.of_op(layout).weight_grads_like(qk))

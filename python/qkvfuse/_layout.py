@@ -1,31 +1,111 @@
-"""Output shapes and the views cut from the packed ops' buffers: one definition shared by the fake
-kernels, the autograd functions and the tests (torch/ops.cpp lays the buffers out the same way)."""
+"""The rope layout, output shapes and the views cut from the packed ops' buffers: one definition
+shared by the functional API, the fake kernels, the autograd functions and the tests
+(bindings/torch/ops.cpp lays the buffers out the same way)."""
+from typing import NamedTuple, Optional
+
 import torch
 
+# F.rms_norm's float32 eps, the default of every rope op (SPEC.md section 1).
+DEFAULT_EPS = 2.0**-23
 
-def rope_output_shape(tokens, num_heads: int, qk_dim, paired: bool):
-    """q and k are [T, H, D], or [2T, H/2, D] for paired heads (SPEC.md section 1)."""
-    if paired:
-        return (2 * tokens, num_heads // 2, qk_dim)
-    return (tokens, num_heads, qk_dim)
+ROTARY_STYLES = ("interleaved", "neox")
 
 
-def qkv_views(qkv: torch.Tensor, tokens, num_heads: int, qk_dim: int, v_dim: int, paired: bool):
-    """(qk [T, 2H, D], v [T, H, Dv]) from packed_qkv_forward's flat buffer of T * qkv_dim.
+class RopeLayout(NamedTuple):
+    """The layout arguments every rope op takes, in order: the schema fragment kRopeLayoutSchema
+    of bindings/torch/ops.cpp, which the binding reads into qkvfuse::RopeLayout
+    (include/qkvfuse/qk_norm_rope.hpp; SPEC.md section 8). `tuple(layout)` is those arguments;
+    `RopeLayout(*args[-len(RopeLayout._fields):])` reads them back from an op's arguments (fake
+    kernels, autograd).
 
-    Plain layers: the buffer is row-major [T, qkv_dim], qk its first 2HD columns and v the rest
-    (v strided, as one GEMM wrote both). Paired layers: qk [T, 2HD] then v [T, HDv], each dense,
-    since paired attention merges v's token and head axes and would otherwise have to copy it.
+    None means the C++ default: num_kv_heads = num_heads; rotary_dim = D with factor tables,
+    cos_sin's width with a cos/sin cache. The norm weights are separate tensor arguments of the
+    ops so that autograd can return their gradients.
     """
-    qk_features = 2 * num_heads * qk_dim
-    v_features = num_heads * v_dim
-    if paired:
+    num_heads: int
+    num_kv_heads: Optional[int] = None
+    rotary_dim: Optional[int] = None
+    rotary_style: str = "interleaved"
+    normalize: bool = True
+    eps: float = DEFAULT_EPS
+    weight_offset: float = 0.0
+    paired: bool = False
+    key_offset: bool = False
+    factor1: Optional[torch.Tensor] = None
+    factor2: Optional[torch.Tensor] = None
+    cos_sin: Optional[torch.Tensor] = None
+    positions: Optional[torch.Tensor] = None
+    q_weight: Optional[torch.Tensor] = None
+    k_weight: Optional[torch.Tensor] = None
+
+    @classmethod
+    def of_op(cls, args) -> "RopeLayout":
+        """The layout of a rope op's arguments (the fragment is their tail)."""
+        return cls(*args[len(args) - len(cls._fields):])
+
+    def options(self) -> tuple:
+        """The non-tensor fields (num_heads .. key_offset), e.g. for an autograd context."""
+        return tuple(self[:_FIRST_TENSOR])
+
+    def tensors(self) -> tuple:
+        """The tensor fields (factor1 .. k_weight), e.g. to save for the backward;
+        RopeLayout(*options, *tensors) joins them again."""
+        return tuple(self[_FIRST_TENSOR:])
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    def output_shapes(self, tokens, head_dim):
+        """(q's shape, k's shape): [T, Hq, D] and [T, Hkv, D]; [2T, Hq/2, D] each when paired."""
+        if self.paired:
+            return ((2 * tokens, self.num_heads // 2, head_dim),
+                    (2 * tokens, self.kv_heads // 2, head_dim))
+        return (tokens, self.num_heads, head_dim), (tokens, self.kv_heads, head_dim)
+
+    def qkv_dim(self, head_dim, v_dim):
+        """Features of the packed projection: (Hq + Hkv) * D + Hkv * Dv."""
+        return (self.num_heads + self.kv_heads) * head_dim + self.kv_heads * v_dim
+
+    def weight_grads_like(self, like: torch.Tensor):
+        """Fake versions of the weight gradients a backward op returns: [D] in each weight's
+        dtype, an empty float32 [0] for an absent weight (the schemas have no optional outputs)."""
+        return tuple(
+            like.new_empty((0,), dtype=torch.float32) if w is None else like.new_empty(
+                w.shape, dtype=w.dtype)
+            for w in (self.q_weight, self.k_weight))
+
+    def weight_grads(self, grad_q_weight, grad_k_weight):
+        """A backward op's weight gradients, None in place of an absent weight's placeholder."""
+        return (None if self.q_weight is None else grad_q_weight,
+                None if self.k_weight is None else grad_k_weight)
+
+    def input_grads(self, grad_q_weight, grad_k_weight):
+        """One gradient per layout argument, as an autograd backward returns them: the weights'
+        (None where absent), None for everything else."""
+        return (None,) * (len(self._fields) - 2) + self.weight_grads(grad_q_weight, grad_k_weight)
+
+
+_FIRST_TENSOR = RopeLayout._fields.index("factor1")
+
+
+def qkv_views(qkv: torch.Tensor, tokens, layout: RopeLayout, qk_dim: int, v_dim: int):
+    """(qk [T, Hq + Hkv, D], v [T, Hkv, Dv]) from packed_qkv_forward's flat buffer of T * qkv_dim.
+
+    Plain layers: the buffer is row-major [T, qkv_dim], qk its first (Hq + Hkv) * D columns and v
+    the rest (v strided, as one GEMM wrote both). Paired layers: qk [T, 2HD] then v [T, HDv], each
+    dense, since paired attention merges v's token and head axes and would otherwise copy it.
+    """
+    qk_heads = layout.num_heads + layout.kv_heads
+    qk_features = qk_heads * qk_dim
+    v_features = layout.kv_heads * v_dim
+    if layout.paired:
         qk_flat = qkv[: tokens * qk_features].view(tokens, qk_features)
         v_flat = qkv[tokens * qk_features :].view(tokens, v_features)
     else:
         rows = qkv.view(tokens, qk_features + v_features)
         qk_flat, v_flat = rows[:, :qk_features], rows[:, qk_features:]
-    return qk_flat.view(tokens, 2 * num_heads, qk_dim), v_flat.view(tokens, num_heads, v_dim)
+    return qk_flat.view(tokens, qk_heads, qk_dim), v_flat.view(tokens, layout.kv_heads, v_dim)
 
 
 def split_grad_weight(grad_weight: torch.Tensor, qk_rows: int):

@@ -3,43 +3,86 @@
 Each function is a thin call of one registered op; shapes and dtypes are documented in SPEC.md and
 include/qkvfuse/*.hpp. Invalid arguments raise RuntimeError with the library's message, which names
 the offending argument as the C++ params struct does: the same names as here, except that the
-quantize functions' source (x, weights) is `src` there.
+layout's arguments read `layout.<name>` (layout.factor1, layout.q_weight, ...) and the quantize
+functions' source (x, weights) is `src` there.
 """
 from typing import Optional
 
 import torch
+import torch.fx
 
-from ._layout import kernel_readable
+from ._layout import DEFAULT_EPS, RopeLayout, kernel_readable
 
 _ops = torch.ops.qkvfuse
 
 
-def qk_norm_rope(qk: torch.Tensor, factor1: torch.Tensor, factor2: torch.Tensor, num_heads: int,
-                 rotary_dim: Optional[int] = None, paired: bool = False,
-                 key_offset: bool = False):
-    """(q, k) = interleaved rotary of the per-head RMS-norm of qk [T, 2H, D] (SPEC.md section 1).
+def rope_layout(num_heads, rotary_dim=None, paired=False, key_offset=False, factor1=None,
+                factor2=None, *, num_kv_heads=None, rotary_style="interleaved", normalize=True,
+                q_weight=None, k_weight=None, weight_offset=0.0, eps=DEFAULT_EPS, cos_sin=None,
+                positions=None, op="qk_norm_rope") -> RopeLayout:
+    """The RopeLayout of the public functions' arguments (SPEC.md section 8); the library
+    validates it when the op runs, naming the argument at fault."""
+    if num_heads is None:
+        raise TypeError(f"{op}: num_heads is required")
+    return RopeLayout(num_heads, num_kv_heads, rotary_dim, rotary_style, normalize, eps,
+                      weight_offset, paired, key_offset, factor1, factor2, cos_sin, positions,
+                      q_weight, k_weight)
 
-    q and k are [T, H, D] ([2T, H/2, D] when paired), qk's dtype. rotary_dim (dims from it on
-    are stationary; read by key_offset) defaults to D. Differentiable in qk (the backward is the
-    registered qk_norm_rope_backward op); the factors receive no gradient.
+
+def qk_norm_rope(qk: torch.Tensor, factor1: Optional[torch.Tensor] = None,
+                 factor2: Optional[torch.Tensor] = None, num_heads: Optional[int] = None,
+                 rotary_dim: Optional[int] = None, paired: bool = False,
+                 key_offset: bool = False, *, num_kv_heads: Optional[int] = None,
+                 rotary_style: str = "interleaved", normalize: bool = True,
+                 q_weight: Optional[torch.Tensor] = None, k_weight: Optional[torch.Tensor] = None,
+                 weight_offset: float = 0.0, eps: float = DEFAULT_EPS,
+                 cos_sin: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None):
+    """(q, k) = rotary(norm(qk)) per head (SPEC.md sections 1 and 8), differentiable in qk and the
+    norm weights (the backward is the registered qk_norm_rope_backward op).
+
+      qk            [T, Hq + Hkv, D] (query heads first), bf16 (float32/float64 too on the CPU);
+                    last dim contiguous, other strides free. D even, 2..256.
+      factor1/2     per-token rotary tables [T, D] ([T, 2D] when paired), bf16 or float32, in the
+                    speedrun's sign convention (qkvfuse.speedrun_factor_tables); None with cos_sin
+      num_heads     Hq (required)
+      rotary_dim    r: lanes [0, r) rotate, even, in [0, D]; default D with tables and
+                    cos_sin.shape[1] with a cos/sin cache (which r must then equal)
+      paired        outputs [2T, Hq/2, D] (Hq = Hkv even, factor tables [T, 2D])
+      key_offset    keys' lanes >= r come from the previous token (Hq = Hkv)
+    Keyword-only:
+      num_kv_heads  Hkv (GQA/MQA; divides Hq); default Hq
+      rotary_style  "interleaved" (lane d turns with d ^ 1) or "neox" (with d +- r/2)
+      normalize     False: rotary only, no RMS-norm (norm weights then not allowed)
+      q_weight, k_weight  [D] bf16 or float32 norm weights: n * (w + weight_offset); each
+                    receives a gradient (summed in float32, deterministic), in its own dtype
+      weight_offset 1.0 for Gemma's (1 + w)
+      eps           the RMS-norm's epsilon, default 2^-23
+      cos_sin       [P, r] bf16 or float32 cos/sin cache (qkvfuse.rotary_cos_sin): columns
+                    [0, r/2) cos, [r/2, r) sin of frequency i; read at `positions`
+      positions     int32 or int64 [T], each in [0, P). A position outside gives NaN in that
+                    token's rotary lanes (never an out-of-bounds read); qkvfuse.check_positions
+                    or QKVFUSE_CHECK_POSITIONS=1 raise instead
+    q is [T, Hq, D] and k [T, Hkv, D] ([2T, Hq/2, D] when paired), qk's dtype.
     """
-    if rotary_dim is None:
-        rotary_dim = qk.shape[-1]
-    return _ops.qk_norm_rope(qk, factor1, factor2, num_heads, rotary_dim, paired, key_offset)
+    layout = rope_layout(num_heads, rotary_dim, paired, key_offset, factor1, factor2,
+                         num_kv_heads=num_kv_heads, rotary_style=rotary_style, normalize=normalize,
+                         q_weight=q_weight, k_weight=k_weight, weight_offset=weight_offset, eps=eps,
+                         cos_sin=cos_sin, positions=positions)
+    return _ops.qk_norm_rope(qk, *layout)
 
 
 def _qk_norm_rope_setup_context(ctx, inputs, output):
-    qk, factor1, factor2, num_heads, rotary_dim, paired, key_offset = inputs
-    ctx.save_for_backward(qk, factor1, factor2)
-    ctx.layout = (num_heads, rotary_dim, paired, key_offset)
+    layout = RopeLayout.of_op(inputs)
+    ctx.save_for_backward(inputs[0], *layout.tensors())
+    ctx.options = layout.options()
 
 
 def _qk_norm_rope_backward(ctx, grad_q, grad_k):
-    qk, factor1, factor2 = ctx.saved_tensors
-    grad_qk = _ops.qk_norm_rope_backward(
-        kernel_readable(grad_q), kernel_readable(grad_k), qk, factor1, factor2,
-        *ctx.layout)
-    return grad_qk, None, None, None, None, None, None
+    qk, *tensors = ctx.saved_tensors
+    layout = RopeLayout(*ctx.options, *tensors)
+    grad_qk, grad_q_weight, grad_k_weight = _ops.qk_norm_rope_backward(
+        kernel_readable(grad_q), kernel_readable(grad_k), qk, *layout)
+    return (grad_qk, *layout.input_grads(grad_q_weight, grad_k_weight))
 
 
 torch.library.register_autograd("qkvfuse::qk_norm_rope", _qk_norm_rope_backward,
@@ -47,11 +90,40 @@ torch.library.register_autograd("qkvfuse::qk_norm_rope", _qk_norm_rope_backward,
 
 
 def qkv_backward_fp8(grad_q, grad_k, grad_v, qk, factor1, factor2, grad_scale, num_heads: int,
-                     rotary_dim: int, paired: bool, key_offset: bool):
+                     rotary_dim: Optional[int] = None, paired: bool = False,
+                     key_offset: bool = False, *, num_kv_heads: Optional[int] = None,
+                     rotary_style: str = "interleaved", normalize: bool = True,
+                     q_weight: Optional[torch.Tensor] = None,
+                     k_weight: Optional[torch.Tensor] = None, weight_offset: float = 0.0,
+                     eps: float = DEFAULT_EPS, cos_sin: Optional[torch.Tensor] = None,
+                     positions: Optional[torch.Tensor] = None):
     """(grad_row [T, qkv_dim], grad_t [qkv_dim, T]), e4m3: the norm/rotary gradient of Q and K
-    (rounded to bf16) and grad_v, divided by grad_scale, in both layouts (SPEC.md section 3)."""
-    return _ops.qkv_backward_fp8(grad_q, grad_k, grad_v, qk, factor1, factor2, grad_scale,
-                                 num_heads, rotary_dim, paired, key_offset)
+    (rounded to bf16) and grad_v [T, Hkv, Dv], divided by grad_scale, in both layouts (SPEC.md
+    sections 3 and 8; qkv_dim = (Hq + Hkv) * D + Hkv * Dv). The layout arguments are
+    qk_norm_rope's. With a norm weight given, returns (grad_row, grad_t, grad_q_weight,
+    grad_k_weight), None for the weight not given."""
+    layout = rope_layout(num_heads, rotary_dim, paired, key_offset, factor1, factor2,
+                         num_kv_heads=num_kv_heads, rotary_style=rotary_style, normalize=normalize,
+                         q_weight=q_weight, k_weight=k_weight, weight_offset=weight_offset, eps=eps,
+                         cos_sin=cos_sin, positions=positions, op="qkv_backward_fp8")
+    grad_row, grad_t, grad_q_weight, grad_k_weight = _ops.qkv_backward_fp8(
+        grad_q, grad_k, grad_v, qk, grad_scale, *layout)
+    if q_weight is None and k_weight is None:
+        return grad_row, grad_t
+    return (grad_row, grad_t, *layout.weight_grads(grad_q_weight, grad_k_weight))
+
+
+def check_positions(positions: torch.Tensor, num_positions: int) -> None:
+    """Raises RuntimeError naming the first token whose position lies outside [0, num_positions)
+    (num_positions: cos_sin.shape[0]). positions: int32 or int64 [T]. On CUDA it synchronizes
+    the stream, and it cannot run while a CUDA graph is being captured (nor in a torch.compile
+    graph replayed as one, mode="reduce-overhead"); QKVFUSE_CHECK_POSITIONS=1 makes every rope
+    op run it first."""
+    _ops.check_positions(positions, num_positions)
+
+
+# The op returns nothing: without this, torch.compile's graph passes would drop it as dead code.
+torch.fx.node.has_side_effect(_ops.check_positions.default)
 
 
 def quantize_dual_layout(x: torch.Tensor, scale: torch.Tensor, amax: bool = False):

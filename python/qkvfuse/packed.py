@@ -1,7 +1,9 @@
 """packed_fp8_qkv: the packed FP8 QKV projection with QK-norm + rotary, as an autograd function
-(SPEC.md section 6). A drop-in for the reference: `PackedFP8QKV` is, as there, the autograd
+(SPEC.md sections 6 and 8). A drop-in for the reference: `PackedFP8QKV` is, as there, the autograd
 function's `apply` (class `PackedFP8QKVFunction`), with the same arguments in the same order and
-the same outputs; gradients for x, qk_weight, v_weight and qkv_scale only.
+the same outputs; gradients for x, qk_weight, v_weight and qkv_scale only. `packed_fp8_qkv` takes
+the same positional arguments and the general layout's options as keywords (GQA, NeoX rotary,
+norm weights, which then receive gradients too, a cos/sin cache; PackedFP8QKVLayoutFunction).
 
 Why a torch.autograd.Function rather than torch.library.register_autograd on the forward op: the
 tensors that receive gradients (x, qk_weight, v_weight) are not read by the forward kernels, and q/k
@@ -9,47 +11,96 @@ and v come out as views of one GEMM buffer, which a custom op may not return (it
 alias each other). The Function cuts those views itself, and its backward calls the registered
 packed_qkv_backward op; torch.compile traces both through the ops' fake kernels.
 """
+from typing import Optional
+
 import torch
 
-from ._layout import qkv_views, kernel_readable, split_grad_weight
+from ._layout import DEFAULT_EPS, RopeLayout, kernel_readable, qkv_views, split_grad_weight
+from .ops import rope_layout
 
 _ops = torch.ops.qkvfuse
 
 
+def _forward(ctx, x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale, qkv_scale,
+             x_scale, grad_scale, x_f8, x_f8_t, layout: RopeLayout):
+    qk_heads = layout.num_heads + layout.kv_heads
+    # The head widths come from the master weights' rows; the library checks everything else.
+    for name, weight, heads, what in (
+            ("qk_weight", qk_weight, qk_heads, "num_heads + num_kv_heads"),
+            ("v_weight", v_weight, layout.kv_heads, "num_kv_heads")):
+        if weight.dim() != 2 or heads < 1 or weight.shape[0] % heads:
+            raise RuntimeError(f"packed_fp8_qkv: {name}: expected 2 dims whose rows are a "
+                               f"multiple of {what} = {heads}, got shape {list(weight.shape)}")
+    qk_dim = qk_weight.shape[0] // qk_heads
+    v_dim = v_weight.shape[0] // layout.kv_heads
+    q, k, qkv = _ops.packed_qkv_forward(x_f8, weight_f8, x_scale, weight_scale, qkv_scale, qk_dim,
+                                        v_dim, *layout)
+    qk, v = qkv_views(qkv, x_f8.shape[0], layout, qk_dim, v_dim)
+    ctx.save_for_backward(qk, x_f8_t, weight_f8_t, qk_weight, v_weight, x_scale, weight_scale,
+                          qkv_scale, *layout.tensors())
+    # grad_scale is read when the backward runs, not saved with a version check: a tensor
+    # hook on q, k or v may set it from this step's gradients (current scaling; see
+    # examples/train_gpt.py).
+    ctx.grad_scale = grad_scale
+    ctx.x_shape = x.shape
+    ctx.options = layout.options()
+    return q, k, v
+
+
+def _backward(ctx, grad_q, grad_k, grad_v):
+    """(grad_x, grad_qk_weight, grad_v_weight, grad_qkv_scale, grad_q_weight, grad_k_weight), the
+    norm weights' None where absent."""
+    (qk, x_f8_t, weight_f8_t, qk_weight, v_weight, x_scale, weight_scale, qkv_scale,
+     *tensors) = ctx.saved_tensors
+    layout = RopeLayout(*ctx.options, *tensors)
+    grad_x, grad_weight, grad_qkv_scale, grad_q_weight, grad_k_weight = _ops.packed_qkv_backward(
+        kernel_readable(grad_q), kernel_readable(grad_k), kernel_readable(grad_v), qk, x_f8_t,
+        weight_f8_t, qk_weight, v_weight, x_scale, weight_scale, qkv_scale, ctx.grad_scale,
+        *layout)
+    grad_qk_weight, grad_v_weight = split_grad_weight(grad_weight, qk_weight.shape[0])
+    return (grad_x.view(ctx.x_shape), grad_qk_weight, grad_v_weight, grad_qkv_scale,
+            *layout.weight_grads(grad_q_weight, grad_k_weight))
+
+
 class PackedFP8QKVFunction(torch.autograd.Function):
+    """The reference's autograd function: its arguments, the speedrun's layout (SPEC.md 6)."""
+
     @staticmethod
     def forward(ctx, x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale, qkv_scale,
                 x_scale, grad_scale, factor1, factor2, num_heads, paired, key_offset, rotary_dim,
                 x_f8, x_f8_t):
-        qk_dim = qk_weight.shape[0] // (2 * num_heads)
-        v_dim = v_weight.shape[0] // num_heads
-        q, k, qkv = _ops.packed_qkv_forward(x_f8, weight_f8, x_scale, weight_scale, qkv_scale,
-                                            factor1, factor2, num_heads, qk_dim, v_dim, rotary_dim,
-                                            paired, key_offset)
-        qk, v = qkv_views(qkv, x_f8.shape[0], num_heads, qk_dim, v_dim, paired)
-        ctx.save_for_backward(qk, factor1, factor2, x_f8_t, weight_f8_t, qk_weight, v_weight,
-                              x_scale, weight_scale, qkv_scale)
-        # grad_scale is read when the backward runs, not saved with a version check: a tensor
-        # hook on q, k or v may set it from this step's gradients (current scaling; see
-        # examples/train_gpt.py).
-        ctx.grad_scale = grad_scale
-        ctx.x_shape = x.shape
-        ctx.layout = (num_heads, rotary_dim, paired, key_offset)
-        return q, k, v
+        layout = RopeLayout(num_heads, rotary_dim=rotary_dim, paired=paired,
+                            key_offset=key_offset, factor1=factor1, factor2=factor2)
+        return _forward(ctx, x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale,
+                        qkv_scale, x_scale, grad_scale, x_f8, x_f8_t, layout)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k, grad_v):
-        (qk, factor1, factor2, x_f8_t, weight_f8_t, qk_weight, v_weight, x_scale, weight_scale,
-         qkv_scale) = ctx.saved_tensors
-        grad_scale = ctx.grad_scale
-        grad_x, grad_weight, grad_qkv_scale = _ops.packed_qkv_backward(
-            kernel_readable(grad_q), kernel_readable(grad_k),
-            kernel_readable(grad_v), qk, factor1, factor2, x_f8_t, weight_f8_t, qk_weight,
-            v_weight, x_scale, weight_scale, qkv_scale, grad_scale, *ctx.layout)
-        grad_qk_weight, grad_v_weight = split_grad_weight(grad_weight, qk_weight.shape[0])
+        grad_x, grad_qk_weight, grad_v_weight, grad_qkv_scale, _, _ = _backward(
+            ctx, grad_q, grad_k, grad_v)
         # One slot per forward argument; only x, the two weights and qkv_scale carry gradients.
-        return (grad_x.view(ctx.x_shape), grad_qk_weight, grad_v_weight, None, None, None,
-                grad_qkv_scale, None, None, None, None, None, None, None, None, None, None)
+        return (grad_x, grad_qk_weight, grad_v_weight, None, None, None, grad_qkv_scale, None,
+                None, None, None, None, None, None, None, None, None)
+
+
+class PackedFP8QKVLayoutFunction(torch.autograd.Function):
+    """The general layout: the projection's arguments, then RopeLayout's fields in order (their
+    tensors factor1, factor2, cos_sin, positions, q_weight, k_weight). Gradients for x, qk_weight,
+    v_weight, qkv_scale and the norm weights."""
+
+    @staticmethod
+    def forward(ctx, x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale, qkv_scale,
+                x_scale, grad_scale, x_f8, x_f8_t, *layout):
+        return _forward(ctx, x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale,
+                        qkv_scale, x_scale, grad_scale, x_f8, x_f8_t, RopeLayout(*layout))
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k, grad_v):
+        grad_x, grad_qk_weight, grad_v_weight, grad_qkv_scale, grad_q_weight, grad_k_weight = (
+            _backward(ctx, grad_q, grad_k, grad_v))
+        layout_grads = (None,) * (len(RopeLayout._fields) - 2) + (grad_q_weight, grad_k_weight)
+        return (grad_x, grad_qk_weight, grad_v_weight, None, None, None, grad_qkv_scale, None,
+                None, None, None, *layout_grads)
 
 
 # The reference exports its autograd function's apply under this name: calling it runs the op.
@@ -58,22 +109,34 @@ PackedFP8QKV = PackedFP8QKVFunction.apply
 
 def packed_fp8_qkv(x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale, qkv_scale,
                    x_scale, grad_scale, factor1, factor2, num_heads, paired, key_offset, rotary_dim,
-                   x_f8, x_f8_t):
+                   x_f8, x_f8_t, *, num_kv_heads: Optional[int] = None,
+                   rotary_style: str = "interleaved", normalize: bool = True,
+                   q_weight: Optional[torch.Tensor] = None,
+                   k_weight: Optional[torch.Tensor] = None, weight_offset: float = 0.0,
+                   eps: float = DEFAULT_EPS, cos_sin: Optional[torch.Tensor] = None,
+                   positions: Optional[torch.Tensor] = None):
     """(q, k, v) = norm + rotary of x @ (qkv_scale * [Wq; Wk; Wv]).T, as one FP8 GEMM off the cached
     packed weight (two for paired layers, so that v is dense).
 
       x            bf16 [T, C] (or any shape of T*C elements): receives the gradient only
-      qk_weight    bf16 [2*H*D, C], v_weight bf16 [H*Dv, C]: the master weights
+      qk_weight    bf16 [(Hq+Hkv)*D, C], v_weight bf16 [Hkv*Dv, C]: the master weights
       weight_f8    e4m3 [qkv_dim, C], weight_f8_t e4m3 [C, qkv_dim], weight_scale float32 scalar:
-                   the cached packed weight (PackedWeightCache)
+                   the cached packed weight (PackedWeightCache); qkv_dim = (Hq+Hkv)*D + Hkv*Dv
       qkv_scale    float32 scalar, learnable
       x_scale, grad_scale  float32 scalars; x_f8 [T, C], x_f8_t [C, T]: x quantized with x_scale.
                    grad_scale is read when the backward runs: it must bring the gradients into
                    e4m3 range (a fixed 1/448 lets small gradients round to zero), and a tensor
                    hook on q, k or v may set it from the gradients of the step (current scaling)
-      factor1/2    rotary tables [T, D] ([T, 2D] when paired), bf16 or float32
-    Returns q, k [T, H, D] ([2T, H/2, D] when paired) and v [T, H, Dv], bf16.
+      factor1/2    rotary tables [T, D] ([T, 2D] when paired), bf16 or float32; None with cos_sin
+      num_heads    Hq; paired, key_offset, rotary_dim (None: the default) as qk_norm_rope's
+    Keyword-only, as qk_norm_rope's: num_kv_heads, rotary_style, normalize, q_weight, k_weight
+    (these receive gradients), weight_offset, eps, cos_sin, positions.
+    Returns q [T, Hq, D], k [T, Hkv, D] ([2T, Hq/2, D] each when paired) and v [T, Hkv, Dv], bf16.
     """
-    return PackedFP8QKVFunction.apply(x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale,
-                                      qkv_scale, x_scale, grad_scale, factor1, factor2, num_heads,
-                                      paired, key_offset, rotary_dim, x_f8, x_f8_t)
+    layout = rope_layout(num_heads, rotary_dim, paired, key_offset, factor1, factor2,
+                         num_kv_heads=num_kv_heads, rotary_style=rotary_style, normalize=normalize,
+                         q_weight=q_weight, k_weight=k_weight, weight_offset=weight_offset, eps=eps,
+                         cos_sin=cos_sin, positions=positions, op="packed_fp8_qkv")
+    return PackedFP8QKVLayoutFunction.apply(x, qk_weight, v_weight, weight_f8, weight_f8_t,
+                                            weight_scale, qkv_scale, x_scale, grad_scale, x_f8,
+                                            x_f8_t, *layout)

@@ -110,3 +110,88 @@ def packed_backward(grad_q, grad_k, grad_v, qk, factor1, factor2, x_f8, weight_f
     grad_qkv_scale = (grad_weight * weight).sum()
     scaled = (grad_weight * qkv_scale.double()).to(BF16).double()
     return grad_x, scaled[: qk_weight.shape[0]], scaled[qk_weight.shape[0] :], grad_qkv_scale
+
+
+# ---- general layouts (SPEC.md section 8) ---------------------------------------------------------
+
+def rope(qk, num_heads, num_kv_heads=None, rotary_dim=None, rotary_style="interleaved",
+         normalize=True, eps=EPS, weight_offset=0.0, paired=False, key_offset=False, factor1=None,
+         factor2=None, cos_sin=None, positions=None, q_weight=None, k_weight=None):
+    """SPEC.md section 8 in float64, differentiable in qk and the weights: (q, k).
+
+    The cos/sin path is written as the rotation itself (interleaved: the pairs (2i, 2i+1), as
+    GPT-J's rotate_every_two; NeoX: the halves of the rotary lanes, as Hugging Face's rotate_half),
+    turning each pair by +theta. The factor-table path is y[e] = f1[e] n[e] + f2[e] n[partner(e)]
+    over the table's rows ([T, H/2, 2D] views when paired, reshaped to [2T, H/2, D] after)."""
+    x = qk.double()
+    tokens, _, dim = x.shape
+    kv = num_heads if num_kv_heads is None else num_kv_heads
+    if rotary_dim is None:
+        rotary_dim = dim if cos_sin is None else cos_sin.shape[1]
+    r, half = rotary_dim, rotary_dim // 2
+    n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) if normalize else x
+
+    def weigh(part, weight):
+        return part if weight is None else part * (weight.double() + weight_offset)
+
+    q, k = weigh(n[:, :num_heads], q_weight), weigh(n[:, num_heads:], k_weight)
+
+    def rotate(part):
+        if cos_sin is not None:
+            angles = cos_sin.double()[positions.long()][:, None]  # [T, 1, r]
+            cos, sin = angles[..., :half], angles[..., half:]
+            lanes, rest = part[..., :r], part[..., r:]
+            if rotary_style == "neox":
+                a, b = lanes[..., :half], lanes[..., half:]
+                lanes = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+            else:
+                a, b = lanes[..., 0::2], lanes[..., 1::2]
+                lanes = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
+            return torch.cat((lanes, rest), dim=-1)
+        width = factor1.shape[1]
+        heads = part.shape[1]
+        rows = part.reshape(tokens, heads * dim // width, width)
+        lane = torch.arange(width, device=part.device)
+        d = lane % dim
+        if rotary_style == "neox":
+            partner = lane - d + torch.where(d < half, d + half, d - half)
+        else:
+            partner = lane ^ 1
+        rotary = d < r
+        partner = torch.where(rotary, partner, lane)
+        y = factor1.double()[:, None] * rows + factor2.double()[:, None] * rows[..., partner]
+        y = torch.where(rotary, y, rows)
+        return y.reshape(tokens, heads, dim)
+
+    q_out, k_out = rotate(q), rotate(k)
+    if paired:
+        q_out = q_out.reshape(2 * tokens, num_heads // 2, dim)
+        k_out = k_out.reshape(2 * tokens, kv // 2, dim)
+    if key_offset:
+        previous = torch.cat((k[:1], k[:-1]), dim=0)  # token 0 keeps its own
+        k_out = torch.cat((k_out[..., :r], previous[..., r:]), dim=-1)
+    return q_out, k_out
+
+
+def rope_grads(grad_q, grad_k, qk, **layout):
+    """float64 (grad_qk, grad_q_weight, grad_k_weight) of rope() by autograd (None for an absent
+    weight)."""
+    qk64 = qk.detach().double().requires_grad_()
+    weights = {}
+    for name in ("q_weight", "k_weight"):
+        if layout.get(name) is not None:
+            weights[name] = layout[name].detach().double().requires_grad_()
+    q, k = rope(qk64, **{**layout, **weights})
+    inputs = (qk64, *weights.values())
+    grads = torch.autograd.grad((q, k), inputs, (grad_q.double(), grad_k.double()))
+    grads = dict(zip(("qk", *weights), grads))
+    return grads["qk"], grads.get("q_weight"), grads.get("k_weight")
+
+
+def rope_grad_row(grad_q, grad_k, grad_v, qk, grad_scale, **layout):
+    """SPEC.md sections 3 and 8: [T, qkv_dim] e4m3, Q/K features from the bf16-rounded dx, then
+    V; and the float64 weight gradients."""
+    tokens = qk.shape[0]
+    dx, grad_q_weight, grad_k_weight = rope_grads(grad_q, grad_k, qk, **layout)
+    features = torch.cat((dx.to(BF16).reshape(tokens, -1), grad_v.reshape(tokens, -1)), dim=1)
+    return quantize(features, grad_scale), grad_q_weight, grad_k_weight

@@ -11,7 +11,8 @@ import torch
 import qkvfuse
 from conftest import (DEVICES, assert_bf16_close, opcheck, poison_allocator, rel_error,
                       requires_cuda)
-from packed_problem import LAYOUTS, Problem
+from packed_problem import LAYOUT_CASES, LAYOUTS, Problem
+from qkvfuse._layout import RopeLayout, qkv_views
 
 BF16 = torch.bfloat16
 
@@ -23,9 +24,17 @@ REFERENCE_ARGUMENTS = [
 ]
 
 
+# The general layout's options: keyword-only, after the reference's arguments.
+OPTIONS = ["num_kv_heads", "rotary_style", "normalize", "q_weight", "k_weight", "weight_offset",
+           "eps", "cos_sin", "positions"]
+
+
 def test_argument_order_is_the_reference_order():
-    parameters = list(inspect.signature(qkvfuse.packed_fp8_qkv).parameters)
-    assert parameters == REFERENCE_ARGUMENTS
+    parameters = inspect.signature(qkvfuse.packed_fp8_qkv).parameters
+    positional = [n for n, p in parameters.items() if p.kind == p.POSITIONAL_OR_KEYWORD]
+    keyword_only = [n for n, p in parameters.items() if p.kind == p.KEYWORD_ONLY]
+    assert positional == REFERENCE_ARGUMENTS
+    assert keyword_only == OPTIONS and len(parameters) == len(positional) + len(keyword_only)
     forward = list(inspect.signature(qkvfuse.PackedFP8QKVFunction.forward).parameters)
     assert forward == ["ctx"] + REFERENCE_ARGUMENTS
 
@@ -38,12 +47,17 @@ def test_argument_order_matches_the_seed_file():
     assert forward == ["ctx"] + REFERENCE_ARGUMENTS
 
 
+# The speedrun's layouts (no options) and the general ones (SPEC.md section 8).
+ALL_LAYOUTS = {**{name: (layout, None) for name, layout in LAYOUTS.items()}, **LAYOUT_CASES}
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", list(ALL_LAYOUTS))
 def test_forward_and_gradients_match_model(device, name):
-    p = Problem(LAYOUTS[name], device)
-    poison_allocator(device, 4 * p.tokens * 2 * p.heads * p.qk_dim)
-    q, k, v = qkvfuse.packed_fp8_qkv(*p.arguments())
+    layout, options = ALL_LAYOUTS[name]
+    p = Problem(layout, device, options)
+    poison_allocator(device, 4 * p.tokens * (p.heads + p.kv_heads) * p.qk_dim)
+    q, k, v = qkvfuse.packed_fp8_qkv(*p.arguments(), **p.options)
     q_ref, k_ref, v_ref, qk_ref = p.model_forward()
     assert q.shape == q_ref.shape and k.shape == k_ref.shape and v.shape == v_ref.shape
     # The op's GEMM (fp32 accumulation) and the model's (float64) may round a qk element to
@@ -59,8 +73,9 @@ def test_forward_and_gradients_match_model(device, name):
     assert v.stride(-1) == 1
 
     grad_q, grad_k, grad_v = (torch.randn_like(t) for t in (q, k, v))
-    grads = torch.autograd.grad((q, k, v), (p.x, p.qk_weight, p.v_weight, p.qkv_scale),
-                                (grad_q, grad_k, grad_v))
+    norm_weights = p.norm_weights
+    grads = torch.autograd.grad((q, k, v), (p.x, p.qk_weight, p.v_weight, p.qkv_scale,
+                                            *norm_weights.values()), (grad_q, grad_k, grad_v))
     expected = p.model_backward(grad_q, grad_k, grad_v, qk_ref)
     # bf16 results carry one rounding (rel. error ~2^-9).
     tolerances = {"x": 5e-3, "qk_weight": 5e-3, "v_weight": 5e-3}
@@ -68,6 +83,13 @@ def test_forward_and_gradients_match_model(device, name):
         assert grad.dtype == BF16, what
         assert grad.shape == want.shape, what
         assert rel_error(grad, want) < tolerance, (what, rel_error(grad, want))
+    # The norm weights' gradients: float32 sums over every row of its kind, in the weight's dtype.
+    # The op's qk may sit a bf16 rounding from the model's (the two GEMMs), so 1e-3 for float32.
+    wanted = dict(zip(("q_weight", "k_weight"), expected[4:]))
+    for grad, (what, weight) in zip(grads[4:], norm_weights.items()):
+        assert grad.dtype == weight.dtype and grad.shape == weight.shape, what
+        tolerance = 1e-2 if weight.dtype == BF16 else 1e-3
+        assert rel_error(grad, wanted[what]) < tolerance, (what, rel_error(grad, wanted[what]))
     # grad_qkv_scale = sum(grad_weight * W), summed in fp32. On the CPU the wgrad GEMM is exact, so
     # it matches the model to fp32 summation error. On the GPU a bf16 grad_weight element may sit
     # one rounding (2^-8 relative) from the model's; those differences have random signs, so their
@@ -156,21 +178,22 @@ def test_x_may_have_any_shape_of_t_by_c():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", ["plain", "paired"])
+@pytest.mark.parametrize("name", ["plain", "paired", "qwen3_gqa", "gemma3_mqa",
+                                  "key_offset_neox_weights"])
 def test_opcheck(device, name):
-    p = Problem(LAYOUTS[name], device)
+    layout, options = ALL_LAYOUTS[name]
+    p = Problem(layout, device, options)
     w = p.cache[0]
+    layout = RopeLayout(**p.rope_layout(detach=True))
     forward_args = (p.x_f8, w.weight_f8, p.x_scale, w.weight_scale, p.qkv_scale.detach(),
-                    p.factor1, p.factor2, p.heads, p.qk_dim, p.v_dim, p.rotary_dim, p.paired,
-                    p.key_offset)
+                    p.qk_dim, p.v_dim, *layout)
     opcheck(torch.ops.qkvfuse.packed_qkv_forward.default, forward_args)
     q, k, qkv = torch.ops.qkvfuse.packed_qkv_forward(*forward_args)
-    qk, v = qkvfuse._layout.qkv_views(qkv, p.tokens, p.heads, p.qk_dim, p.v_dim, p.paired)
+    qk, v = qkv_views(qkv, p.tokens, layout, p.qk_dim, p.v_dim)
     opcheck(torch.ops.qkvfuse.packed_qkv_backward.default,
-            (torch.randn_like(q), torch.randn_like(k), torch.randn_like(v), qk, p.factor1,
-             p.factor2, p.x_f8_t, w.weight_f8_t, p.qk_weight.detach(), p.v_weight.detach(),
-             p.x_scale, w.weight_scale, p.qkv_scale.detach(), p.grad_scale, p.heads,
-             p.rotary_dim, p.paired, p.key_offset))
+            (torch.randn_like(q), torch.randn_like(k), torch.randn_like(v), qk, p.x_f8_t,
+             w.weight_f8_t, p.qk_weight.detach(), p.v_weight.detach(), p.x_scale,
+             w.weight_scale, p.qkv_scale.detach(), p.grad_scale, *layout))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -187,8 +210,56 @@ def test_errors_name_the_argument(device):
         qkvfuse.packed_fp8_qkv(*bad_weight)
     bad_factor = list(args)
     bad_factor[9] = args[9][:-1]
-    with pytest.raises(RuntimeError, match="factor1"):
+    with pytest.raises(RuntimeError, match="layout.factor1"):
         qkvfuse.packed_fp8_qkv(*bad_factor)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layout_errors_name_the_argument(device):
+    layout, options = LAYOUT_CASES["qwen3_gqa"]
+    p = Problem(layout, device, options)
+    args = p.arguments()
+
+    def call(**changes):
+        return qkvfuse.packed_fp8_qkv(*args, **{**p.options, **changes})
+
+    with pytest.raises(RuntimeError, match=r"packed_qkv_forward: .*layout.q_weight"):
+        call(q_weight=p.options["q_weight"][:-2])
+    with pytest.raises(RuntimeError, match="packed_qkv_forward: layout.num_kv_heads: expected a "
+                                           "divisor"):
+        call(num_kv_heads=8)  # rows still divide: D = 16, Dv = 8
+    with pytest.raises(RuntimeError, match="packed_qkv_forward: layout.rotary_style"):
+        call(rotary_style="half")
+    with pytest.raises(RuntimeError, match="packed_fp8_qkv: qk_weight: expected 2 dims whose rows "
+                                           "are a multiple of num_heads . num_kv_heads = 7"):
+        call(num_kv_heads=3)
+    with pytest.raises(TypeError, match="packed_fp8_qkv: num_heads is required"):
+        qkvfuse.packed_fp8_qkv(*args[:11], None, *args[12:], **p.options)
+    # The backward op checks the layout again (here a norm weight of the wrong width).
+    w = p.cache[0]
+    layout = RopeLayout(**p.rope_layout(detach=True))
+    q, k, qkv = torch.ops.qkvfuse.packed_qkv_forward(p.x_f8, w.weight_f8, p.x_scale,
+                                                     w.weight_scale, p.qkv_scale.detach(),
+                                                     p.qk_dim, p.v_dim, *layout)
+    qk, v = qkv_views(qkv, p.tokens, layout, p.qk_dim, p.v_dim)
+    with pytest.raises(RuntimeError, match="packed_qkv_backward: .*layout.k_weight"):
+        torch.ops.qkvfuse.packed_qkv_backward(
+            q, k, v.contiguous(), qk, p.x_f8_t, w.weight_f8_t, p.qk_weight.detach(),
+            p.v_weight.detach(), p.x_scale, w.weight_scale, p.qkv_scale.detach(), p.grad_scale,
+            *layout._replace(k_weight=layout.k_weight[:-2]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layout_zero_tokens(device):
+    """T = 0 with norm weights: their gradients are sums over no rows, zeros."""
+    layout, options = LAYOUT_CASES["qwen3_gqa"]
+    p = Problem((0,) + layout[1:], device, options)
+    q, k, v = qkvfuse.packed_fp8_qkv(*p.arguments(), **p.options)
+    assert q.shape == (0, 4, 32) and k.shape == (0, 2, 32) and v.shape == (0, 2, 32)
+    (q.float().sum() + k.float().sum() + v.float().sum()).backward()
+    for weight in p.norm_weights.values():
+        assert torch.equal(weight.grad, torch.zeros_like(weight))
+    assert p.qkv_scale.grad.item() == 0.0
 
 
 def reference_module():

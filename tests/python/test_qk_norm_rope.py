@@ -5,6 +5,7 @@ import torch
 import qkvfuse
 import reference as ref
 from conftest import DEVICES, assert_bf16_close, poison_allocator, requires_cuda
+from qkvfuse._layout import RopeLayout
 
 BF16 = torch.bfloat16
 
@@ -142,17 +143,24 @@ def test_gradcheck_float64(name):
     assert torch.autograd.gradcheck(fn, (qk,))
 
 
+def op_layout(layout, factor1, factor2):
+    """The ops' layout arguments (RopeLayout's fields) of a speedrun layout."""
+    heads, rotary_dim, paired, key_offset = call_args(layout)
+    return tuple(RopeLayout(heads, rotary_dim=rotary_dim, paired=paired, key_offset=key_offset,
+                            factor1=factor1, factor2=factor2))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_opcheck(device, name):
     layout = LAYOUTS[name]
     qk, factor1, factor2 = make_inputs(layout, device)
     torch.library.opcheck(torch.ops.qkvfuse.qk_norm_rope.default,
-                          (qk.detach().requires_grad_(), factor1, factor2, *call_args(layout)))
+                          (qk.detach().requires_grad_(), *op_layout(layout, factor1, factor2)))
     q, k = qkvfuse.qk_norm_rope(qk, factor1, factor2, *call_args(layout))
     torch.library.opcheck(torch.ops.qkvfuse.qk_norm_rope_backward.default,
-                          (torch.randn_like(q), torch.randn_like(k), qk, factor1, factor2,
-                           *call_args(layout)))
+                          (torch.randn_like(q), torch.randn_like(k), qk,
+                           *op_layout(layout, factor1, factor2)))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -160,7 +168,7 @@ def test_errors_name_the_argument(device):
     qk, factor1, factor2 = make_inputs(LAYOUTS["plain"], device)
     with pytest.raises(RuntimeError, match="qk_norm_rope: qk: .*Half"):
         qkvfuse.qk_norm_rope(qk.half(), factor1, factor2, 2)
-    with pytest.raises(RuntimeError, match="qk_norm_rope: factor1"):
+    with pytest.raises(RuntimeError, match="qk_norm_rope: layout.factor1"):
         qkvfuse.qk_norm_rope(qk, factor1[:, :16], factor2, 2)
     with pytest.raises(RuntimeError, match="qk_norm_rope: qk"):
         qkvfuse.qk_norm_rope(qk.transpose(0, 2).contiguous().transpose(0, 2), factor1, factor2, 2)
@@ -168,14 +176,15 @@ def test_errors_name_the_argument(device):
         qkvfuse.qk_norm_rope(qk, factor1, factor2, 3)
     with pytest.raises(RuntimeError, match="qk_norm_rope: qk: expected 3 dims"):
         qkvfuse.qk_norm_rope(qk.flatten(1), factor1, factor2, 2)
-    with pytest.raises(RuntimeError, match="qk_norm_rope: factor2: expected at most 4 dims"):
+    with pytest.raises(RuntimeError,
+                       match="qk_norm_rope: layout.factor2: expected at most 4 dims"):
         qkvfuse.qk_norm_rope(qk, factor1, factor2.view(1, 1, 1, *factor2.shape), 2)
-    with pytest.raises(RuntimeError, match="qk_norm_rope: num_heads: expected >= 1"):
+    with pytest.raises(RuntimeError, match="qk_norm_rope: layout.num_heads: expected >= 1"):
         qkvfuse.qk_norm_rope(qk, factor1, factor2, 0)
 
 
 @requires_cuda
 def test_errors_on_mixed_devices():
     qk, factor1, factor2 = make_inputs(LAYOUTS["plain"], "cuda")
-    with pytest.raises(RuntimeError, match="qk_norm_rope: factor1"):
+    with pytest.raises(RuntimeError, match="qk_norm_rope: layout.factor1"):
         qkvfuse.qk_norm_rope(qk, factor1.cpu(), factor2, 2)

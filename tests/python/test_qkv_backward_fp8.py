@@ -5,7 +5,9 @@ import torch
 
 import qkvfuse
 import reference as ref
-from conftest import DEVICES, assert_e4m3_close, opcheck, poison_allocator, raw_bytes
+from conftest import DEVICES, assert_e4m3_close, opcheck, poison_allocator, raw_bytes, rel_error
+from layout_cases import CASES, MAIN_CASES, make, weights_of
+from qkvfuse._layout import RopeLayout
 
 BF16 = torch.bfloat16
 
@@ -44,6 +46,15 @@ def make_inputs(layout, device):
             heads, rotary_dim, paired, key_offset)
 
 
+def op_args(args):
+    """The qkv_backward_fp8 op's arguments from the function's (make_inputs)."""
+    (grad_q, grad_k, grad_v, qk, factor1, factor2, grad_scale, heads, rotary_dim, paired,
+     key_offset) = args
+    layout = RopeLayout(heads, rotary_dim=rotary_dim, paired=paired, key_offset=key_offset,
+                        factor1=factor1, factor2=factor2)
+    return (grad_q, grad_k, grad_v, qk, grad_scale, *layout)
+
+
 def layouts_on(device):
     return {**LAYOUTS, **GENERIC_LAYOUTS}
 
@@ -77,7 +88,8 @@ def test_deterministic(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_opcheck(device, name):
-    opcheck(torch.ops.qkvfuse.qkv_backward_fp8.default, make_inputs(LAYOUTS[name], device))
+    opcheck(torch.ops.qkvfuse.qkv_backward_fp8.default, op_args(make_inputs(LAYOUTS[name],
+                                                                          device)))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -110,3 +122,53 @@ def test_v_width_past_512(device):
     else:
         with pytest.raises(RuntimeError, match="qkv_backward_fp8: grad_v"):
             qkvfuse.qkv_backward_fp8(*args)
+
+
+# ---- general layouts (SPEC.md section 8) ---------------------------------------------------------
+
+def layout_inputs(case, device, v_dim=24):
+    """(grad_q, grad_k, grad_v, qk, grad_scale, kwargs) for a layout_cases case; grad_scale puts
+    the largest gradient near 200 in e4m3 units."""
+    qk, kwargs = make(case, device)
+    q, k = qkvfuse.qk_norm_rope(qk, **kwargs)
+    grad_q, grad_k = torch.randn_like(q), torch.randn_like(k)
+    grad_v = torch.randn(qk.shape[0], kwargs["num_kv_heads"], v_dim, device=device).to(BF16)
+    dx, _, _ = ref.rope_grads(grad_q, grad_k, qk, **kwargs)
+    largest = max(dx.abs().max().item(), grad_v.float().abs().max().item())
+    grad_scale = torch.tensor(largest / 200, device=device)
+    return grad_q, grad_k, grad_v, qk, grad_scale, kwargs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_layouts_match_reference(device, case):
+    grad_q, grad_k, grad_v, qk, grad_scale, kwargs = layout_inputs(case, device)
+    heads, kv, dim = kwargs["num_heads"], kwargs["num_kv_heads"], qk.shape[2]
+    options = {n: v for n, v in kwargs.items() if n not in ("factor1", "factor2")}
+    poison_allocator(device, 2 * dim, 2 * dim)
+    out = qkvfuse.qkv_backward_fp8(grad_q, grad_k, grad_v, qk, kwargs.get("factor1"),
+                                   kwargs.get("factor2"), grad_scale, **options)
+    weights = weights_of(kwargs)
+    assert len(out) == (4 if weights else 2)
+    grad_row, grad_t = out[:2]
+    tokens = qk.shape[0]
+    qkv_dim = (heads + kv) * dim + kv * grad_v.shape[2]
+    assert grad_row.shape == (tokens, qkv_dim) and grad_t.shape == (qkv_dim, tokens)
+    expected = ref.rope_grad_row(grad_q, grad_k, grad_v, qk, grad_scale, **kwargs)
+    assert_e4m3_close(grad_row, expected[0])
+    assert torch.equal(grad_t.view(torch.uint8), grad_row.view(torch.uint8).T)
+    for got, want, name in zip(out[2:], expected[1:], ("q_weight", "k_weight")):
+        if name not in weights:
+            assert got is None, name
+            continue
+        assert got.dtype == weights[name].dtype and got.shape == (dim,), name
+        assert rel_error(got, want) < (1e-2 if got.dtype == BF16 else 1e-5), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", MAIN_CASES)
+def test_layouts_opcheck(device, case):
+    grad_q, grad_k, grad_v, qk, grad_scale, kwargs = layout_inputs(case, device)
+    layout = RopeLayout(**{n: kwargs[n] for n in RopeLayout._fields if n in kwargs})
+    opcheck(torch.ops.qkvfuse.qkv_backward_fp8.default,
+            (grad_q, grad_k, grad_v, qk, grad_scale, *layout))
