@@ -275,6 +275,10 @@ void bench_packed_op(const OpConfig& cfg, int64_t tokens, int64_t channels, cuda
   OpShared sh;
   const int sets = 2;  // one set is ~1 GB at T = 49152: far beyond L2 already
   std::vector<OpBuffers> bufs(static_cast<size_t>(sets));
+  const auto set_factors = [&](RopeLayout& l) {
+    l.factor1 = make_view(sh.factor1.get(), DType::kBFloat16, kDevice, {t, fw});
+    l.factor2 = make_view(sh.factor2.get(), DType::kBFloat16, kDevice, {t, fw});
+  };
   try {
     sh.qk_weight = allocate(size_t(hd2 * c) * 2);
     sh.v_weight = allocate(size_t(hdv * c) * 2);
@@ -361,8 +365,6 @@ void bench_packed_op(const OpConfig& cfg, int64_t tokens, int64_t channels, cuda
     p.x_scale = make_view(sh.x_scale.get(), DType::kFloat32, kDevice, {});
     p.weight_scale = make_view(sh.weight_scale.get(), DType::kFloat32, kDevice, {1});
     p.qkv_scale = make_view(sh.qkv_scale.get(), DType::kFloat32, kDevice, {});
-    p.factor1 = make_view(sh.factor1.get(), DType::kBFloat16, kDevice, {t, fw});
-    p.factor2 = make_view(sh.factor2.get(), DType::kBFloat16, kDevice, {t, fw});
     p.qk = qk_view(b);
     p.v = cfg.paired
               ? make_view(b.v_sep.get(), DType::kBFloat16, kDevice, {t, h, dv})
@@ -371,6 +373,7 @@ void bench_packed_op(const OpConfig& cfg, int64_t tokens, int64_t channels, cuda
     p.q = out_view(b.q.get());
     p.k = out_view(b.k.get());
     p.layout = layout;
+    set_factors(p.layout);
     p.stream = stream;
     packed_qkv_forward(p);
   };
@@ -380,8 +383,6 @@ void bench_packed_op(const OpConfig& cfg, int64_t tokens, int64_t channels, cuda
     p.grad_k = out_view(b.grad_k.get());
     p.grad_v = make_view(b.grad_v.get(), DType::kBFloat16, kDevice, {t, h, dv});
     p.qk = qk_view(b);
-    p.factor1 = make_view(sh.factor1.get(), DType::kBFloat16, kDevice, {t, fw});
-    p.factor2 = make_view(sh.factor2.get(), DType::kBFloat16, kDevice, {t, fw});
     p.x_f8_t = make_view(b.x_f8_t.get(), DType::kFloat8E4M3, kDevice, {c, t});
     p.weight_f8_t = make_view(sh.weight_f8_t.get(), DType::kFloat8E4M3, kDevice, {c, qkv});
     p.qk_weight = make_view(sh.qk_weight.get(), DType::kBFloat16, kDevice, {hd2, c});
@@ -399,6 +400,7 @@ void bench_packed_op(const OpConfig& cfg, int64_t tokens, int64_t channels, cuda
                                 DType::kBFloat16, kDevice, {hdv, c});
     p.grad_qkv_scale = make_view(b.grad_qkv_scale.get(), DType::kFloat32, kDevice, {});
     p.layout = layout;
+    set_factors(p.layout);
     p.stream = stream;
     packed_qkv_backward(p);
   };

@@ -1,6 +1,9 @@
-// bench_kernels.cu: timings of the three QK-norm + rotary kernels at the speedrun's shapes, through
-// the public API: the forward (qk_norm_rope), the bf16 backward (qk_norm_rope_backward) and the
-// fused FP8 backward (qkv_backward_fp8).
+// bench_kernels.cu: timings of the three QK-norm + rotary kernels through the public API: the
+// forward (qk_norm_rope), the bf16 backward (qk_norm_rope_backward) and the fused FP8 backward
+// (qkv_backward_fp8), at the speedrun's shapes (T = --tokens) and at the general layouts' model
+// shapes of SPEC.md section 8 (Qwen3-8B, Gemma3-12B, Qwen3-0.6B, T = 32768 = 4 x 8192 tokens:
+// NeoX rotary from a cos/sin cache at positions restarting per sequence, learned norm weights
+// that receive gradients).
 //
 //   qkvfuse_bench_kernels [--csv PATH] [--tokens T] [--iters N] [--kernel NAME] [--head-dim D]
 //   (--kernel copy: only the copy rows)
@@ -9,16 +12,20 @@
 // pair of CUDA events and reports the median of N >= 50. A spinning kernel holds the GPU while all
 // iterations are enqueued, so the events measure GPU time, not launch overhead. Inputs and outputs
 // rotate through at least 3 buffer sets, and through enough that one pass touches more than 3x
-// the L2, so no iteration reads what the previous one left in L2. The layouts are the model's:
-// qk is the Q/K column block of the packed [T, 2HD + H*Dv] GEMM output (paired layers: a dense
-// [T, 2H, D], their V has its own GEMM), factor tables bf16, grads dense, grad_scale = 1/448.
+// the L2, so no iteration reads what the previous one left in L2. Inputs are random (normal, bf16).
+// The layouts are the model's: qk is the Q/K column block of the packed [T, QK + Hkv*Dv] GEMM
+// output (paired layers: a dense [T, 2H, D], their V has its own GEMM), angle tables bf16, grads
+// dense, grad_scale = 1/448.
 //
 // Bytes: the minimum each kernel must move, each input read once and each output written once,
-// counted exactly (factor tables and the grad_scale scalar included):
-//   forward        qk 2*T*2H*D + factors 2*2*T*W + q, k 2*2*T*H*D            (W = D, 2D paired)
-//   bf16 backward  grad_q, grad_k 2*2*T*H*D + qk 2*T*2H*D + factors 2*2*T*W + grad_qk 2*T*2H*D
-//   FP8 backward   grad_q, grad_k 2*2*T*H*D + grad_v 2*T*H*Dv + qk 2*T*2H*D + factors 2*2*T*W
-//                  + grad_scale 4 + grad_row T*qkv_dim + grad_t T*qkv_dim
+// counted exactly (with QK = (Hq + Hkv) * D features per token):
+//   forward        qk 2*T*QK + angles + weights + q, k 2*T*QK
+//   bf16 backward  grad_q, grad_k 2*T*QK + qk 2*T*QK + angles + weights + grad_qk 2*T*QK
+//                  + the weights' gradients
+//   FP8 backward   grad_q, grad_k 2*T*QK + grad_v 2*T*Hkv*Dv + qk 2*T*QK + angles + weights
+//                  + grad_scale 4 + grad_row T*qkv_dim + grad_t T*qkv_dim + the weights' gradients
+// where the angles are factor tables 2*2*T*W (W = D, 2D paired) or a cos/sin cache read once
+// (2*P*r) and its positions (8*T), and the weights 2*D each.
 // GB/s = bytes / median time; "%copy" = that against the device-to-device copy bandwidth measured
 // in the same run (cudaMemcpyAsync of a 2 GiB buffer, bytes read + written). "anchor" is the
 // reference Triton kernel's time at that shape, as measured on an H200 in the developers' shared
@@ -51,7 +58,7 @@ using namespace qkvfuse::bench;
 
 struct Row {
   std::string kernel, mode;
-  int64_t tokens = 0, heads = 0, head_dim = 0, v_dim = 0;
+  int64_t tokens = 0, heads = 0, kv_heads = 0, head_dim = 0, v_dim = 0;
   double ms = NAN, bytes = NAN, gbps = NAN, pct_copy = NAN, anchor_ms = NAN;
   std::string note;
 };
@@ -72,7 +79,11 @@ void add_row(Row row) {
     row.gbps = row.bytes / (row.ms * 1e-3) / 1e9;
     row.pct_copy = 100.0 * row.gbps / g_copy_gbps;
   }
-  const std::string shape = "T=" + std::to_string(row.tokens) + " H=" + std::to_string(row.heads) +
+  const std::string heads = row.kv_heads == row.heads
+                                ? " H=" + std::to_string(row.heads)
+                                : " H=" + std::to_string(row.heads) + "/" +
+                                      std::to_string(row.kv_heads);
+  const std::string shape = "T=" + std::to_string(row.tokens) + heads +
                             " D=" + std::to_string(row.head_dim) +
                             (row.v_dim ? " Dv=" + std::to_string(row.v_dim) : std::string());
   std::printf("%-22s %-11s %-26s %9s %9s %8s %7s %9s %8s  %s\n", row.kernel.c_str(),
@@ -218,21 +229,32 @@ const char* mode_name(Mode m) {
   return "?";
 }
 
+/// A layout and its sizes. The speedrun's cases (name empty) use factor tables, interleaved
+/// lanes and a weightless norm; the model cases NeoX lanes, a cos/sin cache of kPositions rows
+/// read at positions t mod kPositions, and both norm weights.
 struct Shape {
   int64_t tokens, heads, head_dim, v_dim;
   Mode mode;
+  int64_t kv_heads = 0;          ///< 0: heads
+  const char* model = nullptr;  ///< the general layouts' model name, or nullptr (speedrun)
+  float weight_offset = 0.0f;
 
-  int64_t qk_features() const { return 2 * heads * head_dim; }
-  int64_t qkv_dim() const { return qk_features() + heads * v_dim; }
+  static constexpr int64_t kPositions = 8192;
+  bool general() const { return model != nullptr; }
+  int64_t kv() const { return kv_heads ? kv_heads : heads; }
+  int64_t qk_features() const { return (heads + kv()) * head_dim; }
+  int64_t qkv_dim() const { return qk_features() + kv() * v_dim; }
   int64_t factor_width() const { return mode == Mode::kPaired ? 2 * head_dim : head_dim; }
   int64_t out_tokens() const { return mode == Mode::kPaired ? 2 * tokens : tokens; }
-  int64_t out_heads() const { return mode == Mode::kPaired ? heads / 2 : heads; }
-  RopeLayout layout() const {
-    const bool shifted = mode == Mode::kKeyOffset;
-    return {heads, shifted ? head_dim / 2 : head_dim, mode == Mode::kPaired, shifted};
-  }
+  int64_t out_heads(int64_t n) const { return mode == Mode::kPaired ? n / 2 : n; }
+  const char* label() const { return general() ? model : mode_name(mode); }
   /// qk as the model has it: the Q/K columns of the packed GEMM output (paired: dense).
   int64_t qk_row_stride() const { return mode == Mode::kPaired ? qk_features() : qkv_dim(); }
+  /// Bytes of the angle source and the weights (see the file comment).
+  double angle_bytes() const {
+    if (general()) return 2.0 * kPositions * head_dim + 8.0 * tokens + 2 * 2.0 * head_dim;
+    return 2 * 2.0 * tokens * factor_width();
+  }
 };
 
 /// Reference Triton times (../shared/ANCHORS.md, outside the repository) for the shapes it lists,
@@ -256,7 +278,7 @@ double anchor_ms(const std::string& kernel, const Shape& s) {
       {"qkv_backward_fp8", 12, 64, Mode::kPlain, 0.265},
       {"qkv_backward_fp8", 6, 96, Mode::kPlain, 0.213},
   };
-  if (s.tokens != 49152 || s.v_dim != 128) return NAN;
+  if (s.general() || s.tokens != 49152 || s.v_dim != 128) return NAN;
   for (const Anchor& a : anchors) {
     if (kernel == a.kernel && s.heads == a.heads && s.head_dim == a.head_dim && s.mode == a.mode) {
       return a.ms;
@@ -265,36 +287,63 @@ double anchor_ms(const std::string& kernel, const Shape& s) {
   return NAN;
 }
 
+__global__ void positions_kernel(int64_t* positions, int64_t tokens, int64_t period) {
+  for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < tokens;
+       t += int64_t(gridDim.x) * blockDim.x) {
+    positions[t] = t % period;
+  }
+}
+
 /// One rotating set of every buffer the three kernels touch.
 struct BufferSet {
   Buffer qkv;                 // [T, qk_row_stride] bf16, qk at its start
-  Buffer factor1, factor2;    // [T, W] bf16
+  Buffer factor1, factor2;    // [T, W] bf16 (speedrun)
+  Buffer cos_sin, positions;  // [P, D] bf16, [T] int64 (general)
+  Buffer q_weight, k_weight;  // [D] bf16 (general)
   Buffer q, k;                // [outT, outH, D] bf16
-  Buffer grad_q, grad_k;      // [outT, outH, D] bf16
-  Buffer grad_v;              // [T, H, Dv] bf16
-  Buffer grad_qk;             // [T, 2H, D] bf16
+  Buffer grad_q, grad_k;      // likewise
+  Buffer grad_v;              // [T, Hkv, Dv] bf16
+  Buffer grad_qk;             // [T, Hq + Hkv, D] bf16
   Buffer grad_row, grad_t;    // [T, qkv_dim], [qkv_dim, T] e4m3
+  Buffer grad_q_weight, grad_k_weight, workspace;  // [D] bf16, float32 (general)
   Buffer grad_scale;          // float32 scalar
 };
 
 BufferSet make_set(const Shape& s) {
   BufferSet b;
   const size_t qk_elems = size_t(s.tokens * s.qk_row_stride());
-  const size_t factor_elems = size_t(s.tokens * s.factor_width());
-  const size_t out_elems = size_t(s.out_tokens() * s.out_heads() * s.head_dim);
-  const size_t v_elems = size_t(s.tokens * s.heads * s.v_dim);
+  const size_t q_elems = size_t(s.out_tokens() * s.out_heads(s.heads) * s.head_dim);
+  const size_t k_elems = size_t(s.out_tokens() * s.out_heads(s.kv()) * s.head_dim);
+  const size_t v_elems = size_t(s.tokens * s.kv() * s.v_dim);
   b.qkv = allocate(2 * qk_elems);
   fill_bf16(b.qkv.get(), qk_elems, 1.0f);
-  b.factor1 = allocate(2 * factor_elems);
-  b.factor2 = allocate(2 * factor_elems);
-  fill_bf16(b.factor1.get(), factor_elems, 0.5f);
-  fill_bf16(b.factor2.get(), factor_elems, 0.5f);
-  b.q = allocate(2 * out_elems);
-  b.k = allocate(2 * out_elems);
-  b.grad_q = allocate(2 * out_elems);
-  b.grad_k = allocate(2 * out_elems);
-  fill_bf16(b.grad_q.get(), out_elems, 0.01f);
-  fill_bf16(b.grad_k.get(), out_elems, 0.01f);
+  if (s.general()) {
+    const size_t cache_elems = size_t(Shape::kPositions * s.head_dim);
+    b.cos_sin = allocate(2 * cache_elems);
+    fill_bf16(b.cos_sin.get(), cache_elems, 0.5f);
+    b.positions = allocate(8 * size_t(s.tokens));
+    positions_kernel<<<256, 256>>>(static_cast<int64_t*>(b.positions.get()), s.tokens,
+                                   Shape::kPositions);
+    BENCH_CUDA(cudaGetLastError());
+    b.q_weight = allocate(2 * size_t(s.head_dim));
+    b.k_weight = allocate(2 * size_t(s.head_dim));
+    fill_bf16(b.q_weight.get(), size_t(s.head_dim), 1.0f);
+    fill_bf16(b.k_weight.get(), size_t(s.head_dim), 1.0f);
+    b.grad_q_weight = allocate(2 * size_t(s.head_dim));
+    b.grad_k_weight = allocate(2 * size_t(s.head_dim));
+  } else {
+    const size_t factor_elems = size_t(s.tokens * s.factor_width());
+    b.factor1 = allocate(2 * factor_elems);
+    b.factor2 = allocate(2 * factor_elems);
+    fill_bf16(b.factor1.get(), factor_elems, 0.5f);
+    fill_bf16(b.factor2.get(), factor_elems, 0.5f);
+  }
+  b.q = allocate(2 * q_elems);
+  b.k = allocate(2 * k_elems);
+  b.grad_q = allocate(2 * q_elems);
+  b.grad_k = allocate(2 * k_elems);
+  fill_bf16(b.grad_q.get(), q_elems, 0.01f);
+  fill_bf16(b.grad_k.get(), k_elems, 0.01f);
   b.grad_v = allocate(2 * v_elems);
   fill_bf16(b.grad_v.get(), v_elems, 0.01f);
   b.grad_qk = allocate(2 * size_t(s.tokens * s.qk_features()));
@@ -307,43 +356,63 @@ BufferSet make_set(const Shape& s) {
 }
 
 struct Views {
-  TensorView qk, factor1, factor2, q, k, grad_q, grad_k, grad_v, grad_qk, grad_row, grad_t,
-      grad_scale;
+  TensorView qk, q, k, grad_q, grad_k, grad_v, grad_qk, grad_row, grad_t, grad_scale,
+      grad_q_weight, grad_k_weight;
+  RopeLayout layout;
 };
 
 Views views_of(const Shape& s, const BufferSet& b) {
   const DType bf16 = DType::kBFloat16;
   Views v;
-  v.qk = make_view(b.qkv.get(), bf16, kDevice, {s.tokens, 2 * s.heads, s.head_dim},
+  v.qk = make_view(b.qkv.get(), bf16, kDevice, {s.tokens, s.heads + s.kv(), s.head_dim},
                    {s.qk_row_stride(), s.head_dim, 1});
-  v.factor1 = make_view(b.factor1.get(), bf16, kDevice, {s.tokens, s.factor_width()});
-  v.factor2 = make_view(b.factor2.get(), bf16, kDevice, {s.tokens, s.factor_width()});
-  v.q = make_view(b.q.get(), bf16, kDevice, {s.out_tokens(), s.out_heads(), s.head_dim});
-  v.k = make_view(b.k.get(), bf16, kDevice, {s.out_tokens(), s.out_heads(), s.head_dim});
-  v.grad_q = make_view(b.grad_q.get(), bf16, kDevice, {s.out_tokens(), s.out_heads(), s.head_dim});
-  v.grad_k = make_view(b.grad_k.get(), bf16, kDevice, {s.out_tokens(), s.out_heads(), s.head_dim});
-  v.grad_v = make_view(b.grad_v.get(), bf16, kDevice, {s.tokens, s.heads, s.v_dim});
-  v.grad_qk = make_view(b.grad_qk.get(), bf16, kDevice, {s.tokens, 2 * s.heads, s.head_dim});
+  const int64_t out_tokens = s.out_tokens();
+  v.q = make_view(b.q.get(), bf16, kDevice, {out_tokens, s.out_heads(s.heads), s.head_dim});
+  v.k = make_view(b.k.get(), bf16, kDevice, {out_tokens, s.out_heads(s.kv()), s.head_dim});
+  v.grad_q = make_view(b.grad_q.get(), bf16, kDevice, {out_tokens, s.out_heads(s.heads), s.head_dim});
+  v.grad_k = make_view(b.grad_k.get(), bf16, kDevice, {out_tokens, s.out_heads(s.kv()), s.head_dim});
+  v.grad_v = make_view(b.grad_v.get(), bf16, kDevice, {s.tokens, s.kv(), s.v_dim});
+  v.grad_qk = make_view(b.grad_qk.get(), bf16, kDevice, {s.tokens, s.heads + s.kv(), s.head_dim});
   v.grad_row = make_view(b.grad_row.get(), DType::kFloat8E4M3, kDevice, {s.tokens, s.qkv_dim()});
   v.grad_t = make_view(b.grad_t.get(), DType::kFloat8E4M3, kDevice, {s.qkv_dim(), s.tokens});
   v.grad_scale = make_view(b.grad_scale.get(), DType::kFloat32, kDevice, {});
+  RopeLayout& layout = v.layout;
+  layout.num_heads = s.heads;
+  layout.num_kv_heads = s.kv();
+  layout.paired = s.mode == Mode::kPaired;
+  layout.key_offset = s.mode == Mode::kKeyOffset;
+  if (s.general()) {
+    layout.rotary_style = RotaryStyle::kNeox;
+    layout.eps = 1e-6f;
+    layout.weight_offset = s.weight_offset;
+    layout.cos_sin = make_view(b.cos_sin.get(), bf16, kDevice, {Shape::kPositions, s.head_dim});
+    layout.positions = make_view(b.positions.get(), DType::kInt64, kDevice, {s.tokens});
+    layout.q_weight = make_view(b.q_weight.get(), bf16, kDevice, {s.head_dim});
+    layout.k_weight = make_view(b.k_weight.get(), bf16, kDevice, {s.head_dim});
+    v.grad_q_weight = make_view(b.grad_q_weight.get(), bf16, kDevice, {s.head_dim});
+    v.grad_k_weight = make_view(b.grad_k_weight.get(), bf16, kDevice, {s.head_dim});
+  } else {
+    layout.rotary_dim = layout.key_offset ? s.head_dim / 2 : s.head_dim;
+    layout.factor1 = make_view(b.factor1.get(), bf16, kDevice, {s.tokens, s.factor_width()});
+    layout.factor2 = make_view(b.factor2.get(), bf16, kDevice, {s.tokens, s.factor_width()});
+  }
   return v;
 }
 
 /// The minimum bytes of each kernel (see the file comment).
 double forward_bytes(const Shape& s) {
-  const double t = double(s.tokens), h = double(s.heads), d = double(s.head_dim);
-  return 2 * t * 2 * h * d + 2 * 2 * t * double(s.factor_width()) + 2 * 2 * t * h * d;
+  const double qk = 2.0 * double(s.tokens) * double(s.qk_features());
+  return qk + s.angle_bytes() + qk;
 }
 double backward_bytes(const Shape& s) {
-  const double t = double(s.tokens), h = double(s.heads), d = double(s.head_dim);
-  return 2 * 2 * t * h * d + 2 * t * 2 * h * d + 2 * 2 * t * double(s.factor_width()) +
-         2 * t * 2 * h * d;
+  const double qk = 2.0 * double(s.tokens) * double(s.qk_features());
+  return 3 * qk + s.angle_bytes() + (s.general() ? 2 * 2.0 * double(s.head_dim) : 0.0);
 }
 double fp8_bytes(const Shape& s) {
-  const double t = double(s.tokens), h = double(s.heads), d = double(s.head_dim);
-  return 2 * 2 * t * h * d + 2 * t * h * double(s.v_dim) + 2 * t * 2 * h * d +
-         2 * 2 * t * double(s.factor_width()) + 4 + 2 * t * double(s.qkv_dim());
+  const double t = double(s.tokens);
+  const double qk = 2.0 * t * double(s.qk_features());
+  return 2 * qk + 2 * t * double(s.kv() * s.v_dim) + s.angle_bytes() + 4 + 2 * t * double(s.qkv_dim()) +
+         (s.general() ? 2 * 2.0 * double(s.head_dim) : 0.0);
 }
 
 void bench_shape(const Shape& s, cudaStream_t stream, int iters, const std::string& only) {
@@ -355,47 +424,77 @@ void bench_shape(const Shape& s, cudaStream_t stream, int iters, const std::stri
     buffers.push_back(make_set(s));
     views.push_back(views_of(s, buffers.back()));
   }
+  // The weight gradients' workspace: one per rotating set, sized by the library.
+  std::vector<Buffer> workspaces;
+  for (int i = 0; i < sets; ++i) {
+    QkvBackwardFp8Params fp8;
+    fp8.qk = views[size_t(i)].qk;
+    fp8.layout = views[size_t(i)].layout;
+    QkNormRopeBackwardParams bwd;
+    bwd.qk = fp8.qk;
+    bwd.layout = fp8.layout;
+    const int64_t floats = std::max(backward_workspace_size(fp8), backward_workspace_size(bwd));
+    workspaces.push_back(allocate(4 * size_t(std::max<int64_t>(floats, 1))));
+  }
+  const auto workspace = [&](int i, int64_t floats) {
+    return floats ? make_view(workspaces[size_t(i)].get(), DType::kFloat32, kDevice, {floats})
+                  : TensorView{};
+  };
   const std::string note = std::to_string(sets) + " rotating sets";
-  auto measure = [&](const char* kernel, double bytes, const std::function<void(const Views&)>& op) {
+  auto measure = [&](const char* kernel, double bytes, const std::function<void(int)>& op) {
     if (!only.empty() && only != kernel) return;
     Row row;
     row.kernel = kernel;
-    row.mode = mode_name(s.mode);
+    row.mode = s.label();
     row.tokens = s.tokens;
     row.heads = s.heads;
+    row.kv_heads = s.kv();
     row.head_dim = s.head_dim;
     row.v_dim = std::string(kernel) == "qkv_backward_fp8" ? s.v_dim : 0;
     row.bytes = bytes;
     row.anchor_ms = anchor_ms(kernel, s);
     row.note = note;
     try {
-      row.ms = time_median([&](int i) { op(views[size_t(i % sets)]); }, stream, iters, true);
+      row.ms = time_median([&](int i) { op(i % sets); }, stream, iters, true);
     } catch (const std::exception& e) {
       row.note = std::string("FAILED: ") + e.what();
     }
     add_row(row);
   };
   const Stream api_stream = stream;
-  measure("qk_norm_rope", forward_bytes(s), [&](const Views& v) {
-    qk_norm_rope({v.qk, v.factor1, v.factor2, v.q, v.k, s.layout(), api_stream});
+  measure("qk_norm_rope", forward_bytes(s), [&](int i) {
+    const Views& v = views[size_t(i)];
+    qk_norm_rope({.qk = v.qk, .q = v.q, .k = v.k, .layout = v.layout, .stream = api_stream});
   });
-  measure("qk_norm_rope_backward", backward_bytes(s), [&](const Views& v) {
-    qk_norm_rope_backward(
-        {v.grad_q, v.grad_k, v.qk, v.factor1, v.factor2, v.grad_qk, s.layout(), api_stream});
+  measure("qk_norm_rope_backward", backward_bytes(s), [&](int i) {
+    const Views& v = views[size_t(i)];
+    QkNormRopeBackwardParams p{.grad_q = v.grad_q,
+                               .grad_k = v.grad_k,
+                               .qk = v.qk,
+                               .grad_qk = v.grad_qk,
+                               .grad_q_weight = v.grad_q_weight,
+                               .grad_k_weight = v.grad_k_weight,
+                               .workspace = {},
+                               .layout = v.layout,
+                               .stream = api_stream};
+    p.workspace = workspace(i, backward_workspace_size(p));
+    qk_norm_rope_backward(p);
   });
-  measure("qkv_backward_fp8", fp8_bytes(s), [&](const Views& v) {
-    QkvBackwardFp8Params p;
-    p.grad_q = v.grad_q;
-    p.grad_k = v.grad_k;
-    p.grad_v = v.grad_v;
-    p.qk = v.qk;
-    p.factor1 = v.factor1;
-    p.factor2 = v.factor2;
-    p.grad_scale = v.grad_scale;
-    p.grad_row = v.grad_row;
-    p.grad_t = v.grad_t;
-    p.layout = s.layout();
-    p.stream = api_stream;
+  measure("qkv_backward_fp8", fp8_bytes(s), [&](int i) {
+    const Views& v = views[size_t(i)];
+    QkvBackwardFp8Params p{.grad_q = v.grad_q,
+                           .grad_k = v.grad_k,
+                           .grad_v = v.grad_v,
+                           .qk = v.qk,
+                           .grad_scale = v.grad_scale,
+                           .grad_row = v.grad_row,
+                           .grad_t = v.grad_t,
+                           .grad_q_weight = v.grad_q_weight,
+                           .grad_k_weight = v.grad_k_weight,
+                           .workspace = {},
+                           .layout = v.layout,
+                           .stream = api_stream};
+    p.workspace = workspace(i, backward_workspace_size(p));
     qkv_backward_fp8(p);
   });
 }
@@ -413,13 +512,14 @@ void write_csv(const std::string& path, const cudaDeviceProp& prop) {
                prop.name, prop.multiProcessorCount, date, commit_id());
   std::fprintf(f, "# copy bandwidth: %.1f GB/s\n", g_copy_gbps);
   std::fprintf(f,
-               "kernel,mode,tokens,heads,head_dim,v_dim,ms,bytes,gbps,pct_copy,anchor_ms,"
+               "kernel,mode,tokens,heads,kv_heads,head_dim,v_dim,ms,bytes,gbps,pct_copy,anchor_ms,"
                "speedup_vs_anchor,note\n");
   for (const Row& r : g_rows) {
     std::string note = r.note;
     std::replace(note.begin(), note.end(), ',', ';');
-    std::fprintf(f, "%s,%s,%lld,%lld,%lld,%lld,%s,%.0f,%s,%s,%s,%s,%s\n", r.kernel.c_str(),
-                 r.mode.c_str(), (long long)r.tokens, (long long)r.heads, (long long)r.head_dim,
+    std::fprintf(f, "%s,%s,%lld,%lld,%lld,%lld,%lld,%s,%.0f,%s,%s,%s,%s,%s\n", r.kernel.c_str(),
+                 r.mode.c_str(), (long long)r.tokens, (long long)r.heads, (long long)r.kv_heads,
+                 (long long)r.head_dim,
                  (long long)r.v_dim, num(r.ms, "%.5f").c_str(), r.bytes,
                  num(r.gbps, "%.1f").c_str(), num(r.pct_copy, "%.2f").c_str(),
                  num(r.anchor_ms, "%.4f").c_str(), num(r.anchor_ms / r.ms, "%.3f").c_str(),
@@ -451,7 +551,7 @@ int run(int argc, char** argv) {
     int64_t heads, head_dim;
   };
   // The speedrun's layers (C = 768: H=6 at D=128/96, H=12 at D=64), a C = 1024 one (H=8), and
-  // D = 100 (not a multiple of 8): the element-pair kernels of rope_generic.cu.
+  // D = 100 (not a multiple of 8): the kernels' 4-byte chunks (src/cuda/rope_paths.hpp).
   for (const Config c : {Config{6, 128}, Config{12, 64}, Config{6, 96}, Config{8, 128}, Config{6, 100}}) {
     if (options.head_dim != 0 && c.head_dim != options.head_dim) continue;
     for (Mode mode : modes) {
@@ -461,6 +561,20 @@ int run(int argc, char** argv) {
         std::printf("H=%lld D=%lld %s: FAILED: %s\n", (long long)c.heads, (long long)c.head_dim,
                     mode_name(mode), e.what());
       }
+    }
+  }
+  // The general layouts' model shapes (SPEC.md section 8), T = 32768 = 4 sequences of 8192.
+  const Shape models[] = {
+      {32768, 32, 128, 128, Mode::kPlain, 8, "Qwen3-8B"},
+      {32768, 16, 256, 256, Mode::kPlain, 8, "Gemma3-12B", 1.0f},
+      {32768, 16, 128, 128, Mode::kPlain, 8, "Qwen3-0.6B"},
+  };
+  for (const Shape& shape : models) {
+    if (options.head_dim != 0 && shape.head_dim != options.head_dim) continue;
+    try {
+      bench_shape(shape, stream, iters, options.kernel);
+    } catch (const std::exception& e) {
+      std::printf("%s: FAILED: %s\n", shape.model, e.what());
     }
   }
   cudaStreamDestroy(stream);

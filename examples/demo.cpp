@@ -157,7 +157,12 @@ Results run_layer(Device device, int64_t tokens, const Inputs& in, Stream stream
                         make_view(x_f8.data(), e4m3, device, {T, C}),
                         make_view(x_f8_t.data(), e4m3, device, {C, T}), TensorView{}, stream});
 
-  RopeLayout layout{H, D, false, false};
+  // The speedrun's layout: H query and key heads, weightless RMS-norm, interleaved rotary from
+  // the factor tables (every RopeLayout default).
+  RopeLayout layout;
+  layout.num_heads = H;
+  layout.factor1 = make_view(f1.data(), bf16, device, {T, D});
+  layout.factor2 = make_view(f2.data(), bf16, device, {T, D});
   auto* qkv_base = static_cast<uint16_t*>(qkv.data());
   PackedQkvForwardParams fwd;
   fwd.x_f8 = make_view(x_f8.data(), e4m3, device, {T, C});
@@ -165,8 +170,6 @@ Results run_layer(Device device, int64_t tokens, const Inputs& in, Stream stream
   fwd.x_scale = scalar(0);
   fwd.weight_scale = scalar(1);
   fwd.qkv_scale = scalar(2);
-  fwd.factor1 = make_view(f1.data(), bf16, device, {T, D});
-  fwd.factor2 = make_view(f2.data(), bf16, device, {T, D});
   // q/k columns and v columns of one [T, F] GEMM output: one GEMM writes both.
   fwd.qk = make_view(qkv_base, bf16, device, {T, 2 * H, D}, {F, D, 1});
   fwd.v = make_view(qkv_base + 2 * H * D, bf16, device, {T, H, Dv}, {F, Dv, 1});
@@ -182,8 +185,6 @@ Results run_layer(Device device, int64_t tokens, const Inputs& in, Stream stream
   bwd.grad_k = make_view(gk.data(), bf16, device, {T, H, D});
   bwd.grad_v = make_view(gv.data(), bf16, device, {T, H, Dv});
   bwd.qk = fwd.qk;
-  bwd.factor1 = fwd.factor1;
-  bwd.factor2 = fwd.factor2;
   bwd.x_f8_t = make_view(x_f8_t.data(), e4m3, device, {C, T});
   bwd.weight_f8_t = make_view(w_f8_t.data(), e4m3, device, {C, F});
   bwd.qk_weight = make_view(weight.data(), bf16, device, {2 * H * D, C});

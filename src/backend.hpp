@@ -68,7 +68,7 @@ void fp8_gemm(const Fp8GemmParams& params);
 void grad_weight_finalize(const GradWeightFinalizeParams& params);
 
 /// Float32 elements of the weight-gradient workspace of a call with norm weights: the per-block
-/// partial sums (src/cuda/weight_grad.cuh). Depends on the shapes and the layout only.
+/// partial sums (src/cuda/weight_grad.hpp). Depends on the shapes and the layout only.
 int64_t backward_workspace_size(const QkNormRopeBackwardParams& params);
 int64_t backward_workspace_size(const QkvBackwardFp8Params& params);
 /// Synchronizes `stream`; refuses to run while it is being captured.

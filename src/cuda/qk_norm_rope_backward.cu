@@ -1,23 +1,26 @@
-// qk_norm_rope_backward.cu: backward of QK RMS-norm + rotary into bf16 (SPEC.md section 2), CUDA
-// backend.
+// qk_norm_rope_backward.cu: backward of QK-norm + rotary into bf16 (SPEC.md sections 2 and 8),
+// CUDA backend.
 //
-// Math, per input row (token t, input head h2, logical head h = h2 mod H), fp32:
-//   g      = grad of y at the output position the forward wrote (plain (t, h); paired
-//            (2t + h / (H/2), h mod (H/2)), factor column offset (h mod 2) * D)
-//   rstd   = 1 / sqrt(sum(x^2) / D + 2^-23) recomputed from the saved qk, n = x * rstd
-//   dn[d]  = f1[d] * g[d] + f2[d ^ 1] * g[d ^ 1]
-//   key offset, keys, d >= rotary_dim: dn[d] = g_next[d] + (t == 0 ? g[d] : 0), g_next the grad
-//            of the same key head at token t+1 (0 for the last token)
-//   dx     = rstd * (dn - n * (sum(dn * n) / D))          -> grad_qk[t, h2] in bf16
+// Math, per input row (token t, input head h2), fp32 (rope_rows.cuh backward_row):
+//   g      = grad of y at the output position the forward wrote (rope_math.hpp place)
+//   n      = x * rstd, rstd recomputed from the saved qk           (normalize = false: n = x)
+//   gw[d]  = f1[d] * g[d] + f2[p(d)] * g[p(d)]   (d < r);   g[d]   (d >= r)
+//   key offset, keys, d >= r: gw[d] = g_next[d] + (t == 0 ? g[d] : 0)
+//   grad_w[d] += gw[d] * n[d];  dn = gw * (w + offset)           (with the row's weight)
+//   dx     = rstd * (dn - n * (sum(dn * n) / D))  -> grad_qk[t, h2] in bf16  (dx = dn, no norm)
 //
-// Design: the same streaming layout as the forward (qk_norm_rope.cu, rope_common.cuh): a lane
-// group of G lanes per row, 16-byte vectors; a lane group owns one unit, K heads of one token
-// (the factor chunks are loaded once for them), issues all of the unit's loads (g and x of each
-// row, the factor chunks) before any math, and exits: one group per unit, no persistent walk.
-// Bytes: read grad_q, grad_k, qk and the factor rows once, write grad_qk once. Under key offset
-// a key row also needs the stationary dims of g at t+1: the row the neighbouring unit (same set,
-// next token, a group of the same or the next block, running at about the same time) reads as
-// its own g, so the extra read is an L1/L2 hit, not HBM traffic.
+// Design: the forward's streaming layout (qk_norm_rope.cu, rope_common.cuh): a lane group of G
+// lanes per row; a lane group owns one unit, K heads of one token (the angles are loaded once for
+// them), issues all of the unit's loads before any math, and exits. Bytes: read grad_q, grad_k,
+// qk and the angle rows once, write grad_qk once. Under key offset a key row also needs the lanes
+// >= r of g at t+1: the row the neighbouring unit reads as its own g, so the extra read is an
+// L1/L2 hit, not HBM traffic.
+//
+// Norm weights: their gradient is a sum over every row of its kind, accumulated in registers. So
+// that the per-block partial sums stay few (weight_grad.hpp reduces them in a fixed order), a
+// block of the weighted kernel walks all units of tokens_per_block consecutive tokens, its lane
+// groups taking the units in turn, then adds its groups' sums in shared memory in group order and
+// writes one partial row.
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
@@ -25,244 +28,327 @@
 
 #include "backend.hpp"
 #include "cuda/check.hpp"
-#include "cuda/device_math.cuh"
+#include "cuda/rope_args.hpp"
 #include "cuda/rope_common.cuh"
 #include "cuda/rope_paths.hpp"
+#include "cuda/rope_rows.cuh"
 #include "cuda/static_switch.hpp"
+#include "cuda/weight_grad.hpp"
 
 namespace qkvfuse::cuda {
 namespace {
 
-using rope::FactorChunk;
+using rope::Chunk;
 using rope::kRowThreads;
 
-/// Everything the bf16 backward kernel reads. Strides are in elements, multiples of 8.
-struct QkNormRopeBackwardKernelParams {
-  const __nv_bfloat16* grad_q;  ///< [T, H, D] ([2T, H/2, D] paired): (t', h', d) at
-                                ///< t'*grad_q_stride_t + h'*grad_q_stride_h + d
-  int64_t grad_q_stride_t;
-  int64_t grad_q_stride_h;
-  const __nv_bfloat16* grad_k;  ///< same shape as grad_q, its own strides
-  int64_t grad_k_stride_t;
-  int64_t grad_k_stride_h;
-  const __nv_bfloat16* qk;      ///< [T, 2H, D]: (t, h2, d) at t*qk_stride_t + h2*qk_stride_h + d
-  int64_t qk_stride_t;
-  int64_t qk_stride_h;
-  const void* factor1;          ///< [T, D] ([T, 2D] paired), bf16 or fp32 (FactorT)
-  const void* factor2;          ///< same shape and dtype
-  int64_t factor1_stride_t;     ///< (t, j) at t*factor_stride_t + j
-  int64_t factor2_stride_t;
-  __nv_bfloat16* grad_qk;       ///< [T, 2H, D] row-major contiguous: (t, h2) at (t*2H + h2)*D
-  int64_t tokens;               ///< T >= 1
-  int num_heads;                ///< H
-  int head_dim;                 ///< D, multiple of 8 in [32, 256]
-  int rotary_dim;               ///< key offset: dims >= rotary_dim of keys; even, in [0, D]
-  bool paired;
-  int row_sets;                 ///< NS (rope::RowWork): unit u = t * NS + s
-  int64_t units;                ///< T * NS
+/// Rows a block of the weighted kernel walks, about: enough that its partial row (2D floats) is
+/// under 1 % of the bytes it moves.
+constexpr int64_t kRowsPerWeightBlock = 256;
+
+/// Everything the bf16 backward kernel reads.
+struct BackwardArgs {
+  rope::RopeInputs in;
+  rope::GradRows grad;
+  uint16_t* grad_qk;         ///< [T, Hq + Hkv, D] row-major contiguous: (t, h2) at (t*heads2 + h2)*D
+  float* partials;           ///< weighted kernels: [blocks][2][D], one row per block
+  int row_sets;              ///< NS (rope::RowWork): unit u = t * NS + s
+  int64_t units;             ///< T * NS
+  int tokens_per_block;      ///< weighted kernels: a block walks the units of these many tokens
 };
+
+int64_t tokens_per_weight_block(int64_t heads2) {
+  return (kRowsPerWeightBlock + heads2 - 1) / heads2;
+}
 
 /// Rows per lane group: each row needs g and x (two chunks per lane per chunk slot); one row for
 /// C >= 2 (D = 96 on 4 lanes x 3 chunks included).
-template <int C>
+template <class Geom>
 constexpr int backward_rows_per_group() {
-  return C == 1 ? 2 : 1;
+  if constexpr (Geom::V == 8) return Geom::C == 1 ? 2 : 1;
+  return Geom::V * Geom::C >= 4 ? 1 : 4 / (Geom::V * Geom::C);
 }
 
 /// Register budget as resident 128-thread blocks per SM, chosen so that ptxas spills nothing:
-/// 8 (<= 64 registers, 32 warps) for the bf16-factor kernels of one chunk per lane, key offset
-/// included (its g_next chunks fit: 64 registers, no spill), fewer for fp32 factors and wider
-/// rows. C = 3 (D = 96 on 4 lanes) holds g, x (and g_next) and the 6 factor chunks of its one
-/// row at once: 6 blocks (80 registers) with bf16 factors, 5 (92) under key offset, 4 (107 and
-/// 118) with fp32 factors; one block more spills in each case.
-template <int C, bool kKeyOffset, typename FactorT>
+/// 8 (<= 64 registers, 32 warps) for the speedrun's bf16-factor kernels of one chunk per lane,
+/// key offset included, fewer for fp32 factors and wider rows. C = 3 (D = 96 on 4 lanes) holds
+/// g, x (and g_next) and the 6 factor chunks of its one row at once: 6 blocks (80 registers)
+/// with bf16 factors, 5 (92) under key offset, 4 (107 and 118) with fp32 factors. The general
+/// layouts and the weighted kernels hold more per row (partners, weights, gradient sums): 4.
+template <class Geom, bool kKeyOffset, typename AngleT, class Features, bool kWeightGrad>
 constexpr int backward_min_blocks() {
-  constexpr bool kWideFactors = sizeof(FactorT) == 4;
+  if constexpr (Features::kGeneral || kWeightGrad || Geom::V != 8) return Geom::C >= 3 ? 3 : 4;
+  constexpr int C = Geom::C;
+  constexpr bool kWideFactors = sizeof(AngleT) == 4;
   if constexpr (C == 1) return kKeyOffset && kWideFactors ? 5 : (kWideFactors ? 6 : 8);
   if constexpr (C == 3) return kWideFactors ? 4 : (kKeyOffset ? 5 : 6);
   return kWideFactors || kKeyOffset ? 4 : 5;
 }
 
 /// Branch-free row scalars (rope::backward_row) where they measured faster on the H200: key
-/// offset (D = 128: 80.7 against 77.6 % of copy, D = 64: 80.0 against 75.3 %) and 4 lanes x 3
-/// chunks (D = 96 plain 86.4 against 85.2 %, paired 88.0 against 84.7 %). The plain and paired
-/// kernels of one chunk per lane keep the branches: 86.9 against 93.0 % at D = 128 without them
-/// (bench/results/2026-11-30_289d2bb_h200_branch_free_ab.txt).
-template <int C, bool kKeyOffset>
+/// offset and 4 lanes x 3 chunks; the plain and paired kernels of one chunk per lane keep the
+/// branches (perf_notes.md).
+template <class Geom, bool kKeyOffset>
 constexpr bool backward_branch_free() {
-  return kKeyOffset || C == 3;
+  return kKeyOffset || Geom::C == 3;
 }
 
-/// kFullWidth: rows of exactly Geom's full width (rope::has_full_width).
-template <class Geom, int K, bool kKeyOffset, typename FactorT, bool kFullWidth>
-__global__ void __launch_bounds__(kRowThreads, backward_min_blocks<Geom::C, kKeyOffset, FactorT>())
-    qk_norm_rope_backward_kernel(const __grid_constant__ QkNormRopeBackwardKernelParams p) {
-  constexpr int G = Geom::G;
+/// One unit: loads, dx of its K rows, stores; with `weight_grad`, adds the rows' gw * n to it
+/// ([2][C][V]: Q rows, K rows). Every lane of the warp must call it (shuffles).
+template <class Geom, int K, bool kKeyOffset, typename AngleT, bool kFullWidth, class Features>
+__device__ __forceinline__ void backward_unit(const BackwardArgs& p, int64_t unit, int lane,
+                                              const rope::LaneChunks<Geom>& lanes,
+                                              const rope::Partners<Geom>& partners,
+                                              float (*weight_grad)[Geom::C][Geom::V]) {
+  constexpr int V = Geom::V;
   constexpr int C = Geom::C;
-  static_assert(kRowThreads % 32 == 0 && 32 % G == 0, "lane groups must tile whole warps");
-  static_assert(K >= 1 && K * C <= 4, "rows per lane group: keep the loads in registers");
-
-  const int lane = int(threadIdx.x) % G;
-  const int64_t unit = int64_t(blockIdx.x) * (kRowThreads / G) + threadIdx.x / G;
+  const rope::RopeInputs& in = p.in;
   const int64_t t = unit / p.row_sets;
   const int set = int(unit - t * p.row_sets);
   // Groups past the last unit load and store nothing but still execute every shuffle.
   const bool token_ok = unit < p.units;
-  const int H = p.num_heads;
-  const int D = rope::row_width<Geom, kFullWidth>(p.head_dim);
+  const int heads2 = in.dims.q_heads + in.dims.kv_heads;
+  const int D = rope::row_width<Geom, kFullWidth>(in.dims.head_dim);
   const auto width = rope::row_width_divisor<Geom, kFullWidth>(D);
+  const bool exchange = rope::exchanges_partners<Features, V>(in);
+  const int64_t qk_row_step = int64_t(p.row_sets) * in.qk_stride_h;
+  const uint16_t* qk_token = in.qk + t * in.qk_stride_t + int64_t(set) * in.qk_stride_h;
 
-  int d0[C];
-  bool chunk_ok[C];
-  int stationary_from[C];  // key rows under key offset only
-#pragma unroll
-  for (int c = 0; c < C; ++c) {
-    d0[c] = 8 * (c * G + lane);
-    chunk_ok[c] = d0[c] < D;
-    stationary_from[c] = kKeyOffset ? rope::stationary_start(d0[c], p.rotary_dim) : 8;
-  }
-
-  const int64_t qk_row_step = int64_t(p.row_sets) * p.qk_stride_h;
-  const __nv_bfloat16* qk_token = p.qk + t * p.qk_stride_t + int64_t(set) * p.qk_stride_h;
-  const int factor_offset = p.paired ? (set & 1) * D : 0;
-  const FactorT* factor1 = static_cast<const FactorT*>(p.factor1) + factor_offset;
-  const FactorT* factor2 = static_cast<const FactorT*>(p.factor2) + factor_offset;
-  const int half = H / 2;
-
-  // ---- loads: g and x of every row of the set, g_next of key rows, the factor chunks ----
-  Vec16 g_raw[K][C];
-  Vec16 x_raw[K][C];
-  Vec16 g_next_raw[K][C];
-  FactorChunk<FactorT> f1[C];
-  FactorChunk<FactorT> f2[C];
-  // Issue order, for ptxas's schedule: at C = 3 (D = 96 on 4 lanes) and under key offset, with
-  // the rows first, ptxas issues a factor load (and at C = 3 the last g chunk) after the rstd
-  // shuffles, i.e. after x has arrived (a second memory latency per unit); with the factors
-  // first the row loads precede the shuffles (key offset on the H200: D = 128 82.1 against
-  // 80.5 %, D = 64 81.2 against 79.8 % of copy, bench/results/2026-11-30_ef35459_h200_fp8_v_ab.txt).
-  // The plain and paired kernels of one chunk per lane keep the rows first (their SASS as
-  // measured). The loop is written twice on purpose: as one lambda called from both places it
-  // changed the C = 3 SASS.
-  constexpr bool kFactorsFirst = C == 3 || kKeyOffset;
-  if constexpr (kFactorsFirst) {
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-      f1[c].load(factor1 + t * p.factor1_stride_t + d0[c], token_ok && chunk_ok[c]);
-      f2[c].load(factor2 + t * p.factor2_stride_t + d0[c], token_ok && chunk_ok[c]);
-    }
+  // ---- loads: g and x of every row of the set, g_next of key rows, the angles ----
+  Chunk<V> g[K][C];
+  Chunk<V> x[K][C];
+  Chunk<V> g_next[K][C];
+  rope::TokenAngles<Geom, AngleT, Features> angles;
+  const int angle_offset = qkvfuse::rope::place(in.dims, t, set).angle_offset;
+  // Issue order, for ptxas's schedule: at C = 3 and under key offset the angles go first, so that
+  // every row load precedes the rstd shuffles; the plain and paired kernels of one chunk per lane
+  // keep the rows first (their SASS as measured; perf_notes.md).
+  constexpr bool kAnglesFirst = Geom::C == 3 || kKeyOffset || Features::kGeneral;
+  if constexpr (kAnglesFirst) {
+    angles.load(in, t, angle_offset, lanes, token_ok, /*backward=*/true);
   }
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     const int head2 = set + p.row_sets * k;
-    const bool row_ok = token_ok && head2 < 2 * H;
-    // Where the forward wrote row (t, head2): plain (t, h); paired (2t + h / (H/2), h mod (H/2)).
-    const bool is_key = head2 >= H;
-    const int h = is_key ? head2 - H : head2;
-    const int64_t stride_t = is_key ? p.grad_k_stride_t : p.grad_q_stride_t;
-    const int64_t stride_h = is_key ? p.grad_k_stride_h : p.grad_q_stride_h;
-    const int sub_token = p.paired && h >= half ? 1 : 0;
-    const int64_t out_token = p.paired ? 2 * t + sub_token : t;
-    const __nv_bfloat16* g_row = (is_key ? p.grad_k : p.grad_q) + out_token * stride_t +
-                                 int64_t(h - sub_token * half) * stride_h;
-    // Key offset: g at t+1 of the same key head, for the stationary dims.
-    const bool next_ok = kKeyOffset && row_ok && is_key && t + 1 < p.tokens;
-    const __nv_bfloat16* g_next_row = g_row + p.grad_k_stride_t;
+    const bool row_ok = token_ok && head2 < heads2;
+    const qkvfuse::rope::Place at = qkvfuse::rope::place(in.dims, t, head2);
+    const int64_t stride_t = at.is_key ? p.grad.k_stride_t : p.grad.q_stride_t;
+    const int64_t stride_h = at.is_key ? p.grad.k_stride_h : p.grad.q_stride_h;
+    const uint16_t* g_row =
+        (at.is_key ? p.grad.k : p.grad.q) + at.token * stride_t + int64_t(at.head) * stride_h;
+    // Key offset: g at t+1 of the same key head, for the lanes >= r.
+    const bool next_ok = kKeyOffset && row_ok && at.is_key && t + 1 < in.tokens;
 #pragma unroll
     for (int c = 0; c < C; ++c) {
-      const bool ok = row_ok && chunk_ok[c];
+      const bool ok = row_ok && lanes.ok[c];
       // Key offset: key grads are read twice (as g here, as g_next by the unit of t-1): cached.
-      g_raw[k][c] = ok ? (kKeyOffset && is_key ? rope::ld_cached(g_row + d0[c])
-                                               : rope::ld_stream(g_row + d0[c]))
-                       : rope::zero_vec16();
-      x_raw[k][c] = ok ? rope::ld_stream(qk_token + k * qk_row_step + d0[c]) : rope::zero_vec16();
-      g_next_raw[k][c] = next_ok && chunk_ok[c] && stationary_from[c] < 8
-                             ? rope::ld_cached(g_next_row + d0[c])
-                             : rope::zero_vec16();
+      g[k][c] = kKeyOffset && at.is_key
+                    ? rope::load_chunk_if<rope::Load::kCached, V>(ok, g_row + lanes.d0[c])
+                    : rope::load_chunk_if<rope::Load::kStream, V>(ok, g_row + lanes.d0[c]);
+      x[k][c] = rope::load_chunk_if<rope::Load::kStream, V>(ok, qk_token + k * qk_row_step +
+                                                                    lanes.d0[c]);
+      g_next[k][c] = rope::load_chunk_if<rope::Load::kCached, V>(
+          next_ok && lanes.ok[c] && lanes.rot_end[c] < V, g_row + stride_t + lanes.d0[c]);
     }
   }
-  if constexpr (!kFactorsFirst) {
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-      f1[c].load(factor1 + t * p.factor1_stride_t + d0[c], token_ok && chunk_ok[c]);
-      f2[c].load(factor2 + t * p.factor2_stride_t + d0[c], token_ok && chunk_ok[c]);
-    }
+  if constexpr (!kAnglesFirst) {
+    angles.load(in, t, angle_offset, lanes, token_ok, /*backward=*/true);
   }
 
   // ---- per row: dx, store ----
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     const int head2 = set + p.row_sets * k;
-    const bool shift_row = kKeyOffset && head2 >= H;
-    float dx[C][8];
-    rope::backward_row<G, C, backward_branch_free<C, kKeyOffset>()>(
-        g_raw[k], x_raw[k], f1, f2, g_next_raw[k], stationary_from, shift_row, t == 0, width,
-        dx);  // all lanes: shuffles
-    if (!(token_ok && head2 < 2 * H)) continue;
-    __nv_bfloat16* out = p.grad_qk + (t * 2 * H + head2) * int64_t(D);
+    const bool is_key = head2 >= in.dims.q_heads;
+    const bool shift_row = kKeyOffset && is_key;
+    float dx[C][V];
+    constexpr bool kBranchFree = backward_branch_free<Geom, kKeyOffset>();
+    if constexpr (Features::kGeneral) {
+      rope::RowWeight<Geom> weight;
+      weight.load(in, is_key, lanes, /*partners=*/false);
+      // Rows past the unit's heads add zeros to the sums (their loads were 0).
+      rope::backward_row<Geom, Features, kBranchFree>(in, g[k], x[k], angles, g_next[k], lanes,
+                                                      exchange ? &partners : nullptr, &weight,
+                                                      is_key, shift_row, t == 0, width,
+                                                      weight_grad, dx);
+    } else {
+      rope::backward_row<Geom, Features, kBranchFree>(in, g[k], x[k], angles, g_next[k], lanes,
+                                                      exchange ? &partners : nullptr, nullptr,
+                                                      is_key, shift_row, t == 0, width, nullptr,
+                                                      dx);
+    }
+    if (!(token_ok && head2 < heads2)) continue;
+    uint16_t* out = p.grad_qk + (t * heads2 + head2) * int64_t(D);
 #pragma unroll
     for (int c = 0; c < C; ++c) {
-      if (chunk_ok[c]) rope::st_vec16(out + d0[c], float_to_bf16x8(dx[c]));
+      if (lanes.ok[c]) rope::store_chunk(out + lanes.d0[c], rope::to_bf16<V>(dx[c]));
     }
   }
 }
 
-template <class Geom, bool kKeyOffset, typename FactorT, bool kFullWidth>
-void launch_backward(QkNormRopeBackwardKernelParams kp, cudaStream_t stream) {
-  constexpr int K = backward_rows_per_group<Geom::C>();
-  constexpr auto kernel = qk_norm_rope_backward_kernel<Geom, K, kKeyOffset, FactorT, kFullWidth>;
-  const rope::RowWork work =
-      rope::plan_row_work(kp.tokens, 2 * int64_t(kp.num_heads), K, Geom::G);
-  kp.row_sets = work.row_sets;
-  kp.units = work.units;
-  kernel<<<dim3(unsigned(work.blocks)), dim3(kRowThreads), 0, stream>>>(kp);
+/// kFullWidth: rows of exactly Geom's full width (rope::has_full_width). kWeightGrad: the layout
+/// has norm weights; the block walks tokens_per_block tokens and writes its partial row.
+template <class Geom, int K, bool kKeyOffset, typename AngleT, bool kFullWidth, class Features,
+          bool kWeightGrad>
+__global__ void __launch_bounds__(
+    kRowThreads, backward_min_blocks<Geom, kKeyOffset, AngleT, Features, kWeightGrad>())
+    qk_norm_rope_backward_kernel(const __grid_constant__ BackwardArgs p) {
+  constexpr int G = Geom::G;
+  constexpr int V = Geom::V;
+  constexpr int C = Geom::C;
+  constexpr int kGroups = kRowThreads / G;
+  static_assert(kRowThreads % 32 == 0 && 32 % G == 0, "lane groups must tile whole warps");
+  static_assert(K >= 1 && K * V * C <= 32, "rows per lane group: keep the loads in registers");
+  static_assert(!kWeightGrad || Features::kGeneral, "norm weights are a general layout");
+  const rope::RopeInputs& in = p.in;
+  const int lane = int(threadIdx.x) % G;
+  const int group = int(threadIdx.x) / G;
+  const int D = rope::row_width<Geom, kFullWidth>(in.dims.head_dim);
+  const rope::LaneChunks<Geom> lanes(lane, D, in.dims.rotary_dim);
+  const rope::Partners<Geom> partners(lanes, lane, in.dims.rotary_dim,
+                                      Features::kGeneral && in.dims.neox);
+
+  if constexpr (!kWeightGrad) {
+    backward_unit<Geom, K, kKeyOffset, AngleT, kFullWidth, Features>(
+        p, int64_t(blockIdx.x) * kGroups + group, lane, lanes, partners, nullptr);
+  } else {
+    float sums[2][C][V];
+#pragma unroll
+    for (int kind = 0; kind < 2; ++kind) {
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) sums[kind][c][i] = 0.0f;
+      }
+    }
+    // The block's units, in turns of kGroups; the trip count is the same for every group, so the
+    // loop stays warp-uniform (units past the block's end load nothing).
+    const int64_t per_block = int64_t(p.tokens_per_block) * p.row_sets;
+    const int64_t first = int64_t(blockIdx.x) * per_block;
+    const int64_t last = first + per_block < p.units ? first + per_block : p.units;
+    const int64_t turns = (per_block + kGroups - 1) / kGroups;
+#pragma unroll 1
+    for (int64_t turn = 0; turn < turns; ++turn) {
+      const int64_t unit = first + turn * kGroups + group;
+      backward_unit<Geom, K, kKeyOffset, AngleT, kFullWidth, Features>(
+          p, unit < last ? unit : p.units, lane, lanes, partners, sums);
+    }
+    // The block's partial row: the groups' sums in group order.
+    extern __shared__ float group_sums[];  // [kGroups][2][D]
+#pragma unroll
+    for (int kind = 0; kind < 2; ++kind) {
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          if (lanes.ok[c]) group_sums[(group * 2 + kind) * D + lanes.d0[c] + i] = sums[kind][c][i];
+        }
+      }
+    }
+    __syncthreads();
+    float* partial = p.partials + int64_t(blockIdx.x) * 2 * D;
+    for (int column = int(threadIdx.x); column < 2 * D; column += kRowThreads) {
+      float total = 0.0f;
+      for (int g = 0; g < kGroups; ++g) total = __fadd_rn(total, group_sums[g * 2 * D + column]);
+      partial[column] = total;
+    }
+  }
+}
+
+template <class Geom, bool kKeyOffset, typename AngleT, bool kFullWidth, class Features,
+          bool kWeightGrad>
+void launch_backward(BackwardArgs args, cudaStream_t stream) {
+  constexpr int K = backward_rows_per_group<Geom>();
+  constexpr int kGroups = kRowThreads / Geom::G;
+  constexpr auto kernel =
+      qk_norm_rope_backward_kernel<Geom, K, kKeyOffset, AngleT, kFullWidth, Features, kWeightGrad>;
+  const int64_t heads2 = args.in.dims.q_heads + args.in.dims.kv_heads;
+  const rope::RowWork work = rope::plan_row_work(args.in.tokens, heads2, K);
+  args.row_sets = work.row_sets;
+  args.units = work.units;
+  int64_t blocks = (work.units + kGroups - 1) / kGroups;
+  size_t smem = 0;
+  if constexpr (kWeightGrad) {
+    args.tokens_per_block = int(tokens_per_weight_block(heads2));
+    blocks = (args.in.tokens + args.tokens_per_block - 1) / args.tokens_per_block;
+    smem = size_t(kGroups) * 2 * size_t(args.in.dims.head_dim) * sizeof(float);
+  }
+  kernel<<<dim3(rope::grid_size("qk_norm_rope_backward", blocks, args.in.tokens)),
+           dim3(kRowThreads), smem, stream>>>(args);
   QKVF_CUDA_CHECK_LAUNCH("qk_norm_rope_backward_kernel");
+}
+
+/// Partial rows of the weighted kernel: one per block of tokens_per_weight_block tokens.
+int64_t weight_blocks(const QkNormRopeBackwardParams& params) {
+  const int64_t heads2 = params.qk.sizes[1];
+  const int64_t per_block = tokens_per_weight_block(heads2);
+  return (params.qk.sizes[0] + per_block - 1) / per_block;
 }
 
 }  // namespace
 
+int64_t backward_workspace_size(const QkNormRopeBackwardParams& params) {
+  return weight_grad::workspace_floats(weight_blocks(params), params.qk.sizes[2]);
+}
+
 void qk_norm_rope_backward(const QkNormRopeBackwardParams& params) {
-  if (!rope::vector_path(params)) return generic::qk_norm_rope_backward(params);
   DeviceGuard guard(params.qk.device);
-  const int64_t tokens = params.qk.size(0);
-  if (tokens == 0) return;
   const RopeLayout& layout = params.layout;
   const int64_t head_dim = params.qk.size(2);
-  // Validated by the entry point; restated because the kernel's addressing relies on it.
-  QKVF_CHECK(params.grad_qk.is_contiguous(),
-             "qk_norm_rope_backward (CUDA): grad_qk must be row-major contiguous, got ",
-             params.grad_qk.describe());
-
-  QkNormRopeBackwardKernelParams kp{};
-  kp.grad_q = static_cast<const __nv_bfloat16*>(params.grad_q.data);
-  kp.grad_q_stride_t = params.grad_q.strides[0];
-  kp.grad_q_stride_h = params.grad_q.strides[1];
-  kp.grad_k = static_cast<const __nv_bfloat16*>(params.grad_k.data);
-  kp.grad_k_stride_t = params.grad_k.strides[0];
-  kp.grad_k_stride_h = params.grad_k.strides[1];
-  kp.qk = static_cast<const __nv_bfloat16*>(params.qk.data);
-  kp.qk_stride_t = params.qk.strides[0];
-  kp.qk_stride_h = params.qk.strides[1];
-  kp.factor1 = params.factor1.data;
-  kp.factor2 = params.factor2.data;
-  kp.factor1_stride_t = params.factor1.strides[0];
-  kp.factor2_stride_t = params.factor2.strides[0];
-  kp.grad_qk = static_cast<__nv_bfloat16*>(params.grad_qk.data);
-  kp.tokens = tokens;
-  kp.num_heads = int(layout.num_heads);
-  kp.head_dim = int(head_dim);
-  kp.rotary_dim = layout.key_offset ? int(layout.rotary_dim) : int(head_dim);
-  kp.paired = layout.paired;
-
+  const bool weighted = rope::has_weights(layout);
   const cudaStream_t stream = to_cuda(params.stream);
-  // D = 96 on 4 lanes x 3 chunks: every lane loads and stores (16 x 1 idles 4 of 16 lanes);
-  // 84.7 % of copy against 78.8 % at H = 6 plain on the H200 (key offset 85.5 against 61.0 %).
-  rope::kernel_switch<rope::Width96::kFull4x3>(
-      "qk_norm_rope_backward", head_dim, layout.key_offset, params.factor1.dtype,
-      [&](auto geometry, auto full_width, auto key_offset, auto factor_tag) {
-        using FactorT = typename decltype(factor_tag)::type;
-        launch_backward<decltype(geometry), decltype(key_offset)::value, FactorT,
-                        decltype(full_width)::value>(kp, stream);
-      });
+  float* workspace = static_cast<float*>(params.workspace.data);
+  if (params.qk.size(0) == 0) {
+    // Nothing to compute; the weight gradients of no rows are zeros.
+    if (weighted) {
+      weight_grad::reduce(workspace, 0, int(head_dim), params.grad_q_weight, params.grad_k_weight,
+                          stream);
+    }
+    return;
+  }
+  const BackwardArgs args{.in = rope::make_rope_inputs(layout, params.qk),
+                          .grad = rope::make_grad_rows(params.grad_q, params.grad_k),
+                          .grad_qk = static_cast<uint16_t*>(params.grad_qk.data),
+                          .partials = workspace,
+                          .row_sets = 0,
+                          .units = 0,
+                          .tokens_per_block = 0};
+  const int chunk = rope::chunk_width(layout, head_dim,
+                                      {&params.qk, &params.grad_q, &params.grad_k, &params.grad_qk});
+  const bool speedrun = chunk == 8 && rope::speedrun_layout(layout);
+  chunk_width_switch("qk_norm_rope_backward", chunk, [&](auto chunk_tag) {
+    constexpr int V = decltype(chunk_tag)::value;
+    // D = 96 on 4 lanes x 3 chunks: every lane loads and stores (perf_notes.md).
+    rope::head_width_switch<V, rope::Width96::kFull4x3>(
+        "qk_norm_rope_backward", head_dim, [&](auto geometry) {
+          using Geom = decltype(geometry);
+          rope::full_width_switch<Geom>(head_dim, [&](auto full_width) {
+            bool_switch(layout.key_offset, [&](auto key_offset) {
+              angle_dtype_switch(
+                  "qk_norm_rope_backward", rope::angle_dtype(layout), [&](auto angle_tag) {
+                    using AngleT = typename decltype(angle_tag)::type;
+                    constexpr bool kKeyOffset = decltype(key_offset)::value;
+                    constexpr bool kFull = decltype(full_width)::value;
+                    if (speedrun) {
+                      if constexpr (V == 8) {
+                        launch_backward<Geom, kKeyOffset, AngleT, kFull, rope::SpeedrunFeatures,
+                                        false>(args, stream);
+                      }
+                    } else if (weighted) {
+                      launch_backward<Geom, kKeyOffset, AngleT, kFull, rope::GeneralFeatures,
+                                      true>(args, stream);
+                    } else {
+                      launch_backward<Geom, kKeyOffset, AngleT, kFull, rope::GeneralFeatures,
+                                      false>(args, stream);
+                    }
+                  });
+            });
+          });
+        });
+  });
+  if (weighted) {
+    weight_grad::reduce(workspace, weight_blocks(params), int(head_dim), params.grad_q_weight,
+                        params.grad_k_weight, stream);
+  }
 }
 
 }  // namespace qkvfuse::cuda

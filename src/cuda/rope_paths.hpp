@@ -1,16 +1,17 @@
-// rope_paths.hpp: which kernels serve a QK-norm + rotary call on CUDA. Internal, host side.
+// rope_paths.hpp: which instantiation of the rope kernels serves a call on CUDA. Internal, host
+// side.
 //
-// Each of the three ops (forward, bf16 backward, fused FP8 backward) has two implementations:
-// - the vector kernels (qk_norm_rope.cu, qk_norm_rope_backward.cu, qkv_backward_fp8.cu): every
-//   access a 16-byte vector, tuned for the model's widths; they need D a multiple of 8 in
-//   [32, 256] and 16-byte aligned rows (pointers and all strides but the last), and for the FP8
-//   backward Dv a multiple of 8 up to 256;
-// - the element-pair kernels (rope_generic.cu): everything else the op's contract allows (every
-//   even D in [2, 256], any Dv in [1, kMaxVWidth], any strides, pointers aligned to their
-//   elements only). Same math in the same rounding order (rope_generic.cuh), hence the same
-//   results as the vector kernels and the CPU backend within the tests' tolerances.
-// Each op's entry point asks `vector_path` and hands the call to the element-pair kernel when it
-// says no, so the choice is made in one place and both paths see validated arguments.
+// Every rope op has one kernel template (qk_norm_rope.cu, qk_norm_rope_backward.cu,
+// qkv_backward_fp8.cu), instantiated over the chunk width V its rows are read and written with:
+// - V = 8, 16-byte vectors, tuned for the model's widths: D a multiple of 8 in [32, 256], every
+//   bf16 row and every table row 16-byte aligned (pointers and all strides but the last), NeoX
+//   rotary widths a multiple of 16 and, with a cos/sin cache and interleaved lanes, of 8 (a
+//   chunk's partners and frequencies are then whole vectors);
+// - V = 2, 4-byte pairs, for every other call whose bf16 rows are 4-byte aligned;
+// - V = 1, single elements, for the rest (rows that start on an odd element).
+// Same math in the same rounding order (rope_rows.cuh), hence the same results as the CPU
+// backend within the tests' tolerances. The choice is made here, in one place, from validated
+// arguments.
 #pragma once
 
 #include <cstdint>
@@ -19,12 +20,14 @@
 #include "qkvfuse/qk_norm_rope.hpp"
 #include "qkvfuse/qkv_backward_fp8.hpp"
 #include "qkvfuse/tensor.hpp"
+#include "rope_math.hpp"
 
 namespace qkvfuse::cuda::rope {
 
 /// True when the view's data pointer and every stride but the last (of dims longer than 1) are
-/// multiples of `bytes`: every row starts on a `bytes` boundary.
+/// multiples of `bytes`: every row starts on a `bytes` boundary. Absent views pass.
 inline bool rows_aligned(const TensorView& view, int64_t bytes) {
+  if (is_absent(view)) return true;
   const int64_t element = int64_t(dtype_size(view.dtype));
   if (int64_t(reinterpret_cast<uintptr_t>(view.data) % uint64_t(bytes)) != 0) return false;
   for (int d = 0; d + 1 < view.ndim; ++d) {
@@ -33,49 +36,27 @@ inline bool rows_aligned(const TensorView& view, int64_t bytes) {
   return true;
 }
 
-/// Every view's rows 16-byte aligned: what the vector kernels' LDG.128 / STG.128 need.
-inline bool vector_rows(std::initializer_list<const TensorView*> views) {
+inline bool all_rows_aligned(std::initializer_list<const TensorView*> views, int64_t bytes) {
   for (const TensorView* view : views) {
-    if (!rows_aligned(*view, 16)) return false;
+    if (!rows_aligned(*view, bytes)) return false;
   }
   return true;
 }
 
-/// Head widths the vector kernels' lane geometries cover (rope::head_width_switch).
-inline bool vector_head_width(int64_t head_dim) {
-  return head_dim % 8 == 0 && head_dim >= 32 && head_dim <= 256;
-}
-
-inline bool vector_path(const QkNormRopeParams& p) {
-  return vector_head_width(p.qk.sizes[2]) &&
-         vector_rows({&p.qk, &p.factor1, &p.factor2, &p.q, &p.k});
-}
-
-inline bool vector_path(const QkNormRopeBackwardParams& p) {
-  return vector_head_width(p.qk.sizes[2]) &&
-         vector_rows({&p.grad_q, &p.grad_k, &p.qk, &p.factor1, &p.factor2, &p.grad_qk});
-}
-
-/// The e4m3 outputs are contiguous: their row strides (qkv_dim and T bytes) need not be
-/// multiples of 16, the vector kernel handles that (8-byte row stores; grad_t byte by byte when
-/// T % 16 != 0). Their base pointers must be 16-byte aligned.
-inline bool vector_path(const QkvBackwardFp8Params& p) {
-  const int64_t v_dim = p.grad_v.sizes[2];
-  const auto aligned16 = [](const void* data) {
-    return reinterpret_cast<uintptr_t>(data) % 16 == 0;
-  };
-  return vector_head_width(p.qk.sizes[2]) && v_dim % 8 == 0 && v_dim <= 256 &&
-         vector_rows({&p.grad_q, &p.grad_k, &p.grad_v, &p.qk, &p.factor1, &p.factor2}) &&
-         aligned16(p.grad_row.data) && aligned16(p.grad_t.data);
+/// The chunk width (8, 2 or 1 elements) for a call whose bf16 rows are `rows` (qk, the
+/// gradients, the outputs) and whose layout is `layout`, D = head_dim.
+inline int chunk_width(const RopeLayout& layout, int64_t head_dim,
+                       std::initializer_list<const TensorView*> rows) {
+  const int64_t r = qkvfuse::rope::resolved_rotary_dim(layout, head_dim);
+  const bool neox = layout.rotary_style == RotaryStyle::kNeox;
+  const bool cache = !is_absent(layout.cos_sin);
+  const bool width_ok = head_dim % 8 == 0 && head_dim >= 32 && head_dim <= 256;
+  const bool rotary_ok = neox ? r % 16 == 0 : (!cache || r % 8 == 0);
+  const bool tables_ok = all_rows_aligned({&layout.factor1, &layout.factor2, &layout.cos_sin,
+                                           &layout.q_weight, &layout.k_weight},
+                                          16);
+  if (width_ok && rotary_ok && tables_ok && all_rows_aligned(rows, 16)) return 8;
+  return all_rows_aligned(rows, 4) ? 2 : 1;
 }
 
 }  // namespace qkvfuse::cuda::rope
-
-namespace qkvfuse::cuda::generic {
-
-// The element-pair kernels (rope_generic.cu). Arguments validated by the public entry points.
-void qk_norm_rope(const QkNormRopeParams& params);
-void qk_norm_rope_backward(const QkNormRopeBackwardParams& params);
-void qkv_backward_fp8(const QkvBackwardFp8Params& params);
-
-}  // namespace qkvfuse::cuda::generic

@@ -33,25 +33,28 @@ void bool_switch(bool cond, F&& f) {
   }
 }
 
-/// Rotary factor tables: bf16 (the model's tables) or fp32. f(TypeTag<__nv_bfloat16 or float>).
+/// Angle tables (factor tables or a cos/sin cache): bf16 or fp32. f(TypeTag<__nv_bfloat16 or
+/// float>).
 template <typename F>
-void factor_dtype_switch(const char* op, DType dtype, F&& f) {
+void angle_dtype_switch(const char* op, DType dtype, F&& f) {
   switch (dtype) {
     case DType::kBFloat16: f(TypeTag<__nv_bfloat16>{}); break;
     case DType::kFloat32: f(TypeTag<float>{}); break;
     default:
-      QKVF_FAIL(op, " (CUDA): unsupported rotary factor dtype ", dtype_name(dtype),
-                "; the CUDA kernels take bfloat16 or float32 factor tables");
+      QKVF_FAIL(op, " (CUDA): unsupported angle table dtype ", dtype_name(dtype),
+                "; the CUDA kernels take bfloat16 or float32 tables");
   }
 }
 
-/// The rope kernels' two flags besides the head width: f(KeyOffset{}, TypeTag<FactorT>{}), with
-/// KeyOffset a std::bool_constant and FactorT the factor tables' element type.
+/// f(std::integral_constant<int, V>{}) for the chunk width V of rope_paths.hpp (8, 2 or 1).
 template <typename F>
-void key_offset_factor_switch(const char* op, bool key_offset, DType factor_dtype, F&& f) {
-  bool_switch(key_offset, [&](auto key_offset_tag) {
-    factor_dtype_switch(op, factor_dtype, [&](auto factor_tag) { f(key_offset_tag, factor_tag); });
-  });
+void chunk_width_switch(const char* op, int width, F&& f) {
+  switch (width) {
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    default: QKVF_FAIL(op, " (CUDA): no kernel for chunks of ", width, " elements");
+  }
 }
 
 }  // namespace qkvfuse::cuda

@@ -1,0 +1,134 @@
+// rope_args.hpp: the arguments of the rope kernels (forward, bf16 backward, fused FP8 backward),
+// built once from the public layout. Internal; the kernels take them by value.
+//
+// RopeInputs is the part every rope kernel reads: the saved qk rows, the layout's integer shape
+// and flags, the angle source and the norm weights. make_rope_inputs() is the one place that
+// translates a validated RopeLayout into it; each op's launcher adds its own outputs.
+#pragma once
+
+#include <cstdint>
+
+#include "qkvfuse/qk_norm_rope.hpp"
+#include "qkvfuse/tensor.hpp"
+#include "rope_math.hpp"
+
+namespace qkvfuse::cuda::rope {
+
+using qkvfuse::rope::Dims;
+
+/// Where a rope kernel reads its angles (SPEC.md sections 1 and 8).
+struct Angles {
+  bool cache;                ///< cos/sin cache (else factor tables)
+  const void* factor1;       ///< tables [T, D] ([T, 2D] paired): (t, j) at t*factor1_stride + j
+  const void* factor2;       ///< same shape and dtype as factor1
+  int64_t factor1_stride;
+  int64_t factor2_stride;
+  const void* cos_sin;       ///< cache [P, r]: cos of frequency i at column i, sin at r/2 + i
+  int64_t cos_sin_stride;    ///< elements between positions
+  int64_t num_positions;     ///< P
+  const void* positions;     ///< [T] int32 or int64: positions[t * positions_stride]
+  int64_t positions_stride;
+  bool positions_int64;
+};
+
+/// The norm's learned weights: w + offset per lane, read as fp32 (bf16 or fp32 in memory).
+struct NormWeights {
+  const void* q;  ///< [D] or nullptr
+  const void* k;  ///< [D] or nullptr
+  bool q_fp32;
+  bool k_fp32;
+  float offset;
+};
+
+/// What every rope kernel reads. Element strides; bf16 tensors as their 16-bit patterns.
+struct RopeInputs {
+  const uint16_t* qk;  ///< [T, Hq + Hkv, D]: (t, h2, d) at t*qk_stride_t + h2*qk_stride_h + d
+  int64_t qk_stride_t;
+  int64_t qk_stride_h;
+  int64_t tokens;      ///< T >= 1
+  Dims dims;           ///< Hq, Hkv, D, r, style, paired
+  bool normalize;      ///< RMS-norm (else n = x)
+  bool key_offset;     ///< keys' lanes >= r from token t-1 (Hq = Hkv)
+  float eps;
+  Angles angles;
+  NormWeights weights;
+};
+
+/// The gradients of q and k (backward kernels), in the forward's output layouts.
+struct GradRows {
+  const uint16_t* q;  ///< [T, Hq, D] ([2T, Hq/2, D] paired): (t', h', d) at t'*q_stride_t + ...
+  int64_t q_stride_t;
+  int64_t q_stride_h;
+  const uint16_t* k;  ///< [T, Hkv, D] (paired [2T, Hkv/2, D])
+  int64_t k_stride_t;
+  int64_t k_stride_h;
+};
+
+inline RopeInputs make_rope_inputs(const RopeLayout& layout, const TensorView& qk) {
+  const bool cache = !is_absent(layout.cos_sin);
+  const Angles angles =
+      cache ? Angles{.cache = true,
+                     .factor1 = nullptr,
+                     .factor2 = nullptr,
+                     .factor1_stride = 0,
+                     .factor2_stride = 0,
+                     .cos_sin = layout.cos_sin.data,
+                     .cos_sin_stride = layout.cos_sin.strides[0],
+                     .num_positions = layout.cos_sin.sizes[0],
+                     .positions = layout.positions.data,
+                     .positions_stride = layout.positions.strides[0],
+                     .positions_int64 = layout.positions.dtype == DType::kInt64}
+            : Angles{.cache = false,
+                     .factor1 = layout.factor1.data,
+                     .factor2 = layout.factor2.data,
+                     .factor1_stride = layout.factor1.strides[0],
+                     .factor2_stride = layout.factor2.strides[0],
+                     .cos_sin = nullptr,
+                     .cos_sin_stride = 0,
+                     .num_positions = 0,
+                     .positions = nullptr,
+                     .positions_stride = 0,
+                     .positions_int64 = false};
+  return {.qk = static_cast<const uint16_t*>(qk.data),
+          .qk_stride_t = qk.strides[0],
+          .qk_stride_h = qk.strides[1],
+          .tokens = qk.sizes[0],
+          .dims = qkvfuse::rope::dims_of(layout, qk.sizes[2]),
+          .normalize = layout.normalize,
+          .key_offset = layout.key_offset,
+          .eps = layout.eps,
+          .angles = angles,
+          .weights = {.q = layout.q_weight.data,
+                      .k = layout.k_weight.data,
+                      .q_fp32 = layout.q_weight.dtype == DType::kFloat32,
+                      .k_fp32 = layout.k_weight.dtype == DType::kFloat32,
+                      .offset = layout.weight_offset}};
+}
+
+inline GradRows make_grad_rows(const TensorView& grad_q, const TensorView& grad_k) {
+  return {.q = static_cast<const uint16_t*>(grad_q.data),
+          .q_stride_t = grad_q.strides[0],
+          .q_stride_h = grad_q.strides[1],
+          .k = static_cast<const uint16_t*>(grad_k.data),
+          .k_stride_t = grad_k.strides[0],
+          .k_stride_h = grad_k.strides[1]};
+}
+
+/// The angle dtype of a layout (factor tables' or cache's): bf16 or fp32.
+inline DType angle_dtype(const RopeLayout& layout) {
+  return is_absent(layout.cos_sin) ? layout.factor1.dtype : layout.cos_sin.dtype;
+}
+
+/// True when the layout is the speedrun's: factor tables, interleaved lanes, RMS-norm without
+/// weights (any heads, rotary width, paired or key offset). Its kernels are compiled without the
+/// general options' code (rope_common.cuh, Features).
+inline bool speedrun_layout(const RopeLayout& layout) {
+  return is_absent(layout.cos_sin) && layout.rotary_style == RotaryStyle::kInterleaved &&
+         layout.normalize && is_absent(layout.q_weight) && is_absent(layout.k_weight);
+}
+
+inline bool has_weights(const RopeLayout& layout) {
+  return !is_absent(layout.q_weight) || !is_absent(layout.k_weight);
+}
+
+}  // namespace qkvfuse::cuda::rope

@@ -1,0 +1,530 @@
+// rope_rows.cuh: the per-row math of the rope kernels, for every layout of SPEC.md sections 1 and
+// 8, on the chunks of rope_common.cuh. Internal.
+//
+// A lane holds chunk slots c = 0..C-1 of a row (elements d0[c] .. d0[c] + V - 1). What a row needs
+// besides its own elements:
+// - its token's angles (TokenAngles): factor tables, or the cos/sin cache row at positions[t];
+// - its weight (RowWeight): w + offset per lane, 1 without one;
+// - the elements of its rotary partners. Interleaved pairs (d, d ^ 1) sit in one chunk when
+//   V >= 2. A NeoX partner (d +- r/2) sits in another chunk, usually another lane's: the lane
+//   group exchanges it with shuffles (Partners). With V = 8 (r a multiple of 16) a chunk's
+//   partners form one chunk; with V <= 2 each element finds its own.
+//
+// Features. The speedrun's layout (factor tables, interleaved lanes, RMS-norm without weights)
+// compiles without the general options' code (SpeedrunFeatures): its kernels keep the register
+// budget and schedule they were tuned with. Every other layout runs the same kernels with
+// GeneralFeatures, whose options are run-time values uniform over the launch.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda/device_math.cuh"
+#include "cuda/rope_args.hpp"
+#include "cuda/rope_common.cuh"
+#include "rope_math.hpp"
+
+namespace qkvfuse::cuda::rope {
+
+struct SpeedrunFeatures {
+  static constexpr bool kGeneral = false;
+};
+struct GeneralFeatures {
+  static constexpr bool kGeneral = true;
+};
+
+/// bf16 tables as their bits (uint16_t) or fp32: the element type the kernels load tables as.
+template <typename T>
+using TableT = std::conditional_t<std::is_same_v<T, float>, float, uint16_t>;
+
+// ------------------------------------------------------------------------------------------------
+// The lane's chunks of a row
+// ------------------------------------------------------------------------------------------------
+
+/// Chunk slot c of the lane: its first element, whether it lies inside the row, and how many of
+/// its elements are rotary lanes (the rest, d >= r, pass through or, for keys under key offset,
+/// come from the neighbouring token).
+template <class Geom>
+struct LaneChunks {
+  static constexpr int V = Geom::V;
+  static constexpr int C = Geom::C;
+  int d0[C];
+  bool ok[C];
+  int rot_end[C];  ///< elements [0, rot_end) of the chunk are rotary lanes; in [0, V]
+
+  __device__ __forceinline__ LaneChunks(int lane, int D, int r) {
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      d0[c] = V * (c * Geom::G + lane);
+      ok[c] = d0[c] < D;
+      rot_end[c] = min(V, max(0, r - d0[c]));
+    }
+  }
+};
+
+// ------------------------------------------------------------------------------------------------
+// Partners: NeoX lanes (and interleaved ones at V = 1) from other chunks
+// ------------------------------------------------------------------------------------------------
+
+/// Where the partners of the lane's elements are held: lane and slot of the group, and the
+/// element inside that chunk. Lanes without a partner (d >= r) point at themselves.
+template <class Geom>
+struct Partners {
+  static constexpr int V = Geom::V;
+  static constexpr int C = Geom::C;
+  static constexpr int G = Geom::G;
+  // V = 8: one source per chunk (NeoX with r a multiple of 16: element i pairs with element i).
+  // V <= 2: one source per element.
+  static constexpr int kPerChunk = V == 8 ? 1 : V;
+  int lane[C][kPerChunk];
+  int slot[C][kPerChunk];
+  int pos[C][kPerChunk];
+
+  __device__ __forceinline__ Partners(const LaneChunks<Geom>& lanes, int own_lane, int r,
+                                      bool neox) {
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+#pragma unroll
+      for (int e = 0; e < kPerChunk; ++e) {
+        const int d = lanes.d0[c] + e;
+        const int p = d < r ? qkvfuse::rope::partner(d, r, neox) : d;
+        const int chunk = p / V;
+        lane[c][e] = d < r ? chunk % G : own_lane;
+        slot[c][e] = d < r ? chunk / G : c;
+        pos[c][e] = V == 8 ? e : p % V;
+      }
+    }
+  }
+
+  /// The partners of chunk slot c's elements, from the group's chunks `x` (every lane of the
+  /// warp must call it: shuffles).
+  __device__ __forceinline__ Chunk<V> of(const Chunk<V> (&x)[C], int c) const {
+    Chunk<V> out;
+    if constexpr (V == 8) {
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        uint32_t value = 0u;
+#pragma unroll
+        for (int s = 0; s < C; ++s) {
+          const uint32_t got = __shfl_sync(0xffffffffu, x[s].w[w], lane[c][0], G);
+          value = s == slot[c][0] ? got : value;
+        }
+        out.w[w] = value;
+      }
+    } else {
+      uint32_t halves[V];
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        uint32_t word = 0u;
+#pragma unroll
+        for (int s = 0; s < C; ++s) {
+          const uint32_t got = __shfl_sync(0xffffffffu, x[s].w[0], lane[c][e], G);
+          word = s == slot[c][e] ? got : word;
+        }
+        halves[e] = pos[c][e] == 0 ? (word & 0xffffu) : (word >> 16);
+      }
+      out.w[0] = V == 2 ? (halves[0] | (halves[V - 1] << 16)) : halves[0];
+    }
+    return out;
+  }
+};
+
+/// True when the kernel must fetch partners from other chunks: NeoX lanes, or V = 1.
+template <class Features, int V>
+__device__ __forceinline__ bool exchanges_partners(const RopeInputs& in) {
+  if constexpr (!Features::kGeneral) {
+    return V == 1;
+  } else {
+    return V == 1 || in.dims.neox;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Angles of a token
+// ------------------------------------------------------------------------------------------------
+
+/// A row's rotation factors per element (SPEC.md section 8): y[d] = f1[d] * nw[d] + f2[d] *
+/// nw[p(d)], and in the backward gw[d] = f1[d] * g[d] + f2p[d] * g[p(d)] with f2p[d] = f2[p(d)].
+/// From factor tables f1 and f2 are the table values; from the cache f1 = cos_i and f2 = -sin_i
+/// for the first lane of a pair, +sin_i for the second (so f2p = -f2).
+///
+/// V = 8 keeps the loaded words (tables: f1, f2, and f2 at the partner chunk for NeoX; cache: the
+/// cos and sin of the chunk's frequencies, 8 for NeoX, 4 interleaved). V <= 2 keeps fp32 values.
+/// A position outside [0, P) loads nothing and leaves NaN everywhere (SPEC: never out of bounds).
+template <class Geom, typename AngleT, class Features>
+struct TokenAngles {
+  static constexpr int V = Geom::V;
+  static constexpr int C = Geom::C;
+  using T = TableT<AngleT>;
+  static constexpr bool kWords = V == 8;
+
+  // V = 8: a = f1 or cos, b = f2 or sin, pb = f2 at the partner chunk (NeoX tables, backward).
+  Values<T, 8> a[kWords ? C : 1];
+  Values<T, 8> b[kWords ? C : 1];
+  Values<T, 8> pb[kWords && Features::kGeneral ? C : 1];
+  // V <= 2.
+  float f1v[kWords ? 1 : C][V];
+  float f2v[kWords ? 1 : C][V];
+  float f2pv[kWords ? 1 : C][V];
+  bool lead[C];  ///< cache, V = 8: the chunk's lanes lead their pairs (NeoX: d < r/2)
+
+  /// Loads the angles of token t for rows whose table columns start at `angle_offset` (paired
+  /// heads). `backward` also loads what f2p needs. Only the rotary chunks load.
+  __device__ __forceinline__ void load(const RopeInputs& in, int64_t t, int angle_offset,
+                                       const LaneChunks<Geom>& lanes, bool token_ok,
+                                       bool backward) {
+    const int r = in.dims.rotary_dim;
+    const bool neox = Features::kGeneral && in.dims.neox;
+    if (!Features::kGeneral || !in.angles.cache) {
+      const T* f1 = static_cast<const T*>(in.angles.factor1) + t * in.angles.factor1_stride +
+                    angle_offset;
+      const T* f2 = static_cast<const T*>(in.angles.factor2) + t * in.angles.factor2_stride +
+                    angle_offset;
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+        const bool valid = token_ok && lanes.rot_end[c] > 0;
+        const int d0 = lanes.d0[c];
+        if constexpr (kWords) {
+          a[c].load(f1 + d0, valid);
+          b[c].load(f2 + d0, valid);
+          if constexpr (Features::kGeneral) {
+            const int pd0 = d0 < r / 2 ? d0 + r / 2 : d0 - r / 2;
+            pb[c].load(f2 + pd0, valid && neox && backward);
+          }
+        } else {
+#pragma unroll
+          for (int e = 0; e < V; ++e) {
+            const int d = d0 + e;
+            const bool rotary = valid && d < r;
+            const int p = rotary ? qkvfuse::rope::partner(d, r, neox) : d;
+            f1v[c][e] = rotary ? load_value(f1, d) : 0.0f;
+            f2v[c][e] = rotary ? load_value(f2, d) : 0.0f;
+            f2pv[c][e] = rotary && backward ? load_value(f2, p) : 0.0f;
+          }
+        }
+      }
+      return;
+    }
+    // The cos/sin cache row of the token's position.
+    int64_t position = 0;
+    if (token_ok) {
+      position = in.angles.positions_int64
+                     ? __ldg(static_cast<const long long*>(in.angles.positions) +
+                             t * in.angles.positions_stride)
+                     : int64_t(__ldg(static_cast<const int*>(in.angles.positions) +
+                                     t * in.angles.positions_stride));
+    }
+    const bool inside = position >= 0 && position < in.angles.num_positions;
+    const T* cos = static_cast<const T*>(in.angles.cos_sin) +
+                   (inside ? position : 0) * in.angles.cos_sin_stride;
+    const T* sin = cos + r / 2;
+    const float nan = __uint_as_float(0x7fc00000u);
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int d0 = lanes.d0[c];
+      const bool valid = token_ok && lanes.rot_end[c] > 0;
+      if constexpr (kWords) {
+        // NeoX: frequencies d0 .. d0+7 (or d0 - r/2 ..), 8 values; interleaved: d0/2 .. d0/2+3.
+        const int first = neox ? (d0 < r / 2 ? d0 : d0 - r / 2) : d0 / 2;
+        lead[c] = d0 < r / 2;
+        if (neox) {
+          a[c].load(cos + first, valid && inside);
+          b[c].load(sin + first, valid && inside);
+        } else {
+          a[c].load_half(cos + first, valid && inside);
+          b[c].load_half(sin + first, valid && inside);
+        }
+        if (valid && !inside) {
+          a[c].fill_nan();
+          b[c].fill_nan();
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          const int d = d0 + e;
+          const bool rotary = valid && d < r;
+          const int i = qkvfuse::rope::frequency(d, r, neox);
+          const float cos_i = rotary && inside ? load_value(cos, i) : nan;
+          const float sin_i = rotary && inside ? load_value(sin, i) : nan;
+          const bool leads = qkvfuse::rope::leads_pair(d, r, neox);
+          f1v[c][e] = cos_i;
+          f2v[c][e] = leads ? -sin_i : sin_i;
+          f2pv[c][e] = leads ? sin_i : -sin_i;
+        }
+      }
+    }
+  }
+
+  __device__ __forceinline__ float f1(const RopeInputs& in, int c, int i) const {
+    if constexpr (!kWords) {
+      return f1v[c][i];
+    } else if constexpr (!Features::kGeneral) {
+      return a[c][i];
+    } else {
+      return in.angles.cache && !in.dims.neox ? a[c][i >> 1] : a[c][i];
+    }
+  }
+
+  __device__ __forceinline__ float f2(const RopeInputs& in, int c, int i) const {
+    if constexpr (!kWords) {
+      return f2v[c][i];
+    } else if constexpr (!Features::kGeneral) {
+      return b[c][i];
+    } else {
+      if (!in.angles.cache) return b[c][i];
+      const float sin = in.dims.neox ? b[c][i] : b[c][i >> 1];
+      const bool leads = in.dims.neox ? lead[c] : (i & 1) == 0;
+      return leads ? -sin : sin;
+    }
+  }
+
+  /// f2 at the partner of element i (backward).
+  __device__ __forceinline__ float f2p(const RopeInputs& in, int c, int i) const {
+    if constexpr (!kWords) {
+      return f2pv[c][i];
+    } else if constexpr (!Features::kGeneral) {
+      return b[c][i ^ 1];
+    } else {
+      if (!in.angles.cache) return in.dims.neox ? pb[c][i] : b[c][i ^ 1];
+      return -f2(in, c, i);
+    }
+  }
+};
+
+// ------------------------------------------------------------------------------------------------
+// Norm weights of a row
+// ------------------------------------------------------------------------------------------------
+
+/// w + offset at the lane's elements and at their partners (NeoX), as fp32; 1 without a weight.
+template <class Geom>
+struct RowWeight {
+  static constexpr int V = Geom::V;
+  static constexpr int C = Geom::C;
+  float own[C][V];
+  float partner[C][V];
+
+  /// `partners`: also the weights at the partner lanes (NeoX, or V = 1).
+  __device__ __forceinline__ void load(const RopeInputs& in, bool is_key,
+                                       const LaneChunks<Geom>& lanes, bool partners) {
+    const void* w = is_key ? in.weights.k : in.weights.q;
+    const bool fp32 = is_key ? in.weights.k_fp32 : in.weights.q_fp32;
+    const float offset = in.weights.offset;
+    const int r = in.dims.rotary_dim;
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        own[c][e] = 1.0f;
+        partner[c][e] = 1.0f;
+      }
+      if (w == nullptr || !lanes.ok[c]) continue;
+      const int d0 = lanes.d0[c];
+      if constexpr (V == 8) {
+        float values[8];
+        load8(w, fp32, d0, values);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) own[c][e] = effective(values[e], offset);
+        if (partners && lanes.rot_end[c] > 0) {
+          load8(w, fp32, d0 < r / 2 ? d0 + r / 2 : d0 - r / 2, values);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) partner[c][e] = effective(values[e], offset);
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          const int d = d0 + e;
+          own[c][e] = effective(load_value(w, d, fp32), offset);
+          if (partners && d < r) {
+            const int p = qkvfuse::rope::partner(d, r, in.dims.neox);
+            partner[c][e] = effective(load_value(w, p, fp32), offset);
+          }
+        }
+      }
+    }
+  }
+
+ private:
+  /// w + offset, or w itself for offset 0 (so that a weight of -0 keeps its sign, as the CPU).
+  __device__ __forceinline__ static float effective(float w, float offset) {
+    return offset == 0.0f ? w : __fadd_rn(w, offset);
+  }
+
+  __device__ __forceinline__ static void load8(const void* w, bool fp32, int d0,
+                                               float (&out)[8]) {
+    if (fp32) {
+      Values<float, 8> v;
+      v.load(static_cast<const float*>(w) + d0, true);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) out[e] = v[e];
+    } else {
+      Values<uint16_t, 8> v;
+      v.load(static_cast<const uint16_t*>(w) + d0, true);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) out[e] = v[e];
+    }
+  }
+};
+
+// ------------------------------------------------------------------------------------------------
+// Row math
+// ------------------------------------------------------------------------------------------------
+
+/// rstd = 1 / sqrt(mean(x^2) + eps), each operation rounded as the CPU backend rounds it.
+__device__ __forceinline__ float rstd_of_mean(float mean_square, float eps) {
+  return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean_square, eps)));
+}
+
+/// reciprocal_sqrt_rn for every v > 0: below 2^-100 (a tiny eps with an all-zero row) v is
+/// scaled by 2^128 first and the result by 2^64, both exact: sqrt and the reciprocal each
+/// commute with the power-of-two scaling, so the bits are those of __fdiv_rn(1, __fsqrt_rn(v)).
+__device__ __forceinline__ float reciprocal_sqrt_any(float v) {
+  const bool tiny = v < 0x1p-100f;
+  const float q = reciprocal_sqrt_rn(tiny ? __fmul_rn(v, 0x1p128f) : v);
+  return tiny ? __fmul_rn(q, 0x1p64f) : q;
+}
+
+///   key offset, lanes >= r of a key row: gw = g_next + (t == 0 ? g : 0)
+__device__ __forceinline__ float shifted_grad(float g_next, float g, bool first_token) {
+  return __fadd_rn(g_next, first_token ? g : 0.0f);
+}
+///   dx = rstd * (dn - n * correction), correction = sum(dn * n) / D
+__device__ __forceinline__ float norm_grad(float rstd, float dn, float n, float correction) {
+  return __fmul_rn(rstd, __fsub_rn(dn, __fmul_rn(n, correction)));
+}
+
+/// rstd of a row held as chunks, true fp32 division and square root, or 1 without the norm.
+/// kBranchFree: the same bits through divide_by_width and reciprocal_sqrt_any, with no branch
+/// (the backward kernels' choice where it measured faster, perf_notes.md). `width` divides by D:
+/// UniformDivisor, or PowerOfTwoWidth in the full-width kernels.
+template <int G, int V, int C, bool kBranchFree = false, typename Width>
+__device__ __forceinline__ float row_rstd(const Chunk<V> (&x)[C], const Width& width, float eps) {
+  float partial = 0.0f;
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) partial = fmaf(x[c][i], x[c][i], partial);
+  }
+  const float sum = group_sum<G>(partial);
+  if constexpr (kBranchFree) {
+    // rstd_of_mean(width(sum)) without a branch (device_math.cuh): mean + eps >= eps > 0.
+    return reciprocal_sqrt_any(__fadd_rn(divide_by_width(sum, width), eps));
+  } else {
+    return rstd_of_mean(width(sum), eps);
+  }
+}
+
+/// Forward of chunk slot c of a row (SPEC.md sections 1 and 8): y = the rotation of nw = n * w,
+/// n = x * rstd (x when the norm is off); lanes >= r pass through. `nw_out` (key offset)
+/// receives nw as bf16. One chunk at a time, so that a row's outputs need not all be live at once.
+/// Every lane of the warp must call it (the partner exchange shuffles).
+template <class Geom, class Features, typename AngleT>
+__device__ __forceinline__ void forward_chunk(const RopeInputs& in,
+                                              const Chunk<Geom::V> (&x)[Geom::C], int c,
+                                              float rstd, const RowWeight<Geom>* weight,
+                                              const TokenAngles<Geom, AngleT, Features>& angles,
+                                              const LaneChunks<Geom>& lanes,
+                                              const Partners<Geom>* partners, Chunk<Geom::V>& y,
+                                              Chunk<Geom::V>* nw_out) {
+  constexpr int V = Geom::V;
+  const bool normalize = !Features::kGeneral || in.normalize;
+  float nw[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    const float n = normalize ? __fmul_rn(x[c][i], rstd) : x[c][i];
+    nw[i] = weight != nullptr ? __fmul_rn(n, weight->own[c][i]) : n;
+  }
+  float np[V] = {};
+  if (partners != nullptr) {
+    const Chunk<V> xp = partners->of(x, c);
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      const float n = normalize ? __fmul_rn(xp[i], rstd) : xp[i];
+      np[i] = weight != nullptr ? __fmul_rn(n, weight->partner[c][i]) : n;
+    }
+  } else if constexpr (V >= 2) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) np[i] = nw[i ^ 1];
+  }
+  float out[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    const float rotated = __fadd_rn(__fmul_rn(angles.f1(in, c, i), nw[i]),
+                                    __fmul_rn(angles.f2(in, c, i), np[i]));
+    out[i] = i < lanes.rot_end[c] ? rotated : nw[i];
+  }
+  y = to_bf16<V>(out);
+  if (nw_out != nullptr) *nw_out = to_bf16<V>(nw);
+}
+
+/// Backward of one row (SPEC.md sections 2 and 8):
+///   gw[d] = f1[d] * g[d] + f2p[d] * g[p(d)]                    (rotary lanes)
+///   gw[d] = g[d], or for a key row under key offset g_next[d] + (t == 0 ? g[d] : 0)
+///   with a weight: grad_w[d] += gw[d] * n[d] (into `weight_grad`: [0] for query rows, [1] for
+///   key rows, as `is_key` says), dn = gw * w
+///   dx    = rstd * (dn - n * (sum(dn * n) / D))                (dx = dn without the norm)
+/// kBranchFree as row_rstd. Every lane of the warp must call it (shuffles).
+template <class Geom, class Features, bool kBranchFree, typename AngleT, typename Width>
+__device__ __forceinline__ void backward_row(
+    const RopeInputs& in, const Chunk<Geom::V> (&g)[Geom::C], const Chunk<Geom::V> (&x)[Geom::C],
+    const TokenAngles<Geom, AngleT, Features>& angles, const Chunk<Geom::V> (&g_next)[Geom::C],
+    const LaneChunks<Geom>& lanes, const Partners<Geom>* partners, const RowWeight<Geom>* weight,
+    bool is_key, bool shift_row, bool first_token, const Width& width,
+    float (*weight_grad)[Geom::C][Geom::V], float (&dx)[Geom::C][Geom::V]) {
+  constexpr int G = Geom::G;
+  constexpr int V = Geom::V;
+  constexpr int C = Geom::C;
+  const bool normalize = !Features::kGeneral || in.normalize;
+  // One chunk per lane: keep n (V registers); wider rows recompute it from the bf16 bits.
+  constexpr bool kKeepN = C == 1;
+  const float rstd = normalize ? row_rstd<G, V, C, kBranchFree>(x, width, in.eps) : 1.0f;
+  float kept_n[kKeepN ? C : 1][V];
+  float partial = 0.0f;
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    Chunk<V> gp;
+    if (partners != nullptr) gp = partners->of(g, c);
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      const float n = normalize ? __fmul_rn(x[c][i], rstd) : x[c][i];
+      if constexpr (kKeepN) kept_n[c][i] = n;
+      const float g_partner = partners != nullptr ? gp[i] : g[c][i ^ 1];
+      const float rotated = __fadd_rn(__fmul_rn(angles.f1(in, c, i), g[c][i]),
+                                      __fmul_rn(angles.f2p(in, c, i), g_partner));
+      const float passed = shift_row ? shifted_grad(g_next[c][i], g[c][i], first_token) : g[c][i];
+      float gw = i < lanes.rot_end[c] ? rotated : passed;
+      if (weight != nullptr) {
+        if (weight_grad != nullptr) {
+          // Constant indices on both sides, so the sums stay in registers.
+          if (is_key) {
+            weight_grad[1][c][i] = fmaf(gw, n, weight_grad[1][c][i]);
+          } else {
+            weight_grad[0][c][i] = fmaf(gw, n, weight_grad[0][c][i]);
+          }
+        }
+        gw = __fmul_rn(gw, weight->own[c][i]);
+      }
+      dx[c][i] = gw;  // dn for now
+      partial = fmaf(gw, n, partial);
+    }
+  }
+  const float sum = group_sum<G>(partial);
+  if (!normalize) return;
+  float correction;
+  if constexpr (kBranchFree) {
+    correction = divide_by_width(sum, width);
+  } else {
+    correction = width(sum);
+  }
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      const float n = kKeepN ? kept_n[kKeepN ? c : 0][i] : __fmul_rn(x[c][i], rstd);
+      dx[c][i] = norm_grad(rstd, dx[c][i], n, correction);
+    }
+  }
+}
+
+}  // namespace qkvfuse::cuda::rope
