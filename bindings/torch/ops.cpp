@@ -36,7 +36,7 @@ namespace {
 using at::Tensor;
 using torch::jit::Stack;
 
-// ---- the rope layout -----------------------------------------------------------------------------
+// ---- the rope layout ----------------------------------------------------------------------------
 
 // The arguments of qkvfuse::RopeLayout (include/qkvfuse/qk_norm_rope.hpp), in its field order,
 // appended to every rope op's schema. None is the C++ default: num_kv_heads = num_heads;
@@ -136,7 +136,7 @@ at::TensorOptions e4m3_like(const Tensor& tensor) {
   return tensor.options().dtype(at::kFloat8_e4m3fn);
 }
 
-// ---- the rope ops (boxed) -------------------------------------------------------------------------
+// ---- the rope ops (boxed) -----------------------------------------------------------------------
 
 // qk_norm_rope(Tensor qk, <layout>) -> (Tensor q, Tensor k)
 void qk_norm_rope(const c10::OperatorHandle& op, Stack* stack) {
@@ -351,7 +351,7 @@ void check_positions(const Tensor& positions, int64_t num_positions) {
                            current_stream(positions));
 }
 
-// ---- the FP8 producers (unboxed) -------------------------------------------------------------------
+// ---- the FP8 producers (unboxed) ----------------------------------------------------------------
 
 // The e4m3 outputs of a dual-layout quantize of src [M, N] or [B, M, N]: row (src's shape) and t
 // (the last two dims swapped).
@@ -431,7 +431,7 @@ Tensor fp8_gemm(const Tensor& a, const Tensor& b, const Tensor& scale_a, const T
   return d;
 }
 
-// ---- registration ----------------------------------------------------------------------------------
+// ---- registration -------------------------------------------------------------------------------
 
 // The Autograd kernel of the ops without a gradient of their own: the FP8 producers, the backward
 // ops, the packed forward (whose gradient python/qkvfuse/packed.py defines around it) and

@@ -30,8 +30,8 @@ def _qkv_backward_fp8(grad_q, grad_k, grad_v, qk, grad_scale, *layout):
     layout = RopeLayout.of_op(layout)
     tokens = qk.shape[0]
     qkv_dim = layout.qkv_dim(qk.shape[2], grad_v.shape[2])
-    return (qk.new_empty((tokens, qkv_dim), dtype=E4M3), qk.new_empty((qkv_dim, tokens), dtype=E4M3),
-            *layout.weight_grads_like(qk))
+    return (qk.new_empty((tokens, qkv_dim), dtype=E4M3),
+            qk.new_empty((qkv_dim, tokens), dtype=E4M3), *layout.weight_grads_like(qk))
 
 
 @torch.library.register_fake("qkvfuse::check_positions")

@@ -25,7 +25,7 @@ from conftest import DEVICES, assert_bf16_close, rel_error
 
 BF16 = torch.bfloat16
 
-# ---- the formulas, restated -----------------------------------------------------------------------
+# ---- the formulas, restated ----------------------------------------------------------------------
 
 
 def hf_qwen3_rms_norm(hidden_states, weight, eps):
@@ -185,7 +185,7 @@ def test_gradients_match_hf_autograd(model):
         assert rel_error(grad, want) < 1e-5
 
 
-# ---- transformers itself, when it is installed ------------------------------------------------------
+# ---- transformers itself, when it is installed ---------------------------------------------------
 
 def transformers_module(name):
     return pytest.importorskip(f"transformers.models.{name}.modeling_{name}")

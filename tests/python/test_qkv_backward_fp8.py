@@ -88,8 +88,8 @@ def test_deterministic(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_opcheck(device, name):
-    opcheck(torch.ops.qkvfuse.qkv_backward_fp8.default, op_args(make_inputs(LAYOUTS[name],
-                                                                          device)))
+    args = op_args(make_inputs(LAYOUTS[name], device))
+    opcheck(torch.ops.qkvfuse.qkv_backward_fp8.default, args)
 
 
 @pytest.mark.parametrize("device", DEVICES)

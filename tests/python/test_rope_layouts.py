@@ -138,7 +138,7 @@ def test_zero_tokens(device):
         assert torch.equal(kwargs[name].grad, torch.zeros_like(kwargs[name]))
 
 
-# ---- positions -------------------------------------------------------------------------------------
+# ---- positions -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("position_dtype", [torch.int32, torch.int64])
@@ -252,7 +252,7 @@ def test_opcheck(device, case):
                           (torch.randn_like(q), torch.randn_like(k), qk.detach(), *detached))
 
 
-# ---- errors ----------------------------------------------------------------------------------------
+# ---- errors --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_errors_name_the_argument(device):
