@@ -184,26 +184,27 @@ void qk_norm_rope(const QkNormRopeParams& params) {
   const int chunk = rope::chunk_width(layout, head_dim, {&params.qk, &params.q, &params.k});
   const bool speedrun = chunk == 8 && rope::speedrun_layout(layout);
   const cudaStream_t stream = to_cuda(params.stream);
+  // The speedrun's layout has a kernel per full width too (rope::has_full_width); the general
+  // layouts compute with the run-time width (fewer instantiations to compile).
   chunk_width_switch("qk_norm_rope", chunk, [&](auto chunk_tag) {
     constexpr int V = decltype(chunk_tag)::value;
     // D = 96 on 4 lanes x 3 chunks: every lane loads and stores (perf_notes.md).
     rope::head_width_switch<V, rope::Width96::kFull4x3>("qk_norm_rope", head_dim, [&](auto geometry) {
       using Geom = decltype(geometry);
-      rope::full_width_switch<Geom>(head_dim, [&](auto full_width) {
-        bool_switch(layout.key_offset, [&](auto key_offset) {
-          angle_dtype_switch("qk_norm_rope", rope::angle_dtype(layout), [&](auto angle_tag) {
-            using AngleT = typename decltype(angle_tag)::type;
-            constexpr bool kKeyOffset = decltype(key_offset)::value;
-            constexpr bool kFull = decltype(full_width)::value;
+      bool_switch(layout.key_offset, [&](auto key_offset) {
+        angle_dtype_switch("qk_norm_rope", rope::angle_dtype(layout), [&](auto angle_tag) {
+          using AngleT = typename decltype(angle_tag)::type;
+          constexpr bool kKeyOffset = decltype(key_offset)::value;
+          if constexpr (V == 8) {
             if (speedrun) {
-              if constexpr (V == 8) {
-                launch_forward<Geom, kKeyOffset, AngleT, kFull, rope::SpeedrunFeatures>(args,
-                                                                                        stream);
-              }
-            } else {
-              launch_forward<Geom, kKeyOffset, AngleT, kFull, rope::GeneralFeatures>(args, stream);
+              rope::full_width_switch<Geom>(head_dim, [&](auto full_width) {
+                launch_forward<Geom, kKeyOffset, AngleT, decltype(full_width)::value,
+                               rope::SpeedrunFeatures>(args, stream);
+              });
+              return;
             }
-          });
+          }
+          launch_forward<Geom, kKeyOffset, AngleT, false, rope::GeneralFeatures>(args, stream);
         });
       });
     });

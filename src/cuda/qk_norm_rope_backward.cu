@@ -185,8 +185,9 @@ __device__ __forceinline__ void backward_unit(const BackwardArgs& p, int64_t uni
   }
 }
 
-/// kFullWidth: rows of exactly Geom's full width (rope::has_full_width). kWeightGrad: the layout
-/// has norm weights; the block walks tokens_per_block tokens and writes its partial row.
+/// kFullWidth: rows of exactly Geom's full width (rope::has_full_width). kWeightGrad: the block
+/// walks tokens_per_block tokens and writes its partial row of the weights' gradient sums (when
+/// partials is not null).
 template <class Geom, int K, bool kKeyOffset, typename AngleT, bool kFullWidth, class Features,
           bool kWeightGrad>
 __global__ void __launch_bounds__(
@@ -245,6 +246,7 @@ __global__ void __launch_bounds__(
       }
     }
     __syncthreads();
+    if (p.partials == nullptr) return;  // a layout without weights on the weighted kernel
     float* partial = p.partials + int64_t(blockIdx.x) * 2 * D;
     for (int column = int(threadIdx.x); column < 2 * D; column += kRowThreads) {
       float total = 0.0f;
@@ -267,6 +269,7 @@ void launch_backward(BackwardArgs args, cudaStream_t stream) {
   args.units = work.units;
   int64_t blocks = (work.units + kGroups - 1) / kGroups;
   size_t smem = 0;
+  if (!rope::has_weights_args(args.in)) args.partials = nullptr;
   if constexpr (kWeightGrad) {
     args.tokens_per_block = int(tokens_per_weight_block(heads2));
     blocks = (args.in.tokens + args.tokens_per_block - 1) / args.tokens_per_block;
@@ -315,33 +318,39 @@ void qk_norm_rope_backward(const QkNormRopeBackwardParams& params) {
   const int chunk = rope::chunk_width(layout, head_dim,
                                       {&params.qk, &params.grad_q, &params.grad_k, &params.grad_qk});
   const bool speedrun = chunk == 8 && rope::speedrun_layout(layout);
+  // The speedrun's layout has a kernel per full width too (rope::has_full_width); the general
+  // layouts compute with the run-time width, and their narrow-chunk kernels (rows not 16-byte
+  // aligned: rare) exist only in the weighted form, which writes no partial row when the layout
+  // has no weight (fewer instantiations to compile).
   chunk_width_switch("qk_norm_rope_backward", chunk, [&](auto chunk_tag) {
     constexpr int V = decltype(chunk_tag)::value;
     // D = 96 on 4 lanes x 3 chunks: every lane loads and stores (perf_notes.md).
     rope::head_width_switch<V, rope::Width96::kFull4x3>(
         "qk_norm_rope_backward", head_dim, [&](auto geometry) {
           using Geom = decltype(geometry);
-          rope::full_width_switch<Geom>(head_dim, [&](auto full_width) {
-            bool_switch(layout.key_offset, [&](auto key_offset) {
-              angle_dtype_switch(
-                  "qk_norm_rope_backward", rope::angle_dtype(layout), [&](auto angle_tag) {
-                    using AngleT = typename decltype(angle_tag)::type;
-                    constexpr bool kKeyOffset = decltype(key_offset)::value;
-                    constexpr bool kFull = decltype(full_width)::value;
+          bool_switch(layout.key_offset, [&](auto key_offset) {
+            angle_dtype_switch(
+                "qk_norm_rope_backward", rope::angle_dtype(layout), [&](auto angle_tag) {
+                  using AngleT = typename decltype(angle_tag)::type;
+                  constexpr bool kKeyOffset = decltype(key_offset)::value;
+                  if constexpr (V == 8) {
                     if (speedrun) {
-                      if constexpr (V == 8) {
-                        launch_backward<Geom, kKeyOffset, AngleT, kFull, rope::SpeedrunFeatures,
-                                        false>(args, stream);
-                      }
+                      rope::full_width_switch<Geom>(head_dim, [&](auto full_width) {
+                        launch_backward<Geom, kKeyOffset, AngleT, decltype(full_width)::value,
+                                        rope::SpeedrunFeatures, false>(args, stream);
+                      });
                     } else if (weighted) {
-                      launch_backward<Geom, kKeyOffset, AngleT, kFull, rope::GeneralFeatures,
+                      launch_backward<Geom, kKeyOffset, AngleT, false, rope::GeneralFeatures,
                                       true>(args, stream);
                     } else {
-                      launch_backward<Geom, kKeyOffset, AngleT, kFull, rope::GeneralFeatures,
+                      launch_backward<Geom, kKeyOffset, AngleT, false, rope::GeneralFeatures,
                                       false>(args, stream);
                     }
-                  });
-            });
+                  } else {
+                    launch_backward<Geom, kKeyOffset, AngleT, false, rope::GeneralFeatures, true>(
+                        args, stream);
+                  }
+                });
           });
         });
   });

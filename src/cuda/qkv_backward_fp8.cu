@@ -544,6 +544,7 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
       }
     }
     __syncthreads();
+    if (p.partials == nullptr) return;  // a layout without weights on the weighted kernel
     float* partial = p.partials + int64_t(blockIdx.x) * 2 * D;
     for (int column = int(threadIdx.x); column < 2 * D; column += kFp8Threads) {
       float total = 0.0f;
@@ -559,7 +560,8 @@ __global__ void __launch_bounds__(kFp8Threads,
                                   fp8_min_blocks<Geom, AngleT, Features, kWeightGrad>())
     qkv_backward_fp8_kernel(const __grid_constant__ Fp8Args p) {
   const E4m3Scaler scale{*p.grad_scale};
-  if constexpr (fp8_branch_free<Geom::G, kKeyOffset>()) {
+  // The general layouts' kernels keep one copy of the tile code (compile time).
+  if constexpr (fp8_branch_free<Geom::G, kKeyOffset>() && !Features::kGeneral) {
     if (scale.fast) {
       fp8_tile<Geom, kKeyOffset, AngleT, kFullWidth, Features, kWeightGrad, true,
                ScaleDivision::kFast>(p, scale);
@@ -568,8 +570,8 @@ __global__ void __launch_bounds__(kFp8Threads,
                ScaleDivision::kGeneral>(p, scale);
     }
   } else {
-    fp8_tile<Geom, kKeyOffset, AngleT, kFullWidth, Features, kWeightGrad, false,
-             ScaleDivision::kTestPerCall>(p, scale);
+    fp8_tile<Geom, kKeyOffset, AngleT, kFullWidth, Features, kWeightGrad,
+             fp8_branch_free<Geom::G, kKeyOffset>(), ScaleDivision::kTestPerCall>(p, scale);
   }
 }
 
@@ -693,10 +695,12 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
       .jobs = jobs_per_tile(layout),
       .tile_pitch = int((2 * head_dim + v_dim + 127) / 128 * 128),
       .resident_blocks = 1,
-      .partials = workspace,
+      .partials = weighted ? workspace : nullptr,
   };
   const bool speedrun = width == 8 && rope::speedrun_layout(layout);
   const int device = params.qk.device.index;
+  // As the bf16 backward: full-width kernels for the speedrun's layout only, the narrow-chunk
+  // kernels in the weighted form only (fewer instantiations to compile).
   chunk_width_switch("qkv_backward_fp8", width, [&](auto chunk_tag) {
     constexpr int V = decltype(chunk_tag)::value;
     // D = 96 on 16 lanes x 1 chunk (12 active): the QK rows of a token are loaded together within
@@ -705,25 +709,27 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
     rope::head_width_switch<V, rope::Width96::kMasked16x1>(
         "qkv_backward_fp8", head_dim, [&](auto geometry) {
           using Geom = decltype(geometry);
-          rope::full_width_switch<Geom>(head_dim, [&](auto full_width) {
-            bool_switch(layout.key_offset, [&](auto key_offset) {
-              angle_dtype_switch("qkv_backward_fp8", rope::angle_dtype(layout), [&](auto angle_tag) {
-                using AngleT = typename decltype(angle_tag)::type;
-                constexpr bool kKeyOffset = decltype(key_offset)::value;
-                constexpr bool kFull = decltype(full_width)::value;
+          bool_switch(layout.key_offset, [&](auto key_offset) {
+            angle_dtype_switch("qkv_backward_fp8", rope::angle_dtype(layout), [&](auto angle_tag) {
+              using AngleT = typename decltype(angle_tag)::type;
+              constexpr bool kKeyOffset = decltype(key_offset)::value;
+              if constexpr (V == 8) {
                 if (speedrun) {
-                  if constexpr (V == 8) {
-                    launch_fp8<Geom, kKeyOffset, AngleT, kFull, rope::SpeedrunFeatures, false>(
-                        args, device, stream);
-                  }
+                  rope::full_width_switch<Geom>(head_dim, [&](auto full_width) {
+                    launch_fp8<Geom, kKeyOffset, AngleT, decltype(full_width)::value,
+                               rope::SpeedrunFeatures, false>(args, device, stream);
+                  });
                 } else if (weighted) {
-                  launch_fp8<Geom, kKeyOffset, AngleT, kFull, rope::GeneralFeatures, true>(
+                  launch_fp8<Geom, kKeyOffset, AngleT, false, rope::GeneralFeatures, true>(
                       args, device, stream);
                 } else {
-                  launch_fp8<Geom, kKeyOffset, AngleT, kFull, rope::GeneralFeatures, false>(
+                  launch_fp8<Geom, kKeyOffset, AngleT, false, rope::GeneralFeatures, false>(
                       args, device, stream);
                 }
-              });
+              } else {
+                launch_fp8<Geom, kKeyOffset, AngleT, false, rope::GeneralFeatures, true>(
+                    args, device, stream);
+              }
             });
           });
         });

@@ -131,4 +131,8 @@ inline bool has_weights(const RopeLayout& layout) {
   return !is_absent(layout.q_weight) || !is_absent(layout.k_weight);
 }
 
+inline bool has_weights_args(const RopeInputs& in) {
+  return in.weights.q != nullptr || in.weights.k != nullptr;
+}
+
 }  // namespace qkvfuse::cuda::rope
