@@ -8,15 +8,13 @@ import torch
 # F.rms_norm's float32 eps, the default of every rope op (SPEC.md section 1).
 DEFAULT_EPS = 2.0**-23
 
-ROTARY_STYLES = ("interleaved", "neox")
-
 
 class RopeLayout(NamedTuple):
     """The layout arguments every rope op takes, in order: the schema fragment kRopeLayoutSchema
     of bindings/torch/ops.cpp, which the binding reads into qkvfuse::RopeLayout
     (include/qkvfuse/qk_norm_rope.hpp; SPEC.md section 8). `tuple(layout)` is those arguments;
-    `RopeLayout(*args[-len(RopeLayout._fields):])` reads them back from an op's arguments (fake
-    kernels, autograd).
+    `RopeLayout.of_op(args)` reads them back from an op's arguments (fake kernels, autograd).
+    The same names as qk_norm_rope's arguments.
 
     None means the C++ default: num_kv_heads = num_heads; rotary_dim = D with factor tables,
     cos_sin's width with a cos/sin cache. The norm weights are separate tensor arguments of the
@@ -70,10 +68,9 @@ class RopeLayout(NamedTuple):
     def weight_grads_like(self, like: torch.Tensor):
         """Fake versions of the weight gradients a backward op returns: [D] in each weight's
         dtype, an empty float32 [0] for an absent weight (the schemas have no optional outputs)."""
-        return tuple(
-            like.new_empty((0,), dtype=torch.float32) if w is None else like.new_empty(
-                w.shape, dtype=w.dtype)
-            for w in (self.q_weight, self.k_weight))
+        return tuple(like.new_empty((0,), dtype=torch.float32) if w is None
+                     else like.new_empty(w.shape, dtype=w.dtype)
+                     for w in (self.q_weight, self.k_weight))
 
     def weight_grads(self, grad_q_weight, grad_k_weight):
         """A backward op's weight gradients, None in place of an absent weight's placeholder."""

@@ -126,6 +126,28 @@ def test_int32_and_int64_positions_agree(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("style", ["interleaved", "neox"])
+def test_strided_cache_and_positions(device, style):
+    """cos_sin may be a column slice (row stride > r), positions any strided view."""
+    qk, kwargs = make("qwen3_gqa", device, requires_grad=True)
+    kwargs["rotary_style"] = style
+    wide = torch.randn(20, 3 + 32 + 5, device=device)
+    kwargs["cos_sin"] = wide[:, 3:35]
+    kwargs["positions"] = torch.randint(0, 20, (2 * qk.shape[0],), device=device)[::2]
+    q, k = qkvfuse.qk_norm_rope(qk, **kwargs)
+    q_ref, k_ref = ref.rope(qk.detach(), **kwargs)
+    assert_bf16_close(q, q_ref)
+    assert_bf16_close(k, k_ref)
+    grad_q, grad_k = torch.randn_like(q), torch.randn_like(k)
+    grads = torch.autograd.grad((q, k), (qk, kwargs["q_weight"], kwargs["k_weight"]),
+                                (grad_q, grad_k))
+    expected = ref.rope_grads(grad_q, grad_k, qk, **kwargs)
+    assert_bf16_close(grads[0], expected[0])
+    for grad, want, weight in zip(grads[1:], expected[1:], weights_of(kwargs).values()):
+        assert_weight_grad_close(grad, want, weight)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_zero_tokens(device):
     """T = 0: empty q and k; the weight gradients are sums over no rows, zeros."""
     qk, kwargs = make("qwen3_gqa", device, tokens=0, requires_grad=True)
@@ -268,6 +290,8 @@ def test_errors_name_the_argument(device):
         (dict(rotary_dim=34), "qk_norm_rope: layout.rotary_dim: expected an even value in "
                               r"\[0, D = 32\]"),
         (dict(rotary_dim=16), "qk_norm_rope: layout.cos_sin: expected width r = 16"),
+        (dict(rotary_dim=None, cos_sin=kwargs["cos_sin"][:, :7]),
+         "qk_norm_rope: layout.cos_sin: expected an even width r"),
         (dict(num_kv_heads=3), "qk_norm_rope: layout.num_kv_heads: expected a divisor"),
         (dict(num_kv_heads=0), "qk_norm_rope: layout.num_kv_heads: expected >= 1"),
         (dict(num_heads=0), "qk_norm_rope: layout.num_heads: expected >= 1"),
