@@ -3,7 +3,7 @@
 # sanitizers and the benchmarks, and print a short table last. Logs and result files go to $OUT.
 #
 #   scripts/device_run.sh [stage ...]     stages: build test sanitize fuzz python profile ncu train train2
-#                                         bench
+#                                         ab bench
 #                                         (default: build test python bench)
 # Needs, carried next to the tree (git-ignored): .gtest/ (GoogleTest sources; the GPU machine has
 # no network) and .seed/reference_triton.py (the reference implementation, for side-by-side runs).
@@ -56,8 +56,9 @@ fi
 
 if has python; then
   start=$SECONDS
-  python3 -m pip install -q --no-build-isolation --no-deps . >"$LOG/pip.log" 2>&1
-  note "pip install: rc=$?"
+  # The op library of the build stage, loaded from the build tree (no second build by pip).
+  export QKVFUSE_TORCH_LIBRARY=$PWD/$build/bindings/torch/libqkvfuse_torch.so
+  export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
   # One pytest process per file: a crash in one file is reported and the others still run.
   for file in ${QKVFUSE_PYTEST_FILES:-tests/python/test_*.py}; do
     name=$(basename "$file" .py)
@@ -114,6 +115,29 @@ if has profile; then
   python3 bench/profile_packed.py --reference .seed/reference_triton.py \
     >"$LOG/profile_packed.txt" 2>&1
   note "profile_packed: rc=$? $(grep -E 'busy' "$LOG/profile_packed.txt" | tr -s ' ' | paste -sd ';')"
+fi
+
+if has ab; then
+  # Same-run A/B of the rope kernels against another build's benchmark binary ($QKVFUSE_AB_OLD,
+  # e.g. carried in .device/old/): QKVFUSE_AB_ROUNDS interleaved rounds (old, new, old, new, ...);
+  # bench/ab_kernels.py takes the best round of each.
+  start=$SECONDS
+  old_csvs=() new_csvs=()
+  for round in $(seq 1 "${QKVFUSE_AB_ROUNDS:-2}"); do
+    for side in old new; do
+      binary=$build/bench/qkvfuse_bench_kernels
+      [ $side = old ] && binary=${QKVFUSE_AB_OLD:-.device/old/qkvfuse_bench_kernels}
+      "$binary" --iters "${QKVFUSE_AB_ITERS:-100}" --csv "$LOG/ab_${side}_$round.csv" \
+        >"$LOG/ab_${side}_$round.txt" 2>&1
+      note "ab $side round $round: rc=$? ($((SECONDS - start)) s)"
+      [ $side = old ] && old_csvs+=("$LOG/ab_old_$round.csv") || new_csvs+=("$LOG/ab_new_$round.csv")
+    done
+  done
+  python3 bench/ab_kernels.py --old "${old_csvs[@]}" --new "${new_csvs[@]}" --out "$LOG/ab.md" |
+    tee -a "$summary"
+  # The new build's rows the old one does not have (the general layouts' model shapes).
+  grep -E "Qwen|Gemma|D=100" "$LOG/ab_new_1.txt" | tee -a "$summary"
+  pack
 fi
 
 if has bench; then

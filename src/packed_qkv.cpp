@@ -272,6 +272,14 @@ PackedDims check_backward_args(const Checker& check, const PackedQkvBackwardPara
                  {p.grad_scale, "grad_scale"},
                  {p.grad_qkv_scale, "grad_qkv_scale"}},
                 device);
+  // The norm weights' gradients and their workspace under the packed op's own names (the
+  // qkv_backward_fp8 step calls the workspace `workspace`).
+  validate::RopeShape shape{};
+  shape.head_dim = dims.head_dim;
+  validate::rope_weight_grads(check, p.layout, shape, {p.grad_q_weight, "grad_q_weight", true},
+                              {p.grad_k_weight, "grad_k_weight", true},
+                              {p.rope_workspace, "rope_workspace", true},
+                              backward_workspace_size(p));
   check.dtype(p.partials, "partials", DType::kFloat32);
   check.shape(p.partials, "partials", {kGradScalePartials}, "(kGradScalePartials)");
   check.contiguous(p.partials, "partials");

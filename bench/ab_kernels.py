@@ -1,0 +1,54 @@
+"""Same-run A/B of two builds of qkvfuse_bench_kernels: the rows both builds measured, each the
+best (lowest) median over the rounds, and the ratio old / new (> 1: the new build is faster).
+
+  python bench/ab_kernels.py --old old_1.csv old_2.csv --new new_1.csv new_2.csv [--out ab.md]
+
+The rounds are meant to be interleaved (old, new, old, new) in one device session, so that clock
+and power drift reach both builds alike; the best round per build counts.
+"""
+import argparse
+import csv
+from pathlib import Path
+
+
+def read(paths):
+    """{(kernel, mode, tokens, heads, kv_heads, head_dim, v_dim): [ms, ...]} and the copy GB/s."""
+    rows, copy = {}, []
+    for path in paths:
+        lines = Path(path).read_text().splitlines()
+        copy += [float(l.split(":")[1].split()[0]) for l in lines if l.startswith("# copy")]
+        for row in csv.DictReader(l for l in lines if not l.startswith("#")):
+            if not row["ms"] or row["ms"] == "-":
+                continue
+            key = (row["kernel"], row["mode"], row["tokens"], row["heads"],
+                   row.get("kv_heads", row["heads"]), row["head_dim"], row["v_dim"])
+            rows.setdefault(key, []).append(float(row["ms"]))
+    return rows, copy
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--old", nargs="+", required=True)
+    parser.add_argument("--new", nargs="+", required=True)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    old, old_copy = read(args.old)
+    new, new_copy = read(args.new)
+    lines = [f"copy GB/s: old {', '.join(f'{c:.0f}' for c in old_copy)}; "
+             f"new {', '.join(f'{c:.0f}' for c in new_copy)}", "",
+             "| kernel | mode | T | H | D | Dv | old ms | new ms | old / new |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for key in sorted(set(old) & set(new)):
+        kernel, mode, tokens, heads, kv_heads, head_dim, v_dim = key
+        a, b = min(old[key]), min(new[key])
+        heads_text = heads if kv_heads == heads else f"{heads}/{kv_heads}"
+        lines.append(f"| {kernel} | {mode} | {tokens} | {heads_text} | {head_dim} | {v_dim} | "
+                     f"{a:.4f} | {b:.4f} | {a / b:.3f} |")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
