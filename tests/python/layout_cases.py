@@ -51,15 +51,17 @@ MAIN_CASES = ["qwen3_gqa", "gemma3_mqa", "partial_interleaved_mqa", "rotary_only
               "paired_weights", "key_offset_weights"]
 
 
-def make(case, device, qk_dtype=BF16, tokens=None, requires_grad=False):
+def make(case, device, qk_dtype=BF16, tokens=None, requires_grad=False, pad=8):
     """(qk, kwargs): qk [T, Hq + Hkv, D] as a column slice of a wider buffer (a GEMM output's Q/K
-    columns) and the keyword arguments of qkvfuse.qk_norm_rope for the case (tensors on
-    `device`; float64 tables and weights when qk is float64, as a gradient check needs)."""
+    columns, `pad` more per row: 8 keeps bf16 rows 16-byte aligned, for CUDA's vector kernels; an
+    odd pad leaves them 2-byte aligned) and the keyword arguments of qkvfuse.qk_norm_rope for the
+    case (tensors on `device`; float64 tables and weights when qk is float64, as a gradient check
+    needs)."""
     c = dict(CASES[case]) if isinstance(case, str) else dict(case)
     tokens = c["tokens"] if tokens is None else tokens
     heads, kv, dim = c["heads"], c["kv"], c["dim"]
     wide64 = qk_dtype == torch.float64
-    wide = torch.randn(tokens, (heads + kv) * dim + 5, device=device).to(qk_dtype)
+    wide = torch.randn(tokens, (heads + kv) * dim + pad, device=device).to(qk_dtype)
     qk = wide[:, : (heads + kv) * dim].view(tokens, heads + kv, dim)
     if requires_grad:
         qk = qk.detach().requires_grad_()
