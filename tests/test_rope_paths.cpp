@@ -1,6 +1,6 @@
-// test_rope_paths.cpp: which CUDA kernels a rope call goes to (src/cuda/rope_paths.hpp). Host
-// code only, so it runs everywhere: the views carry made-up device addresses and are never read.
-// The GPU tests check both paths' results; this pins the choice between them.
+// test_rope_paths.cpp: which access width the CUDA rope kernels use for a call
+// (src/cuda/rope_paths.hpp). Host code only, so it runs everywhere: the views carry made-up device
+// addresses and are never read. The GPU tests check every width's results; this pins the choice.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -17,127 +17,192 @@ constexpr uintptr_t kBase = uintptr_t(1) << 32;  // 256-byte aligned, like a fre
 void* at(uintptr_t byte_offset) { return reinterpret_cast<void*>(kBase + byte_offset); }
 
 /// The model's layer: qk the Q/K columns of the packed [T, qkv_dim] GEMM output, the tables
-/// [T, D] bf16, the outputs and gradients contiguous, each at its own aligned address.
+/// [T, D] bf16 (or a cos/sin cache [P, r]), the outputs and gradients contiguous, each at its own
+/// aligned address.
 struct Call {
-  int64_t tokens = 64, heads = 6, dim = 128, v_dim = 128;
+  int64_t tokens = 64, heads = 6, kv_heads = 6, dim = 128, v_dim = 128;
   int64_t qk_offset = 0;       ///< bytes added to qk's pointer
   int64_t qk_row_pad = 0;      ///< elements added to qk's token stride
   int64_t grad_row_offset = 0;
   int64_t grad_t_offset = 0;
   DType factor_dtype = DType::kBFloat16;
   int64_t factor_row_pad = 0;
+  bool cache = false;          ///< a cos/sin cache [64, rotary] instead of the tables
+  int64_t rotary = -1;
+  RotaryStyle style = RotaryStyle::kInterleaved;
+  int64_t weight_offset = 0;   ///< bytes added to q_weight's pointer (-1: no weight)
 
-  int64_t qkv_dim() const { return 2 * heads * dim + heads * v_dim; }
+  int64_t qkv_dim() const { return (heads + kv_heads) * dim + kv_heads * v_dim; }
   TensorView qk() const {
-    return make_view(at(uintptr_t(qk_offset)), DType::kBFloat16, kGpu, {tokens, 2 * heads, dim},
-                     {qkv_dim() + qk_row_pad, dim, 1});
+    return make_view(at(uintptr_t(qk_offset)), DType::kBFloat16, kGpu,
+                     {tokens, heads + kv_heads, dim}, {qkv_dim() + qk_row_pad, dim, 1});
   }
-  TensorView factor(int which) const {
-    return make_view(at(uintptr_t(1 + which) << 28), factor_dtype, kGpu, {tokens, dim},
-                     {dim + factor_row_pad, 1});
+  RopeLayout layout() const {
+    RopeLayout l;
+    l.num_heads = heads;
+    l.num_kv_heads = kv_heads;
+    l.rotary_dim = rotary;
+    l.rotary_style = style;
+    if (cache) {
+      const int64_t r = rotary < 0 ? dim : rotary;
+      l.cos_sin = make_view(at(uintptr_t(1) << 28), factor_dtype, kGpu, {64, r},
+                            {r + factor_row_pad, 1});
+      l.positions = make_view(at(uintptr_t(2) << 28), DType::kInt64, kGpu, {tokens});
+    } else {
+      for (int which = 0; which < 2; ++which) {
+        (which ? l.factor2 : l.factor1) =
+            make_view(at(uintptr_t(1 + which) << 28), factor_dtype, kGpu, {tokens, dim},
+                      {dim + factor_row_pad, 1});
+      }
+    }
+    if (weight_offset >= 0) {
+      l.q_weight = make_view(at((uintptr_t(12) << 28) + uintptr_t(weight_offset)),
+                             DType::kBFloat16, kGpu, {dim});
+    }
+    return l;
   }
-  TensorView rows(int which) const {  // q, k, grad_q, grad_k
-    return make_view(at(uintptr_t(3 + which) << 28), DType::kBFloat16, kGpu, {tokens, heads, dim});
+  TensorView rows(int which, int64_t n) const {  // q, k, grad_q, grad_k
+    return make_view(at(uintptr_t(3 + which) << 28), DType::kBFloat16, kGpu, {tokens, n, dim});
   }
   QkNormRopeParams forward() const {
-    return {qk(), factor(0), factor(1), rows(0), rows(1), {heads, dim, false, false}};
+    return {.qk = qk(), .q = rows(0, heads), .k = rows(1, kv_heads), .layout = layout()};
   }
   QkNormRopeBackwardParams backward() const {
     QkNormRopeBackwardParams p;
-    p.grad_q = rows(2);
-    p.grad_k = rows(3);
+    p.grad_q = rows(2, heads);
+    p.grad_k = rows(3, kv_heads);
     p.qk = qk();
-    p.factor1 = factor(0);
-    p.factor2 = factor(1);
-    p.grad_qk = make_view(at(uintptr_t(7) << 28), DType::kBFloat16, kGpu, {tokens, 2 * heads, dim});
-    p.layout = {heads, dim, false, false};
+    p.grad_qk = make_view(at(uintptr_t(7) << 28), DType::kBFloat16, kGpu,
+                          {tokens, heads + kv_heads, dim});
+    p.layout = layout();
     return p;
   }
   QkvBackwardFp8Params fp8() const {
     QkvBackwardFp8Params p;
-    p.grad_q = rows(2);
-    p.grad_k = rows(3);
-    p.grad_v = make_view(at(uintptr_t(8) << 28), DType::kBFloat16, kGpu, {tokens, heads, v_dim});
+    p.grad_q = rows(2, heads);
+    p.grad_k = rows(3, kv_heads);
+    p.grad_v = make_view(at(uintptr_t(8) << 28), DType::kBFloat16, kGpu, {tokens, kv_heads, v_dim});
     p.qk = qk();
-    p.factor1 = factor(0);
-    p.factor2 = factor(1);
     p.grad_scale = make_view(at(uintptr_t(9) << 28), DType::kFloat32, kGpu, {});
     p.grad_row = make_view(at((uintptr_t(10) << 28) + uintptr_t(grad_row_offset)),
                            DType::kFloat8E4M3, kGpu, {tokens, qkv_dim()});
     p.grad_t = make_view(at((uintptr_t(11) << 28) + uintptr_t(grad_t_offset)), DType::kFloat8E4M3,
                          kGpu, {qkv_dim(), tokens});
-    p.layout = {heads, dim, false, false};
+    p.layout = layout();
     return p;
   }
 };
 
-bool all_vector(const Call& c) {
-  return cuda::rope::vector_path(c.forward()) && cuda::rope::vector_path(c.backward()) &&
-         cuda::rope::vector_path(c.fp8());
-}
-bool none_vector(const Call& c) {
-  return !cuda::rope::vector_path(c.forward()) && !cuda::rope::vector_path(c.backward()) &&
-         !cuda::rope::vector_path(c.fp8());
+using cuda::rope::chunk_width;
+
+/// The width every op takes, or -1 when they differ.
+int widths(const Call& c) {
+  const int forward = chunk_width(c.forward());
+  const int backward = chunk_width(c.backward());
+  const int fp8 = chunk_width(c.fp8());
+  return forward == backward && backward == fp8 ? forward : -1;
 }
 
-TEST(RopePaths, ModelShapesTakeTheVectorKernels) {
+TEST(RopePaths, ModelShapesTakeSixteenByteChunks) {
   for (const int64_t dim : {32, 64, 96, 128, 256}) {
     Call c;
     c.dim = dim;
-    EXPECT_TRUE(all_vector(c)) << "D = " << dim;
+    EXPECT_EQ(widths(c), 8) << "D = " << dim;
   }
   Call fp32;
   fp32.factor_dtype = DType::kFloat32;
-  EXPECT_TRUE(all_vector(fp32));
-  Call odd_tokens;  // grad_t rows of 17 bytes: the vector kernel stores them byte by byte
+  EXPECT_EQ(widths(fp32), 8);
+  Call odd_tokens;  // grad_t rows of 17 bytes: the kernel stores them byte by byte
   odd_tokens.tokens = 17;
-  EXPECT_TRUE(all_vector(odd_tokens));
+  EXPECT_EQ(widths(odd_tokens), 8);
+  Call qwen;  // Qwen3-8B: GQA, NeoX, a cache, a weight
+  qwen.heads = 32;
+  qwen.kv_heads = 8;
+  qwen.cache = true;
+  qwen.style = RotaryStyle::kNeox;
+  EXPECT_EQ(widths(qwen), 8);
+  Call glm = qwen;  // partial NeoX rotary, r a multiple of 16
+  glm.rotary = 64;
+  EXPECT_EQ(widths(glm), 8);
 }
 
-TEST(RopePaths, WidthsOffTheVectorGeometriesTakeTheElementPairKernels) {
+TEST(RopePaths, WidthsOffTheVectorGeometriesTakePairs) {
   for (const int64_t dim : {2, 8, 24, 34, 100, 254}) {
     Call c;
     c.dim = dim;
-    EXPECT_TRUE(none_vector(c)) << "D = " << dim;
+    EXPECT_EQ(widths(c), 2) << "D = " << dim;
   }
 }
 
-TEST(RopePaths, MisalignedRowsTakeTheElementPairKernels) {
-  Call pointer;  // one bf16 element off a 16-byte boundary
+TEST(RopePaths, RotaryWidthsWhosePartnersOrFrequenciesSplitVectorsTakePairs) {
+  Call neox;  // NeoX partners d +- 20: not a whole 8-element chunk apart
+  neox.style = RotaryStyle::kNeox;
+  neox.rotary = 40;
+  EXPECT_EQ(widths(neox), 2);
+  Call interleaved_tables = neox;  // interleaved partners sit in the chunk: any even r
+  interleaved_tables.style = RotaryStyle::kInterleaved;
+  interleaved_tables.rotary = 42;
+  EXPECT_EQ(widths(interleaved_tables), 8);
+  Call interleaved_cache = interleaved_tables;  // the chunk's 4 frequencies: r a multiple of 8
+  interleaved_cache.cache = true;
+  interleaved_cache.rotary = 44;
+  EXPECT_EQ(widths(interleaved_cache), 2);
+  interleaved_cache.rotary = 48;
+  EXPECT_EQ(widths(interleaved_cache), 8);
+}
+
+TEST(RopePaths, MisalignedRowsTakeNarrowerChunks) {
+  Call pointer;  // one bf16 element off a 16-byte boundary: single elements
   pointer.qk_offset = 2;
-  EXPECT_TRUE(none_vector(pointer));
-  Call stride;  // token stride 16-byte aligned no more
+  EXPECT_EQ(widths(pointer), 1);
+  Call pair;  // two elements off: pairs
+  pair.qk_offset = 4;
+  EXPECT_EQ(widths(pair), 2);
+  Call stride;  // token stride 16-byte aligned no more (odd elements: single elements)
   stride.qk_row_pad = 3;
-  EXPECT_TRUE(none_vector(stride));
+  EXPECT_EQ(widths(stride), 1);
   Call factors;  // fp32 table rows of 130 elements: 520 bytes
   factors.factor_dtype = DType::kFloat32;
   factors.factor_row_pad = 2;
-  EXPECT_TRUE(none_vector(factors));
+  EXPECT_EQ(widths(factors), 2);
+  Call cache;  // cache rows of 130 bf16 elements: 260 bytes
+  cache.cache = true;
+  cache.factor_row_pad = 2;
+  EXPECT_EQ(widths(cache), 2);
+  Call weight;  // a weight 8 bytes off a 16-byte boundary
+  weight.weight_offset = 8;
+  EXPECT_EQ(widths(weight), 2);
   Call one_token;  // a size-1 dim's stride is never used: it does not count
   one_token.tokens = 1;
   one_token.qk_row_pad = 3;
-  EXPECT_TRUE(all_vector(one_token));
+  EXPECT_EQ(widths(one_token), 8);
 }
 
-TEST(RopePaths, Fp8BackwardAlsoNeedsVectorVWidthAndAlignedOutputs) {
-  for (const int64_t v_dim : {1, 7, 130, 264, 512}) {
+TEST(RopePaths, Fp8BackwardAlsoNeedsAlignedOutputs) {
+  for (const int64_t v_dim : {1, 7, 130}) {
     Call c;
     c.v_dim = v_dim;
     c.qk_row_pad = (8 - c.qkv_dim() % 8) % 8;  // keep qk's rows 16-byte aligned
-    EXPECT_FALSE(cuda::rope::vector_path(c.fp8())) << "Dv = " << v_dim;
-    EXPECT_TRUE(cuda::rope::vector_path(c.forward())) << "Dv = " << v_dim;
+    EXPECT_EQ(chunk_width(c.forward()), 8) << "Dv = " << v_dim;
+    // qkv_dim no longer a multiple of 8: grad_row's rows are not 8-byte aligned.
+    if (c.qkv_dim() % 8 != 0) EXPECT_EQ(chunk_width(c.fp8()), 2) << "Dv = " << v_dim;
   }
-  for (const int64_t v_dim : {8, 64, 256}) {
+  for (const int64_t v_dim : {8, 64, 256, 264, 512}) {
     Call c;
     c.v_dim = v_dim;
-    EXPECT_TRUE(cuda::rope::vector_path(c.fp8())) << "Dv = " << v_dim;
+    EXPECT_EQ(chunk_width(c.fp8()), 8) << "Dv = " << v_dim;
+    EXPECT_TRUE(cuda::rope::fp8_v_vectors(c.fp8(), 8)) << "Dv = " << v_dim;
   }
   Call row;
   row.grad_row_offset = 8;
-  EXPECT_FALSE(cuda::rope::vector_path(row.fp8()));
+  EXPECT_EQ(chunk_width(row.fp8()), 2);
   Call transposed;
   transposed.grad_t_offset = 1;
-  EXPECT_FALSE(cuda::rope::vector_path(transposed.fp8()));
+  EXPECT_EQ(chunk_width(transposed.fp8()), 2);
+  Call v_width;  // Dv = 12: grad_v's rows are 24 bytes, read element by element
+  v_width.v_dim = 12;
+  v_width.qk_row_pad = (8 - v_width.qkv_dim() % 8) % 8;
+  EXPECT_FALSE(cuda::rope::fp8_v_vectors(v_width.fp8(), chunk_width(v_width.fp8())));
 }
 
 }  // namespace

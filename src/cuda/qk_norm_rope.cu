@@ -181,7 +181,7 @@ void qk_norm_rope(const QkNormRopeParams& params) {
                          .k = static_cast<uint16_t*>(params.k.data),
                          .row_sets = 0,
                          .units = 0};
-  const int chunk = rope::chunk_width(layout, head_dim, {&params.qk, &params.q, &params.k});
+  const int chunk = rope::chunk_width(params);
   const bool speedrun = chunk == 8 && rope::speedrun_layout(layout);
   const cudaStream_t stream = to_cuda(params.stream);
   // The speedrun's layout has a kernel per full width too (rope::has_full_width); the general

@@ -315,8 +315,7 @@ void qk_norm_rope_backward(const QkNormRopeBackwardParams& params) {
                           .row_sets = 0,
                           .units = 0,
                           .tokens_per_block = 0};
-  const int chunk = rope::chunk_width(layout, head_dim,
-                                      {&params.qk, &params.grad_q, &params.grad_k, &params.grad_qk});
+  const int chunk = rope::chunk_width(params);
   const bool speedrun = chunk == 8 && rope::speedrun_layout(layout);
   // The speedrun's layout has a kernel per full width too (rope::has_full_width); the general
   // layouts compute with the run-time width, and their narrow-chunk kernels (rows not 16-byte

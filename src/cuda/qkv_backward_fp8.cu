@@ -668,17 +668,8 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
     }
     return;
   }
-  const int chunk = rope::chunk_width(layout, head_dim,
-                                      {&params.grad_q, &params.grad_k, &params.qk});
-  const auto aligned16 = [](const void* data) {
-    return reinterpret_cast<uintptr_t>(data) % 16 == 0;
-  };
-  // 16-byte chunks also write 8-byte codes into grad_row's rows and 16-byte grad_t blocks: both
-  // outputs 16-byte aligned and qkv_dim a multiple of 8.
+  const int width = rope::chunk_width(params);
   const int64_t features = qkv_dim(layout, head_dim, v_dim);
-  const bool outputs_aligned =
-      aligned16(params.grad_row.data) && aligned16(params.grad_t.data) && features % 8 == 0;
-  const int width = chunk == 8 && !outputs_aligned ? 2 : chunk;
   const Fp8Args args{
       .in = rope::make_rope_inputs(layout, params.qk),
       .grad = rope::make_grad_rows(params.grad_q, params.grad_k),
@@ -686,7 +677,7 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
       .grad_v_stride_t = params.grad_v.strides[0],
       .grad_v_stride_h = params.grad_v.strides[1],
       .v_dim = int(v_dim),
-      .v_vectors = v_dim % 8 == 0 && rope::rows_aligned(params.grad_v, 16) && width == 8,
+      .v_vectors = rope::fp8_v_vectors(params, width),
       .code_pairs = reinterpret_cast<uintptr_t>(params.grad_row.data) % 2 == 0 && features % 2 == 0,
       .grad_scale = static_cast<const float*>(params.grad_scale.data),
       .grad_row = static_cast<uint8_t*>(params.grad_row.data),
