@@ -771,7 +771,10 @@ void widen_by_terms(std::vector<double>& noise, const std::vector<double>& term_
 std::vector<double> fp32_sum_tolerance(const std::vector<double>& magnitude, int64_t terms) {
   std::vector<double> tolerance(magnitude.size());
   const double factor = std::ldexp(16.0 + std::sqrt(double(terms)), -24);
-  for (size_t i = 0; i < magnitude.size(); ++i) tolerance[i] = factor * magnitude[i];
+  // Products below float32's normal range lose bits absolutely: half a subnormal step (2^-150)
+  // per rounding, a few roundings per term.
+  const double underflow = double(terms + 16) * std::ldexp(1.0, -147);
+  for (size_t i = 0; i < magnitude.size(); ++i) tolerance[i] = factor * magnitude[i] + underflow;
   return tolerance;
 }
 

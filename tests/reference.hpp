@@ -311,9 +311,10 @@ void widen_by_terms(std::vector<double>& noise, const std::vector<double>& term_
                     int64_t row_length, double relative);
 
 /// The error bound of a float32 sum of `terms` products whose magnitudes add to `magnitude`, per
-/// element: 2^-24 * magnitude * (16 + sqrt(terms)). The 16 covers each term's own rounding (the
-/// gradient's two products, the normalized value, the product); sqrt(terms) the accumulation in
-/// any fixed order, well above its typical error and far below any wrong term.
+/// element: 2^-24 * magnitude * (16 + sqrt(terms)), plus (terms + 16) * 2^-147 for products in
+/// float32's subnormal range. The 16 covers each term's own rounding (the gradient's two
+/// products, the normalized value, the product); sqrt(terms) the accumulation in any fixed order,
+/// well above its typical error and far below any wrong term.
 std::vector<double> fp32_sum_tolerance(const std::vector<double>& magnitude, int64_t terms);
 
 /// bf16 results against unrounded reference values: each must lie within one ulp of the

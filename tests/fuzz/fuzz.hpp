@@ -1,7 +1,7 @@
 // fuzz.hpp: the pieces of the qkvfuse_fuzz harness (see fuzz_main.cpp for what it checks).
 //
-//   fuzz_case.cpp    draws a random case (op, shapes, strides, scales, special values) from the
-//                    seed and the case number alone, and builds its inputs
+//   fuzz_case.cpp    draws a random case (op, layout options, shapes, strides, scales, special
+//                    values) from the seed and the case number alone, and builds its inputs
 //   fuzz_run.cpp     runs one case through the public API on a Memory (CPU views, or device
 //                    copies on a CUDA stream) and reads back its outputs
 //   fuzz_gpu.cpp     the CUDA Memory (built only with the CUDA backend; fuzz_no_gpu.cpp else)
@@ -35,8 +35,11 @@ enum class Op : int {
   kQuantize,         ///< quantize_dual_layout [M, N], with or without amax
   kQuantizeBatched,  ///< quantize_dual_layout [B, M, N], one scale per entry
   kWeightBank,       ///< quantize_weight_bank [B, M, N]
+  kPacked,           ///< packed_qkv_forward, then packed_qkv_backward on inputs of its own
 };
+inline constexpr int kOpCount = 7;
 const char* op_name(Op op);
+/// The ops that take a RopeLayout: the three rope ops and the packed op.
 bool is_rope_op(Op op);
 
 /// Kinds of special values a case may plant in its inputs.
@@ -46,7 +49,7 @@ enum Special : unsigned {
   kHuge = 1u << 2,      ///< far beyond e4m3's 448 (bounded so fp32 sums cannot overflow in rope rows)
   kZeroRows = 1u << 3,  ///< whole rows (and, rarely, a whole tensor) of zeros
   kTiny = 1u << 4,      ///< bf16 subnormals and tiny normals
-  kFactors = 1u << 5,   ///< the factor tables get special values too (rope ops)
+  kFactors = 1u << 5,   ///< the angles (factor tables or cos/sin cache) get special values too
 };
 
 /// Where a tensor lies in its buffer: sizes, strides (elements) and the element offset of its
@@ -68,20 +71,42 @@ struct Case {
   bool cpu_only = false;
   Op op = Op::kRopeForward;
 
-  // rope ops (forward, backward, fp8 backward)
+  // rope ops (forward, backward, fp8 backward) and the packed op: SPEC.md sections 1 and 8
   int64_t tokens = 0;
-  int64_t heads = 1;
+  int64_t heads = 1;              ///< Hq
+  int64_t kv_heads = 1;           ///< Hkv (Hq % Hkv == 0)
+  bool kv_heads_zero = false;     ///< the layout says num_kv_heads = 0 (Hkv = Hq)
   int64_t head_dim = 0;
-  int64_t v_dim = 0;  ///< fp8 backward only
+  int64_t v_dim = 0;              ///< fp8 backward and packed op
+  bool neox = false;
   bool paired = false;
   bool key_offset = false;
-  int64_t rotary_dim = 0;    ///< key offset only
-  int64_t table_rotary = 0;  ///< rotating dims of the factor tables (the rest stationary: 1, 0)
-  DType factor_dtype = DType::kBFloat16;
-  Placement qk, factor, grad, v;  ///< grad: grad_q and grad_k (same placement)
+  int64_t rotary_dim = 0;         ///< r, resolved: lanes [0, r) rotate, the rest pass through
+  bool rotary_default = false;    ///< the layout says rotary_dim = -1 (D, or the cache's width)
+  int64_t table_rotary = 0;       ///< tables: lanes of [0, r) that rotate (the rest (1, 0));
+                                  ///< lanes >= r hold junk the op must not read
+  bool normalize = true;
+  float eps = kRmsNormEps;
+  float weight_offset = 0.0f;
+  bool q_weight = false;
+  bool k_weight = false;
+  DType weight_dtype = DType::kBFloat16;
+  bool cache = false;             ///< cos_sin + positions instead of factor tables
+  DType factor_dtype = DType::kBFloat16;  ///< the tables' or the cache's dtype
+  DType position_dtype = DType::kInt64;
+  int64_t cache_rows = 0;         ///< P
+  bool packed_positions = false;  ///< documents restarting at position 0 (else random in [0, P))
+  int64_t bad_positions = 0;      ///< tokens whose position lies outside [0, P) (NaN rotary lanes)
+  Placement qk, factor, grad_q, grad_k, v, cos_sin, positions, weight;
   /// Elements between an output's aligned allocation and its first element (q, k, grad_qk,
   /// grad_row, grad_t): 0, or an offset that leaves a bf16 / e4m3 output off the 16 bytes.
   int64_t out_offset = 0;
+
+  // packed op (its backward takes its own random qk, grad_q, grad_k, grad_v)
+  int64_t channels = 0;              ///< C
+  bool joined_qkv = true;            ///< qk and v column slices of one [T, qkv_dim] output
+  bool joined_weight_grads = true;   ///< grad_qk_weight and grad_v_weight rows of one buffer
+  float x_scale = 0, weight_scale = 0, qkv_scale = 0;
 
   // quantize ops
   int64_t batch = 0;  ///< 0: plain [M, N]
@@ -99,17 +124,20 @@ struct Case {
   /// quantize: 16-byte vector alignment); otherwise why not: the CUDA backend must then either
   /// refuse it with qkvfuse::Error or compute it correctly.
   std::string outside_cuda;
-  /// Rope ops: whether the arguments meet the CUDA 16-byte vector kernels' rule (D a multiple of
-  /// 8 from 32; qkv_backward_fp8: Dv a multiple of 8 up to 256; every pointer and every stride
-  /// but the last a multiple of 16 bytes); if not, the element-pair kernels of the generic path
-  /// compute the case. For the log: the comparisons are the same.
+  /// Rope ops: whether the arguments meet the CUDA 16-byte vector kernels' rule as
+  /// qk_norm_rope.hpp states it (D a multiple of 8 in [32, 256], NeoX r a multiple of 16, a
+  /// cache with interleaved lanes r a multiple of 8; qkv_backward_fp8: Dv a multiple of 8 up to
+  /// 256; every pointer and every stride but the last a multiple of 16 bytes); if not, narrower
+  /// accesses compute the case. For the log: the comparisons are the same.
   bool vector_path = false;
 
+  int64_t input_heads() const { return heads + kv_heads; }
   int64_t out_tokens() const { return paired ? 2 * tokens : tokens; }
-  int64_t out_heads() const { return paired ? heads / 2 : heads; }
+  int64_t q_out_heads() const { return paired ? heads / 2 : heads; }
+  int64_t k_out_heads() const { return paired ? kv_heads / 2 : kv_heads; }
   int64_t factor_width() const { return paired ? 2 * head_dim : head_dim; }
-  int64_t qkv_dim() const { return 2 * heads * head_dim + heads * v_dim; }
-  int64_t rotary() const { return key_offset ? rotary_dim : head_dim; }
+  int64_t qk_features() const { return input_heads() * head_dim; }
+  int64_t qkv_dim() const { return qk_features() + kv_heads * v_dim; }
   /// The layout's options; run_case adds its tensors.
   RopeLayout layout() const;
   /// Everything needed to understand and replay the case (with the seed and its number).
@@ -140,11 +168,16 @@ class HostBuffer {
   /// A CPU view of the tensor.
   TensorView view() const;
 
-  /// Dense row-major values: bf16 bits for bf16 tensors, floats for float32 ones.
+  /// Dense row-major values: bf16 bits for bf16 tensors, floats for float32 ones, integers for
+  /// int32 / int64 ones, codes for e4m3 ones.
   void set_bf16(const std::vector<uint16_t>& dense);
   void set_f32(const std::vector<float>& dense);
+  void set_ints(const std::vector<int64_t>& dense);
+  void set_codes(const std::vector<uint8_t>& dense);
   std::vector<uint16_t> get_bf16() const;
   std::vector<float> get_f32() const;
+  std::vector<int64_t> get_ints() const;
+  std::vector<uint8_t> get_codes() const;
   /// Dense values as doubles (bf16 and float32 tensors).
   std::vector<double> get_values() const;
 
@@ -154,9 +187,14 @@ class HostBuffer {
   mutable std::vector<uint8_t> bytes_;  // mutable: views handed to the CPU backend are non-const
 };
 
-/// The inputs of one case; tensors the op does not take are empty.
+/// The inputs of one case; tensors the op does not take are empty. `scale` is grad_scale for the
+/// rope and packed ops, the quantize scale(s) otherwise.
 struct Inputs {
-  HostBuffer qk, factor1, factor2, grad_q, grad_k, grad_v, src, scale;
+  HostBuffer qk, factor1, factor2, cos_sin, positions, q_weight, k_weight;
+  HostBuffer grad_q, grad_k, grad_v, src, scale;
+  // packed op
+  HostBuffer x_f8, x_f8_t, weight_f8, weight_f8_t, qk_weight, v_weight;
+  HostBuffer x_scale, weight_scale, qkv_scale;
 };
 
 Inputs make_inputs(const Case& c);

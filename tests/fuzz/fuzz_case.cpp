@@ -164,40 +164,148 @@ float draw_scale(Rng& rng, bool allow_special) {
 
 // ---- drawing ---------------------------------------------------------------------------------------
 
+/// A random divisor of n in [1, n).
+int64_t proper_divisor(Rng& rng, int64_t n) {
+  std::vector<int64_t> divisors;
+  for (int64_t d = 1; d < n; ++d) {
+    if (n % d == 0) divisors.push_back(d);
+  }
+  return divisors.empty() ? 1 : divisors[size_t(rng.range(0, int64_t(divisors.size()) - 1))];
+}
+
+/// The layout options of SPEC.md section 8 (heads, style, rotary width, norm, eps, weights, angle
+/// source, positions), drawn for a rope case whose mode (paired, key offset) and D are set.
+void draw_layout_options(Case& c, Rng& rng) {
+  // Heads: MHA, GQA (any proper divisor) or MQA; paired and key offset need Hq = Hkv.
+  c.kv_heads = c.heads;
+  if (!c.paired && !c.key_offset && c.heads > 1) {
+    const double g = rng.unit();
+    if (g < 0.2) {
+      c.kv_heads = 1;
+    } else if (g < 0.55) {
+      c.kv_heads = proper_divisor(rng, c.heads);
+    }
+  }
+  c.kv_heads_zero = c.kv_heads == c.heads && rng.chance(0.5);
+  c.neox = rng.chance(0.5);
+  c.cache = !c.paired && rng.chance(0.45);
+
+  // Rotary width r: the whole head, any even part of it (NeoX r % 16 != 0 among them), none, the
+  // edges. The key offset keeps its own distribution.
+  const int64_t d = c.head_dim;
+  const double u = rng.unit();
+  if (c.key_offset) {
+    c.rotary_dim = u < 0.1 ? 0 : u < 0.2 ? d : u < 0.4 ? d / 4 * 2 : 2 * rng.range(0, d / 2);
+  } else {
+    c.rotary_dim = u < 0.4    ? d
+                   : u < 0.75 ? 2 * rng.range(0, d / 2)
+                   : u < 0.85 ? 0
+                              : rng.pick<int64_t>({2, std::max<int64_t>(0, d - 2), d / 4 * 2});
+  }
+  // rotary_dim = -1 means D with tables and the cache's width with a cache.
+  c.rotary_default = (c.cache || c.rotary_dim == d) && rng.chance(0.5);
+  c.table_rotary = rng.chance(0.8) ? c.rotary_dim : 2 * rng.range(0, c.rotary_dim / 2);
+  c.factor_dtype = rng.chance(0.3) ? DType::kFloat32 : DType::kBFloat16;
+
+  // Norm: none, RMS, RMS * w (either weight or both), RMS * (w + offset) (Gemma: offset 1).
+  c.normalize = rng.chance(0.85);
+  if (c.normalize && rng.chance(0.55)) {
+    const double w = rng.unit();
+    c.q_weight = w < 0.8;
+    c.k_weight = w >= 0.6 || w < 0.2;
+    const double o = rng.unit();
+    c.weight_offset = o < 0.3 ? 1.0f : o < 0.36 ? rng.pick<float>({0.5f, -1.0f, 0.125f}) : 0.0f;
+    c.weight_dtype = rng.chance(0.3) ? DType::kFloat32 : DType::kBFloat16;
+  }
+  const double e = rng.unit();
+  c.eps = e < 0.4   ? kRmsNormEps
+          : e < 0.7 ? 1e-6f
+          : e < 0.8 ? 1e-5f
+                    : float(std::exp(std::log(1e-12) + rng.unit() * (0.0 - std::log(1e-12))));
+
+  // Positions: int32 or int64, random in [0, P) or packed documents; now and then a few tokens
+  // outside [0, P) (their rotary lanes come out NaN).
+  if (c.cache) {
+    c.position_dtype = rng.chance(0.5) ? DType::kInt32 : DType::kInt64;
+    c.packed_positions = rng.chance(0.4);
+    c.bad_positions = rng.chance(0.08) ? rng.range(1, 3) : 0;
+  }
+}
+
+/// The tensors' placements of a rope or packed case whose shapes are set.
+void draw_rope_placements(Case& c, Rng& rng, bool cuda_rules) {
+  // Pads and offsets: CPU-only cases take any (unit 1). Under the CUDA rules they are multiples
+  // of the 16-byte vector (`aligned` elements), except in about 20 % of cases ("misaligned"),
+  // where each tensor draws unit 1 with even odds: odd pads and offsets, pointers aligned to
+  // their elements only, which the narrower accesses take. Each tensor alone, or several at once.
+  const bool misaligned = cuda_rules && c.op != Op::kPacked && rng.chance(0.2);
+  const auto unit_for = [&](int64_t aligned) -> int64_t {
+    if (!cuda_rules) return 1;
+    return misaligned && rng.chance(0.5) ? 1 : aligned;
+  };
+  const int64_t v_extra = c.kv_heads * (c.v_dim ? c.v_dim : 128);
+  const int64_t qk_unit = unit_for(8);
+  c.qk = random_heads_placement(rng, c.tokens, c.input_heads(), c.head_dim, qk_unit, v_extra);
+  const int64_t grad_unit = unit_for(8);
+  c.grad_q = random_heads_placement(rng, c.out_tokens(), c.q_out_heads(), c.head_dim, grad_unit,
+                                    grad_unit * 2);
+  c.grad_k = random_heads_placement(rng, c.out_tokens(), c.k_out_heads(), c.head_dim, grad_unit,
+                                    grad_unit * 3);
+  if (c.op == Op::kQkvBackwardFp8 || c.op == Op::kPacked) {
+    if (rng.chance(0.2)) {
+      // The V columns of a packed [T, qkv_dim] gradient buffer.
+      const int64_t qk_features = c.qk_features();
+      c.v = heads_placement(c.tokens, c.kv_heads, c.v_dim, 0, qk_features, qk_features);
+    } else {
+      const int64_t v_unit = unit_for(8);
+      c.v = random_heads_placement(rng, c.tokens, c.kv_heads, c.v_dim, v_unit, v_unit * 3);
+    }
+  }
+  const int64_t factor_unit = unit_for(c.factor_dtype == DType::kFloat32 ? 4 : 8);
+  if (c.cache) {
+    c.cos_sin = {{c.cache_rows, c.rotary_dim},
+                 {c.rotary_dim + maybe_pad(rng, 0.3, factor_unit), 1},
+                 rng.chance(0.2) ? factor_unit * rng.range(1, 4) : 0};
+    const int64_t position_stride = rng.chance(0.2) ? rng.range(2, 3) : 1;
+    c.positions = {{c.tokens}, {position_stride}, rng.chance(0.2) ? rng.range(1, 5) : 0};
+  } else {
+    const int64_t width = c.factor_width();
+    c.factor = {{c.tokens, width},
+                {width + maybe_pad(rng, 0.3, factor_unit), 1},
+                rng.chance(0.2) ? factor_unit * rng.range(1, 4) : 0};
+  }
+  const int64_t weight_unit = unit_for(c.weight_dtype == DType::kFloat32 ? 4 : 8);
+  c.weight = {{c.head_dim}, {1}, rng.chance(0.3) ? weight_unit * rng.range(1, 4) : 0};
+  // Outputs (q, k, grad_qk: bf16; grad_row, grad_t: e4m3) 1 to 15 elements past 16 bytes.
+  if (misaligned && rng.chance(0.5)) c.out_offset = rng.range(1, 15);
+}
+
 /// `cuda_rules`: a GPU-mode case inside the CUDA domain; `cuda_outside`: a GPU-mode case drawn
 /// outside it where anything is left outside (Dv past 512); neither: a CPU-only case.
 void draw_rope(Case& c, Rng& rng, bool cuda_rules, bool cuda_outside, int64_t max_tokens) {
   const double mode = rng.unit();
-  c.paired = mode >= 0.4 && mode < 0.7;
-  c.key_offset = mode >= 0.7;
-  // Mostly few heads (cheap cases), up to 16.
+  c.paired = mode >= 0.55 && mode < 0.7;
+  c.key_offset = mode >= 0.7 && mode < 0.85;
+  // Mostly few heads (cheap cases), up to 32 (Qwen3-8B's).
   const double h = rng.unit();
-  const int64_t heads = h < 0.5 ? rng.range(1, 4) : h < 0.8 ? rng.range(5, 8) : rng.range(9, 16);
+  const int64_t heads = h < 0.5 ? rng.range(1, 4) : h < 0.8 ? rng.range(5, 8) : rng.range(9, 32);
   c.heads = c.paired ? std::max<int64_t>(2, heads / 2 * 2) : heads;
   if (cuda_rules) {
     // Every even width CUDA takes. About 60 % of draws are widths of the 16-byte vector kernels
     // (multiples of 8 from 32: the first two branches, and a quarter of the last), the rest go
-    // to the element-pair kernels of the generic path.
+    // to the narrower accesses.
     const double u = rng.unit();
-    c.head_dim = u < 0.2    ? rng.pick<int64_t>({64, 96, 128})
+    c.head_dim = u < 0.2    ? rng.pick<int64_t>({64, 96, 128, 256})
                  : u < 0.55 ? 8 * rng.range(4, 32)
-                 : u < 0.7  ? rng.pick<int64_t>({2, 4, 6, 8, 10, 16, 24, 30, 34, 254})
+                 : u < 0.7  ? rng.pick<int64_t>({2, 4, 6, 8, 10, 16, 24, 30, 34, 98, 100, 254})
                             : 2 * rng.range(1, 128);
   } else {
     const double u = rng.unit();
     c.head_dim = u < 0.4   ? 8 * rng.range(4, 32)
-                 : u < 0.5 ? rng.pick<int64_t>({2, 4, 6, 8, 10, 30, 34})
+                 : u < 0.5 ? rng.pick<int64_t>({2, 4, 6, 8, 10, 30, 34, 100})
                            : 2 * rng.range(1, 128);
   }
-  const int64_t d = c.head_dim;
-  if (c.key_offset) {
-    const double u = rng.unit();
-    c.rotary_dim = u < 0.1 ? 0 : u < 0.2 ? d : u < 0.4 ? d / 4 * 2 : 2 * rng.range(0, d / 2);
-    c.table_rotary = rng.chance(0.8) ? c.rotary_dim : 2 * rng.range(0, c.rotary_dim / 2);
-  } else {
-    c.table_rotary = rng.chance(0.6) ? d : 2 * rng.range(0, d / 2);
-  }
-  c.factor_dtype = rng.chance(0.3) ? DType::kFloat32 : DType::kBFloat16;
+  draw_layout_options(c, rng);
   if (c.op == Op::kQkvBackwardFp8) {
     if (cuda_rules) {
       // Dv in [1, 512]: about 70 % on the vector kernel's widths (multiples of 8 up to 256), the
@@ -219,64 +327,92 @@ void draw_rope(Case& c, Rng& rng, bool cuda_rules, bool cuda_outside, int64_t ma
 
   // Keep tokens * features within the budget: long cases trade heads and widths for tokens.
   const int64_t budget = element_budget(c.tokens);
-  const int64_t min_heads = c.paired ? 2 : 1;
   // A width of the CUDA vector kernels stays one when it shrinks.
   const bool vector_width = cuda_rules && c.head_dim % 8 == 0 && c.head_dim >= 32;
   const int64_t min_dim = vector_width ? 32 : 2;
-  const auto features = [&] { return 2 * c.heads * c.head_dim + c.heads * c.v_dim; };
-  while (c.tokens * features() > budget) {
-    if (c.heads > min_heads) {
-      c.heads = std::max(min_heads, c.paired ? c.heads / 4 * 2 : c.heads / 2);
+  while (c.tokens * c.qkv_dim() > budget) {
+    if (c.paired ? c.heads > 2 : c.heads > 1) {
+      // Halve both head counts, keeping Hq % Hkv == 0 (and Hq = Hkv even when paired).
+      const int64_t group = c.heads / c.kv_heads;
+      if (c.paired) {
+        c.heads = c.kv_heads = std::max<int64_t>(2, c.heads / 4 * 2);
+      } else if (c.kv_heads > 1) {
+        c.kv_heads /= 2;
+        c.heads = c.kv_heads * group;
+      } else {
+        c.heads = std::max<int64_t>(1, c.heads / 2);
+      }
+      if (c.heads == c.kv_heads && !c.paired && c.kv_heads == 1) c.kv_heads_zero = false;
     } else if (c.head_dim > min_dim) {
       const int64_t multiple = vector_width ? 8 : 2;
       c.head_dim = std::max(min_dim, c.head_dim / 2 / multiple * multiple);
-      c.rotary_dim = std::min(c.rotary_dim, c.head_dim);
-      c.table_rotary = std::min(c.table_rotary, c.key_offset ? c.rotary_dim : c.head_dim);
+      c.rotary_dim = std::min(c.rotary_dim, c.head_dim) / 2 * 2;
+      c.rotary_default = c.rotary_default && (c.cache || c.rotary_dim == c.head_dim);
+      c.table_rotary = std::min(c.table_rotary, c.rotary_dim) / 2 * 2;
     } else if (c.v_dim > 8) {
-      // Under the CUDA rules a V width off the multiples of 8 stays off them (the generic path).
+      // Under the CUDA rules a V width off the multiples of 8 stays off them.
       c.v_dim = cuda_rules && c.v_dim % 8 != 0 ? c.v_dim / 2
                                                : std::max<int64_t>(8, c.v_dim / 2 / 8 * 8);
     } else {
-      c.tokens = std::max<int64_t>(1, budget / features());
+      c.tokens = std::max<int64_t>(1, budget / c.qkv_dim());
     }
   }
-
-  // Pads and offsets: CPU-only cases take any (unit 1). Under the CUDA rules they are multiples
-  // of the 16-byte vector (`aligned` elements), except in about 20 % of cases ("misaligned"),
-  // where each tensor draws unit 1 with even odds: odd pads and offsets, pointers aligned to
-  // their elements only, which the generic path takes. Each tensor alone, or several at once.
-  const bool misaligned = cuda_rules && rng.chance(0.2);
-  const auto unit_for = [&](int64_t aligned) -> int64_t {
-    if (!cuda_rules) return 1;
-    return misaligned && rng.chance(0.5) ? 1 : aligned;
-  };
-  const int64_t v_extra = c.heads * (c.v_dim ? c.v_dim : 128);
-  const int64_t qk_unit = unit_for(8);
-  c.qk = random_heads_placement(rng, c.tokens, 2 * c.heads, c.head_dim, qk_unit, v_extra);
-  const int64_t grad_unit = unit_for(8);
-  c.grad = random_heads_placement(rng, c.out_tokens(), c.out_heads(), c.head_dim, grad_unit,
-                                  grad_unit * 2);
-  if (c.op == Op::kQkvBackwardFp8) {
-    if (rng.chance(0.2)) {
-      // The V columns of a packed [T, qkv_dim] gradient buffer.
-      const int64_t qk_features = 2 * c.heads * c.head_dim;
-      c.v = heads_placement(c.tokens, c.heads, c.v_dim, 0, qk_features, qk_features);
-    } else {
-      const int64_t v_unit = unit_for(8);
-      c.v = random_heads_placement(rng, c.tokens, c.heads, c.v_dim, v_unit, v_unit * 3);
-    }
+  if (c.kv_heads != c.heads) c.kv_heads_zero = false;
+  if (c.cache) {
+    const double p = rng.unit();
+    c.cache_rows = p < 0.5 ? c.tokens + rng.range(0, 16) : rng.range(1, 64);
+    c.cache_rows = std::max<int64_t>(1, c.cache_rows);
   }
-  const int64_t factor_unit = unit_for(c.factor_dtype == DType::kFloat32 ? 4 : 8);
-  const int64_t width = c.factor_width();
-  c.factor = {{c.tokens, width},
-              {width + maybe_pad(rng, 0.3, factor_unit), 1},
-              rng.chance(0.2) ? factor_unit * rng.range(1, 4) : 0};
-  // Outputs (q, k, grad_qk: bf16; grad_row, grad_t: e4m3) 1 to 15 elements past 16 bytes.
-  if (misaligned && rng.chance(0.5)) c.out_offset = rng.range(1, 15);
+  draw_rope_placements(c, rng, cuda_rules);
   if (c.op == Op::kQkvBackwardFp8) {
     c.scales = {draw_scale(rng, true)};
     c.scale_ndim = int(rng.range(0, 1));
   }
+}
+
+/// The packed op: its GEMM shapes (under the CUDA rules T, C, D and Dv multiples of 16, so every
+/// GEMM dimension is), the layout options, and the projection's scales.
+void draw_packed(Case& c, Rng& rng, bool cuda_rules, int64_t max_tokens) {
+  const double mode = rng.unit();
+  c.paired = mode >= 0.6 && mode < 0.75;
+  c.key_offset = mode >= 0.75 && mode < 0.88;
+  const int64_t heads = rng.range(1, 8);
+  c.heads = c.paired ? std::max<int64_t>(2, heads / 2 * 2) : heads;
+  const int64_t unit = cuda_rules ? 16 : 2;
+  c.head_dim = cuda_rules ? 16 * rng.range(2, 16) : rng.pick<int64_t>({2, 6, 16, 34, 64, 100, 128});
+  draw_layout_options(c, rng);
+  c.v_dim = cuda_rules ? 16 * rng.range(1, 16) : rng.range(1, 160);
+  c.channels = cuda_rules ? 16 * rng.range(1, 24) : rng.range(1, 300);
+  const double t = rng.unit();
+  c.tokens = t < 0.03 ? 0 : t < 0.5 ? rng.range(1, 6) * (cuda_rules ? 16 : 1) + (cuda_rules ? 0 : rng.range(0, 15))
+                                    : (cuda_rules ? 16 * rng.range(1, 16) : rng.range(1, 300));
+  c.tokens = std::min(c.tokens, cuda_rules ? max_tokens / 16 * 16 : max_tokens);
+  // The GEMMs' cost: T * C * qkv_dim multiply-adds (three GEMMs, and the float64 model's).
+  const int64_t budget = int64_t(1) << 22;
+  while (c.tokens * c.channels * c.qkv_dim() > budget) {
+    if (c.channels > unit && c.channels >= c.tokens) {
+      c.channels = std::max(unit, c.channels / 2 / unit * unit);
+    } else if (c.tokens > unit) {
+      c.tokens = std::max(unit, c.tokens / 2 / unit * unit);
+    } else if (c.heads > 2 || (!c.paired && c.heads > 1)) {
+      c.heads = c.paired ? std::max<int64_t>(2, c.heads / 4 * 2) : std::max<int64_t>(1, c.heads / 2);
+      c.kv_heads = c.paired || c.key_offset ? c.heads : 1;
+      c.kv_heads_zero = false;
+    } else {
+      c.v_dim = std::max(unit, c.v_dim / 2 / unit * unit);
+      if (c.v_dim == unit) break;
+    }
+  }
+  if (c.cache) c.cache_rows = std::max<int64_t>(1, c.tokens + rng.range(0, 8));
+  c.bad_positions = 0;  // NaN rotary lanes would reach every element of the GEMMs' outputs
+  c.joined_qkv = !c.paired && rng.chance(0.7);
+  c.joined_weight_grads = rng.chance(0.6);
+  c.x_scale = 8.0f / 448;
+  c.weight_scale = 0.05f / 448;
+  c.qkv_scale = float(0.5 + rng.unit());
+  draw_rope_placements(c, rng, cuda_rules);
+  c.scales = {rng.pick<float>({1.0f / 448, 1.0f / 64, std::ldexp(1.0f, -12)})};
+  c.scale_ndim = int(rng.range(0, 1));
 }
 
 void draw_quantize(Case& c, Rng& rng, bool cuda_rules, int64_t max_tokens) {
@@ -310,6 +446,13 @@ void draw_quantize(Case& c, Rng& rng, bool cuda_rules, int64_t max_tokens) {
 
 /// Why the case lies outside what the CUDA backend documents it takes; empty if inside.
 std::string cuda_domain_problem(const Case& c) {
+  if (c.op == Op::kPacked) {
+    // fp8_gemm's rules: T, C and qkv_dim (with two GEMMs also QK and Hkv*Dv) multiples of 16.
+    const bool ok = c.tokens % 16 == 0 && c.channels % 16 == 0 && c.qkv_dim() % 16 == 0 &&
+                    (c.joined_qkv || (c.qk_features() % 16 == 0 && (c.kv_heads * c.v_dim) % 16 == 0)) &&
+                    c.v_dim <= 512;
+    return ok ? "" : "GEMM dims T, C, qkv_dim (and the QK / V parts) not all multiples of 16";
+  }
   if (is_rope_op(c.op)) {
     // CUDA takes what the CPU takes (every even D in [2, 256], the only widths drawn; any
     // strides, element-aligned pointers), but for Dv, which it bounds.
@@ -332,14 +475,18 @@ bool vector_aligned(const Placement& p, int64_t element) {
   return ok;
 }
 
-/// Case::vector_path: the rule the CUDA backend picks its 16-byte vector kernels by.
+/// Case::vector_path: the rule the CUDA backend picks its 16-byte vector kernels by, as
+/// qk_norm_rope.hpp states it (for the log only).
 bool rope_vector_path(const Case& c) {
-  if (!is_rope_op(c.op)) return false;
+  if (!is_rope_op(c.op) || c.op == Op::kPacked) return false;
   const bool fp8 = c.op == Op::kQkvBackwardFp8;
   const int64_t factor_size = c.factor_dtype == DType::kFloat32 ? 4 : 2;
   bool ok = c.head_dim % 8 == 0 && c.head_dim >= 32 && (c.out_offset * (fp8 ? 1 : 2)) % 16 == 0 &&
-            vector_aligned(c.qk, 2) && vector_aligned(c.factor, factor_size);
-  if (c.op != Op::kRopeForward) ok = ok && vector_aligned(c.grad, 2);
+            vector_aligned(c.qk, 2) &&
+            vector_aligned(c.cache ? c.cos_sin : c.factor, factor_size);
+  if (c.neox) ok = ok && c.rotary_dim % 16 == 0;
+  if (c.cache && !c.neox) ok = ok && c.rotary_dim % 8 == 0;
+  if (c.op != Op::kRopeForward) ok = ok && vector_aligned(c.grad_q, 2) && vector_aligned(c.grad_k, 2);
   if (fp8) ok = ok && c.v_dim % 8 == 0 && c.v_dim <= 256 && vector_aligned(c.v, 2);
   return ok;
 }
@@ -444,49 +591,112 @@ float gradient_magnitude(float scale) {
   return (std::isfinite(s) && s >= 1e-6f) ? 64.0f * s : 64.0f / 448.0f;
 }
 
-void fill_factors(const Case& c, Rng& rng, Inputs& in) {
-  static const AngleTable angles;
-  const int64_t width = c.factor_width();
-  const int64_t count = c.tokens * width;
-  std::vector<float> f1(size_t(count), 1.0f), f2(size_t(count), 0.0f);
-  for (int64_t t = 0; t < c.tokens; ++t) {
-    for (int64_t col = 0; col < width; col += 2) {
-      if (col % c.head_dim >= c.table_rotary) continue;  // stationary: (1, 0)
-      const size_t a = size_t(rng.range(0, int64_t(angles.cos_values.size()) - 1));
-      const size_t at = size_t(t * width + col);
-      f1[at] = f1[at + 1] = angles.cos_values[a];
-      f2[at] = angles.sin_values[a];
-      f2[at + 1] = -angles.sin_values[a];
-    }
+/// Plants special values (kFactors) in a float table given as floats, in the first
+/// `column_limit` columns of each row of `width`.
+void plant_in_floats(Rng& rng, std::vector<float>& table, int64_t width, int64_t column_limit,
+                     unsigned specials) {
+  std::vector<uint16_t> bits(table.size());
+  for (size_t i = 0; i < bits.size(); ++i) bits[i] = bf16_of(table[i]);
+  std::vector<uint16_t> planted = bits;
+  plant_specials(rng, planted, width, column_limit, specials, 4, 16);
+  for (size_t i = 0; i < bits.size(); ++i) {
+    if (planted[i] != bits[i]) table[i] = bf16_to_float(planted[i]);
   }
-  in.factor1 = HostBuffer(c.factor_dtype, c.factor);
-  in.factor2 = HostBuffer(c.factor_dtype, c.factor);
-  if (c.specials & kFactors) {
-    // Key offset: the columns >= rotary_dim stay stationary (SPEC.md section 2 assumes it for
-    // the keys' shifted dims), so only the rotating columns get special values.
-    const int64_t limit = c.key_offset ? c.rotary_dim : width;
-    for (std::vector<float>* table : {&f1, &f2}) {
-      if (!rng.chance(0.6)) continue;
-      std::vector<uint16_t> bits(table->size());
-      for (size_t i = 0; i < bits.size(); ++i) bits[i] = bf16_of((*table)[i]);
-      std::vector<uint16_t> planted = bits;
-      plant_specials(rng, planted, width, limit, c.specials, 4, 16);
-      for (size_t i = 0; i < bits.size(); ++i) {
-        if (planted[i] != bits[i]) (*table)[i] = bf16_to_float(planted[i]);
+}
+
+void store_floats(HostBuffer& buffer, DType dtype, const Placement& placement,
+                  const std::vector<float>& values) {
+  buffer = HostBuffer(dtype, placement);
+  if (dtype == DType::kFloat32) {
+    buffer.set_f32(values);
+  } else {
+    std::vector<uint16_t> bits(values.size());
+    for (size_t i = 0; i < values.size(); ++i) bits[i] = bf16_of(values[i]);
+    buffer.set_bf16(bits);
+  }
+}
+
+/// The angles of a rope case: factor tables (pairs of its style; pairs past table_rotary
+/// stationary (1, 0); lanes >= r junk, NaN at times, which no backend may read), or a cos/sin
+/// cache with its positions; and the norm weights.
+void fill_angles(const Case& c, Rng& rng, Inputs& in) {
+  static const AngleTable angles;
+  const int64_t r = c.rotary_dim, half = r / 2;
+  const auto angle = [&] { return size_t(rng.range(0, int64_t(angles.cos_values.size()) - 1)); };
+  if (!c.cache) {
+    const int64_t width = c.factor_width();
+    const int64_t count = c.tokens * width;
+    std::vector<float> f1(size_t(count), 1.0f), f2(size_t(count), 0.0f);
+    const bool nan_junk = rng.chance(0.2);
+    for (int64_t t = 0; t < c.tokens; ++t) {
+      for (int64_t chunk = 0; chunk < width; chunk += c.head_dim) {
+        const size_t base = size_t(t * width + chunk);
+        for (int64_t d = r; d < c.head_dim; ++d) {
+          f1[base + size_t(d)] = nan_junk ? NAN : 3.0f * angles.cos_values[angle()];
+          f2[base + size_t(d)] = nan_junk ? NAN : 3.0f * angles.sin_values[angle()];
+        }
+        for (int64_t i = 0; i < c.table_rotary / 2; ++i) {
+          const size_t a = angle();
+          const size_t first = base + size_t(c.neox ? i : 2 * i);
+          const size_t second = base + size_t(c.neox ? i + half : 2 * i + 1);
+          f1[first] = f1[second] = angles.cos_values[a];
+          // Interleaved: the speedrun's signs (+sin, -sin); NeoX: rotate_half's (-sin, +sin).
+          f2[first] = c.neox ? -angles.sin_values[a] : angles.sin_values[a];
+          f2[second] = -f2[first];
+        }
       }
     }
-  }
-  if (c.factor_dtype == DType::kFloat32) {
-    in.factor1.set_f32(f1);
-    in.factor2.set_f32(f2);
-  } else {
-    std::vector<uint16_t> b1(f1.size()), b2(f2.size());
-    for (size_t i = 0; i < f1.size(); ++i) {
-      b1[i] = bf16_of(f1[i]);
-      b2[i] = bf16_of(f2[i]);
+    if (c.specials & kFactors) {
+      // Only the rotary lanes: lanes >= r are never read (any value there would do).
+      for (std::vector<float>* table : {&f1, &f2}) {
+        if (rng.chance(0.6)) plant_in_floats(rng, *table, c.head_dim, r, c.specials);
+      }
     }
-    in.factor1.set_bf16(b1);
-    in.factor2.set_bf16(b2);
+    store_floats(in.factor1, c.factor_dtype, c.factor, f1);
+    store_floats(in.factor2, c.factor_dtype, c.factor, f2);
+  } else {
+    std::vector<float> cache(size_t(c.cache_rows * r));
+    for (int64_t p = 0; p < c.cache_rows; ++p) {
+      for (int64_t i = 0; i < half; ++i) {
+        const size_t a = angle();
+        cache[size_t(p * r + i)] = angles.cos_values[a];
+        cache[size_t(p * r + half + i)] = angles.sin_values[a];
+      }
+    }
+    if ((c.specials & kFactors) && r > 0 && rng.chance(0.6)) {
+      plant_in_floats(rng, cache, r, r, c.specials);
+    }
+    store_floats(in.cos_sin, c.factor_dtype, c.cos_sin, cache);
+    std::vector<int64_t> positions(size_t(c.tokens));
+    int64_t next = 0, document_end = 0;
+    for (int64_t t = 0; t < c.tokens; ++t) {
+      if (c.packed_positions) {
+        if (next >= document_end || next >= c.cache_rows) {
+          next = 0;
+          document_end = rng.range(1, c.cache_rows);
+        }
+        positions[size_t(t)] = next++;
+      } else {
+        positions[size_t(t)] = rng.range(0, c.cache_rows - 1);
+      }
+    }
+    const int64_t huge = c.position_dtype == DType::kInt32 ? int64_t(INT32_MAX) : int64_t(1) << 40;
+    const int64_t tiny = c.position_dtype == DType::kInt32 ? int64_t(INT32_MIN) : -(int64_t(1) << 40);
+    for (int64_t b = 0; b < c.bad_positions && c.tokens > 0; ++b) {
+      positions[size_t(rng.range(0, c.tokens - 1))] =
+          rng.pick<int64_t>({-1, c.cache_rows, c.cache_rows + 1000, huge, tiny});
+    }
+    in.positions = HostBuffer(c.position_dtype, c.positions);
+    in.positions.set_ints(positions);
+  }
+  for (int kind = 0; kind < 2; ++kind) {
+    if (!(kind == 0 ? c.q_weight : c.k_weight)) continue;
+    // Around 1 (RMS * w), around 0 with an offset (Gemma's 1 + w).
+    const float mean = c.weight_offset != 0.0f ? 0.0f : 1.0f;
+    const std::vector<uint16_t> noise = normal_bf16(rng, c.head_dim, c.head_dim, 0.5f, 0, 0);
+    std::vector<float> w(size_t(c.head_dim));
+    for (size_t d = 0; d < w.size(); ++d) w[d] = mean + bf16_to_float(noise[d]);
+    store_floats(kind == 0 ? in.q_weight : in.k_weight, c.weight_dtype, c.weight, w);
   }
 }
 
@@ -513,12 +723,14 @@ const char* op_name(Op op) {
     case Op::kQuantize: return "quantize_dual_layout";
     case Op::kQuantizeBatched: return "quantize_dual_layout(batched)";
     case Op::kWeightBank: return "quantize_weight_bank";
+    case Op::kPacked: return "packed_qkv";
   }
   return "?";
 }
 
 bool is_rope_op(Op op) {
-  return op == Op::kRopeForward || op == Op::kRopeBackward || op == Op::kQkvBackwardFp8;
+  return op == Op::kRopeForward || op == Op::kRopeBackward || op == Op::kQkvBackwardFp8 ||
+         op == Op::kPacked;
 }
 
 int64_t Placement::numel() const {
@@ -547,7 +759,12 @@ std::string Placement::describe() const {
 RopeLayout Case::layout() const {
   RopeLayout layout;
   layout.num_heads = heads;
-  layout.rotary_dim = rotary();
+  layout.num_kv_heads = kv_heads_zero ? 0 : kv_heads;
+  layout.rotary_dim = rotary_default ? -1 : rotary_dim;
+  layout.rotary_style = neox ? RotaryStyle::kNeox : RotaryStyle::kInterleaved;
+  layout.normalize = normalize;
+  layout.eps = eps;
+  layout.weight_offset = weight_offset;
   layout.paired = paired;
   layout.key_offset = key_offset;
   return layout;
@@ -559,22 +776,54 @@ std::string Case::describe() const {
   out << "case " << index << " (seed " << seed << (cpu_only ? ", cpu-only" : "") << "): "
       << op_name(op);
   if (is_rope_op(op)) {
-    out << " T=" << tokens << " H=" << heads << " D=" << head_dim;
-    if (op == Op::kQkvBackwardFp8) out << " Dv=" << v_dim;
-    out << (paired ? " paired" : key_offset ? " key_offset" : " plain");
-    if (key_offset) out << " rotary_dim=" << rotary_dim;
-    out << " tables_rotate=" << table_rotary << " factors=" << dtype_name(factor_dtype)
-        << "\n    qk " << qk.describe() << "; factors " << factor.describe();
-    if (op != Op::kRopeForward) out << "; grad_q/grad_k " << grad.describe();
-    if (op == Op::kQkvBackwardFp8) out << "; grad_v " << v.describe();
+    out << " T=" << tokens << " Hq=" << heads << " Hkv=" << kv_heads
+        << (kv_heads_zero ? " (as 0)" : "") << " D=" << head_dim;
+    if (op == Op::kQkvBackwardFp8 || op == Op::kPacked) out << " Dv=" << v_dim;
+    if (op == Op::kPacked) {
+      out << " C=" << channels << (joined_qkv ? " one QKV GEMM" : " two QKV GEMMs")
+          << (joined_weight_grads ? ", one wgrad GEMM" : ", two wgrad GEMMs")
+          << " qkv_scale=" << qkv_scale;
+    }
+    out << (paired ? " paired" : key_offset ? " key_offset" : " plain")
+        << (neox ? " neox" : " interleaved") << " r=" << rotary_dim
+        << (rotary_default ? " (as -1)" : "");
+    if (normalize) {
+      out << " rms eps=" << eps;
+      if (q_weight || k_weight) {
+        out << " weights" << (q_weight ? " q" : "") << (k_weight ? " k" : "") << " "
+            << dtype_name(weight_dtype) << " offset=" << weight_offset;
+      }
+    } else {
+      out << " no-norm";
+    }
+    if (cache) {
+      out << " cos_sin " << dtype_name(factor_dtype) << " P=" << cache_rows << " positions "
+          << dtype_name(position_dtype) << (packed_positions ? " packed" : " random");
+      if (bad_positions) out << " (" << bad_positions << " out of range)";
+    } else {
+      out << " tables " << dtype_name(factor_dtype) << " rotating " << table_rotary;
+    }
+    out << "\n    qk " << qk.describe();
+    if (cache) {
+      out << "; cos_sin " << cos_sin.describe() << "; positions " << positions.describe();
+    } else {
+      out << "; factors " << factor.describe();
+    }
+    if (q_weight || k_weight) out << "; weights " << weight.describe();
+    if (op != Op::kRopeForward) {
+      out << "; grad_q " << grad_q.describe() << "; grad_k " << grad_k.describe();
+    }
+    if (op == Op::kQkvBackwardFp8 || op == Op::kPacked) out << "; grad_v " << v.describe();
     out << "; outputs offset " << out_offset;
-    if (!cpu_only) out << " (CUDA " << (vector_path ? "vector" : "generic") << " path)";
+    if (!cpu_only && op != Op::kPacked) {
+      out << " (CUDA " << (vector_path ? "vector" : "narrow") << " accesses)";
+    }
   } else {
     out << " B=" << batch << " M=" << rows << " N=" << cols << (with_amax ? " amax" : "")
         << "\n    src " << src.describe();
   }
   if (!scales.empty()) {
-    out << "\n    " << (op == Op::kQkvBackwardFp8 ? "grad_scale" : "scale") << (scales.size() > 1 ? "s" : "")
+    out << "\n    " << (is_rope_op(op) ? "grad_scale" : "scale") << (scales.size() > 1 ? "s" : "")
         << " (shape " << (scale_ndim ? "[n]" : "[]") << ")";
     for (float s : scales) {
       char hex[64];
@@ -594,21 +843,25 @@ Case draw_case(const Options& options, int64_t index) {
   c.index = index;
   c.cpu_only = options.cpu_only;
   const double u = rng.unit();
-  c.op = u < 0.25   ? Op::kRopeForward
-         : u < 0.45 ? Op::kRopeBackward
-         : u < 0.70 ? Op::kQkvBackwardFp8
-         : u < 0.85 ? Op::kQuantize
+  c.op = u < 0.22   ? Op::kRopeForward
+         : u < 0.40 ? Op::kRopeBackward
+         : u < 0.62 ? Op::kQkvBackwardFp8
+         : u < 0.74 ? Op::kPacked
+         : u < 0.86 ? Op::kQuantize
          : u < 0.95 ? Op::kQuantizeBatched
                     : Op::kWeightBank;
   // GPU runs draw within the CUDA rules, except 3% of cases drawn as for the CPU: those test
   // that what the CUDA backend does not take is refused with a clear error (or computed right).
   const bool cuda_rules = !options.cpu_only && !rng.chance(0.03);
-  if (is_rope_op(c.op)) {
+  if (c.op == Op::kPacked) {
+    draw_packed(c, rng, cuda_rules, options.max_tokens);
+  } else if (is_rope_op(c.op)) {
     draw_rope(c, rng, cuda_rules, !options.cpu_only && !cuda_rules, options.max_tokens);
   } else {
     draw_quantize(c, rng, cuda_rules, options.max_tokens);
   }
-  if (rng.chance(0.2)) {
+  // Special values: not in the packed op, whose GEMMs would spread them everywhere.
+  if (c.op != Op::kPacked && rng.chance(0.2)) {
     c.specials = unsigned(rng.range(1, 31));
     if (is_rope_op(c.op) && rng.chance(0.3)) c.specials |= kFactors;
   }
@@ -696,6 +949,41 @@ void HostBuffer::set_f32(const std::vector<float>& dense) {
   });
 }
 
+void HostBuffer::set_ints(const std::vector<int64_t>& dense) {
+  for_each_element(placement_, [&](int64_t i, int64_t at) {
+    if (dtype_ == DType::kInt32) {
+      const auto narrow = int32_t(dense[size_t(i)]);
+      std::memcpy(&bytes_[size_t(at) * 4], &narrow, 4);
+    } else {
+      std::memcpy(&bytes_[size_t(at) * 8], &dense[size_t(i)], 8);
+    }
+  });
+}
+
+void HostBuffer::set_codes(const std::vector<uint8_t>& dense) {
+  for_each_element(placement_, [&](int64_t i, int64_t at) { bytes_[size_t(at)] = dense[size_t(i)]; });
+}
+
+std::vector<int64_t> HostBuffer::get_ints() const {
+  std::vector<int64_t> out(size_t(placement_.numel()));
+  for_each_element(placement_, [&](int64_t i, int64_t at) {
+    if (dtype_ == DType::kInt32) {
+      int32_t narrow = 0;
+      std::memcpy(&narrow, &bytes_[size_t(at) * 4], 4);
+      out[size_t(i)] = narrow;
+    } else {
+      std::memcpy(&out[size_t(i)], &bytes_[size_t(at) * 8], 8);
+    }
+  });
+  return out;
+}
+
+std::vector<uint8_t> HostBuffer::get_codes() const {
+  std::vector<uint8_t> out(size_t(placement_.numel()));
+  for_each_element(placement_, [&](int64_t i, int64_t at) { out[size_t(i)] = bytes_[size_t(at)]; });
+  return out;
+}
+
 std::vector<uint16_t> HostBuffer::get_bf16() const {
   std::vector<uint16_t> out(size_t(placement_.numel()));
   for_each_element(placement_, [&](int64_t i, int64_t at) {
@@ -722,43 +1010,77 @@ std::vector<double> HostBuffer::get_values() const {
   return out;
 }
 
+/// e4m3 codes of normal(0, sigma) values (the packed op's x and weights).
+std::vector<uint8_t> normal_e4m3(Rng& rng, int64_t count, float sigma) {
+  const std::vector<uint16_t> values = normal_bf16(rng, count, std::max<int64_t>(count, 1), sigma, 0, 0);
+  std::vector<uint8_t> codes(values.size());
+  for (size_t i = 0; i < values.size(); ++i) codes[i] = float_to_e4m3(bf16_to_float(values[i]));
+  return codes;
+}
+
+std::vector<uint8_t> transposed_codes(const std::vector<uint8_t>& in, int64_t rows, int64_t cols) {
+  std::vector<uint8_t> out(in.size());
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t col = 0; col < cols; ++col) out[size_t(col * rows + r)] = in[size_t(r * cols + col)];
+  }
+  return out;
+}
+
+HostBuffer code_buffer(const std::vector<uint8_t>& codes, int64_t rows, int64_t cols) {
+  HostBuffer buffer(DType::kFloat8E4M3, Placement{{rows, cols}, {}, 0});
+  buffer.set_codes(codes);
+  return buffer;
+}
+
 Inputs make_inputs(const Case& c) {
   Rng rng(c.seed, c.index, 1);
   Inputs in;
   if (is_rope_op(c.op)) {
     const int64_t d = c.head_dim;
     // Rows of very different scales: rstd from ~1e-2 to ~1e2.
-    std::vector<uint16_t> qk = normal_bf16(rng, c.tokens * 2 * c.heads * d, d, 1.0f, -7, 7);
+    std::vector<uint16_t> qk = normal_bf16(rng, c.tokens * c.input_heads() * d, d, 1.0f, -7, 7);
     // Huge rope inputs stay below 2^41, so a row's fp32 sum of squares (and every product in the
     // backward) stays finite: the float64 model would not overflow where fp32 does.
     plant_specials(rng, qk, d, d, c.specials, 16, 40);
     in.qk = HostBuffer(DType::kBFloat16, c.qk);
     in.qk.set_bf16(qk);
-    fill_factors(c, rng, in);
+    fill_angles(c, rng, in);
     if (c.op != Op::kRopeForward) {
-      const float magnitude = c.op == Op::kQkvBackwardFp8
-                                  ? gradient_magnitude(c.scales[0])
-                                  : std::ldexp(1.0f, int(rng.range(-3, 3)));
-      const int64_t count = c.out_tokens() * c.out_heads() * d;
-      // CPU-only key-offset cases plant no infinities in the gradients: the float64 model
-      // differentiates through the stationary factors (1, 0) of the shifted key dims, and
-      // 0 * inf = NaN there, where SPEC.md section 2 (and so both backends) skips the factors
-      // and gets inf. GPU cases, compared backend to backend, keep them.
-      const unsigned grad_specials = c.cpu_only && c.key_offset ? c.specials & ~unsigned(kInf) : c.specials;
-      for (HostBuffer* grad : {&in.grad_q, &in.grad_k}) {
-        std::vector<uint16_t> values = normal_bf16(rng, count, d, magnitude, -2, 2);
-        plant_specials(rng, values, d, d, grad_specials, 16, 40);
-        *grad = HostBuffer(DType::kBFloat16, c.grad);
-        grad->set_bf16(values);
+      const float magnitude = c.op == Op::kRopeBackward ? std::ldexp(1.0f, int(rng.range(-3, 3)))
+                                                        : gradient_magnitude(c.scales[0]);
+      for (int kind = 0; kind < 2; ++kind) {
+        const int64_t heads = kind ? c.k_out_heads() : c.q_out_heads();
+        std::vector<uint16_t> values = normal_bf16(rng, c.out_tokens() * heads * d, d, magnitude, -2, 2);
+        plant_specials(rng, values, d, d, c.specials, 16, 40);
+        HostBuffer& grad = kind ? in.grad_k : in.grad_q;
+        grad = HostBuffer(DType::kBFloat16, kind ? c.grad_k : c.grad_q);
+        grad.set_bf16(values);
       }
     }
-    if (c.op == Op::kQkvBackwardFp8) {
-      std::vector<uint16_t> values = normal_bf16(rng, c.tokens * c.heads * c.v_dim, c.v_dim,
+    if (c.op == Op::kQkvBackwardFp8 || c.op == Op::kPacked) {
+      std::vector<uint16_t> values = normal_bf16(rng, c.tokens * c.kv_heads * c.v_dim, c.v_dim,
                                                  gradient_magnitude(c.scales[0]), -2, 2);
       plant_specials(rng, values, c.v_dim, c.v_dim, c.specials, 9, 127);
       in.grad_v = HostBuffer(DType::kBFloat16, c.v);
       in.grad_v.set_bf16(values);
       in.scale = scale_buffer(c.scales, c.scale_ndim);
+    }
+    if (c.op == Op::kPacked) {
+      const int64_t T = c.tokens, C = c.channels, F = c.qkv_dim();
+      const std::vector<uint8_t> x = normal_e4m3(rng, T * C, 8.0f);
+      const std::vector<uint8_t> w = normal_e4m3(rng, F * C, 100.0f);
+      in.x_f8 = code_buffer(x, T, C);
+      in.x_f8_t = code_buffer(transposed_codes(x, T, C), C, T);
+      in.weight_f8 = code_buffer(w, F, C);
+      in.weight_f8_t = code_buffer(transposed_codes(w, F, C), C, F);
+      const int64_t qk_rows = c.qk_features(), v_rows = c.kv_heads * c.v_dim;
+      in.qk_weight = HostBuffer(DType::kBFloat16, Placement{{qk_rows, C}, {}, 0});
+      in.qk_weight.set_bf16(normal_bf16(rng, qk_rows * C, C, 0.02f, 0, 0));
+      in.v_weight = HostBuffer(DType::kBFloat16, Placement{{v_rows, C}, {}, 0});
+      in.v_weight.set_bf16(normal_bf16(rng, v_rows * C, C, 0.02f, 0, 0));
+      in.x_scale = scale_buffer({c.x_scale}, 0);
+      in.weight_scale = scale_buffer({c.weight_scale}, 1);
+      in.qkv_scale = scale_buffer({c.qkv_scale}, 0);
     }
     return in;
   }

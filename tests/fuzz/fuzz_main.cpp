@@ -2,22 +2,31 @@
 //
 //   qkvfuse_fuzz [--cases N] [--seed S] [--case K] [--cpu-only] [--max-tokens M]
 //
-// Each case draws an op (qk_norm_rope forward and backward, qkv_backward_fp8, quantize_dual_layout
-// plain with or without amax and batched, quantize_weight_bank), a mode (plain, paired, key offset
-// with any even rotary_dim), shapes (H 1..16, D any even width in [2, 256], Dv in [1, 512] in GPU
-// mode (in [1, 256] in CPU-only mode), token counts from 0 to --max-tokens), strides (padded
-// heads and rows, column slices of wider buffers, offsets), factor dtype, scales (1/448, powers of
-// two, 1e-4, 1, arbitrary, and rarely 0, inf, NaN, negative) and special input values (NaN, inf,
-// values far beyond e4m3's range, zero rows, subnormals). Case K of seed S depends on nothing
-// else, so `--seed S --case K` replays it alone.
+// Each case draws an op (qk_norm_rope forward and backward, qkv_backward_fp8, the packed op's
+// forward and backward, quantize_dual_layout plain with or without amax and batched,
+// quantize_weight_bank) and, for the ops that take a RopeLayout, every option of SPEC.md
+// section 8: heads (Hq 1..32, Hkv = Hq, a proper divisor, or 1; num_kv_heads given as 0 at times),
+// a mode (plain, paired, key offset), the rotary style (interleaved or NeoX), its width r (D, any
+// even part of D, 0, the edges; rotary_dim = -1 at times), the norm (none, RMS, RMS * w with either
+// weight or both in bf16 or float32, with an offset of 1 (Gemma) or another), eps (2^-23, 1e-6,
+// 1e-5, anything in [1e-12, 1]), the angles (bf16 / float32 factor tables whose lanes >= r hold
+// junk or NaN; or a bf16 / float32 cos/sin cache at int32 / int64 positions, random or packed
+// documents, now and then out of range), shapes (D any even width in [2, 256], Dv in [1, 512] in
+// GPU mode (in [1, 256] in CPU-only mode), token counts from 0 to --max-tokens), strides (padded
+// heads and rows, column slices of wider buffers, strided positions, offsets), scales (1/448,
+// powers of two, 1e-4, 1, arbitrary, and rarely 0, inf, NaN, negative) and special input values
+// (NaN, inf, values far beyond e4m3's range, zero rows, subnormals; in the angles too). The norm
+// weights' gradients are asked for exactly when the weights are given, with the workspace
+// backward_workspace_size asks for. Case K of seed S depends on nothing else, so
+// `--seed S --case K` replays it alone.
 //
-// The rope ops' CUDA backend has two kernel families: the 16-byte vector kernels (D a multiple of
-// 8 from 32; Dv a multiple of 8 up to 256; every pointer and stride but the last a multiple of 16
-// bytes) and the element-pair kernels of the generic path for the rest. GPU mode keeps about 60 %
-// of head widths on the vector kernels' (and 70 % of the V widths), and in about 20 % of rope
-// cases gives some of the tensors, and the outputs, odd pads and offsets (pointers aligned to
-// their elements only), one tensor at a time or several: about half the rope cases take each
-// path. Each case's description says which path the rule picks, and the summary counts them.
+// The rope ops' CUDA backend reads with 16-byte vectors where the arguments allow (D a multiple of
+// 8 from 32, NeoX r a multiple of 16, a cache with interleaved lanes r a multiple of 8; Dv a
+// multiple of 8 up to 256; every pointer and stride but the last a multiple of 16 bytes) and with
+// narrower accesses for the rest. GPU mode keeps about 60 % of head widths on the vector widths
+// (and 70 % of the V widths), and in about 20 % of rope cases gives some of the tensors, and the
+// outputs, odd pads and offsets (pointers aligned to their elements only), one tensor at a time or
+// several. Each case's description says which access the rule picks, and the summary counts them.
 //
 // GPU mode (default): the CUDA backend against the CPU backend on the same inputs, with the GPU
 // tests' tolerances:
@@ -25,6 +34,12 @@
 //     round differently) within 2^-18 of the row's largest finite value plus 2^-8 of the value;
 //   - e4m3 outputs of qkv_backward_fp8: V features bit-identical; Q/K features within one e4m3
 //     step, or within the same row noise; grad_t exactly grad_row transposed;
+//   - the norm weights' gradients: within twice a float32 sum's error of each other (both are
+//     within one of the exact sum; test::fp32_sum_tolerance), plus one ulp for bf16 weights;
+//   - the packed op, stage by stage: qkv within 2^-6 of max(|cpu|, rms) (the GPU's fast
+//     accumulation), q and k against the CPU's qk_norm_rope of the GPU's own qk, grad_row as
+//     qkv_backward_fp8's, the weight gradient, grad_x and grad_qkv_scale against float64 GEMMs
+//     of the GPU's own grad_t and grad_row;
 //   - quantize outputs, amax and weight-bank scales: bit-identical;
 //   - NaN exactly where the CPU has NaN; outputs are poisoned (bf16 0x7fc1, e4m3 0xff, float
 //     -1234.5: values no computation produces) and guarded, so unwritten elements and writes out
@@ -37,7 +52,9 @@
 //
 // CPU-only mode (--cpu-only): the CPU backend against the float64 model of tests/reference.hpp
 // with the CPU tests' tolerances (bf16 within one ulp of the rounded model, or its row's fp32
-// noise; e4m3 within one step; quantize bit-exact).
+// noise; e4m3 within one step; the norm weights' gradients within a float32 sum's error of the
+// exact sums; the packed op stage by stage against float64 GEMMs of its own intermediate
+// results; quantize bit-exact).
 //
 // Self-check (--self-check): GPU mode's cases and comparisons with the CPU backend in the GPU's
 // place; every case must pass. It checks the harness (case drawing, poisoning, comparisons)
@@ -104,61 +121,39 @@ struct Findings {
   bool clean() const { return lines.empty(); }
 };
 
-// ---- the backward's rounding scale -------------------------------------------------------------------
+// ---- the float64 model of a case ---------------------------------------------------------------------
 
-/// For each input row (t, h2) of the rope backward: rstd * max_d (|dn[d]| + |n[d] * sum(dn * n) / D|),
-/// computed in float64 from the inputs by SPEC.md section 2. dx = rstd * (dn - n * sum(dn n) / D)
-/// is a difference of those terms, so an fp32 computation's error scales with them, not with dx:
-/// where dn is nearly parallel to n (often so for small D) dx cancels to far below its terms,
-/// and two correct fp32 computations may differ there by many ulps of dx. 0 for rows whose terms
-/// are not finite (their outputs are compared exactly).
-std::vector<double> backward_term_scale(const Case& c, const Inputs& in) {
-  const int64_t d_size = c.head_dim, heads2 = 2 * c.heads, width = c.factor_width();
-  const std::vector<double> qk = in.qk.get_values();
-  const std::vector<double> f1 = in.factor1.get_values();
-  const std::vector<double> f2 = in.factor2.get_values();
-  const std::vector<double> grad_q = in.grad_q.get_values();
-  const std::vector<double> grad_k = in.grad_k.get_values();
-  std::vector<double> scale(size_t(c.tokens * heads2), 0.0);
-  std::vector<double> n(static_cast<size_t>(d_size)), dn(static_cast<size_t>(d_size));
-  for (int64_t t = 0; t < c.tokens; ++t) {
-    for (int64_t h2 = 0; h2 < heads2; ++h2) {
-      const double* x = &qk[size_t((t * heads2 + h2) * d_size)];
-      double squares = 0;
-      for (int64_t d = 0; d < d_size; ++d) squares += x[d] * x[d];
-      const double rstd = 1.0 / std::sqrt(squares / double(d_size) + 1.1920928955078125e-7);
-      for (int64_t d = 0; d < d_size; ++d) n[size_t(d)] = x[d] * rstd;
-      const int64_t h = h2 % c.heads;
-      const bool key = h2 >= c.heads;
-      int64_t out_token = t, out_head = h, offset = 0;
-      if (c.paired) {
-        const int64_t half = c.heads / 2;
-        out_token = 2 * t + h / half;
-        out_head = h % half;
-        offset = (h % 2) * d_size;
-      }
-      const std::vector<double>& grad = key ? grad_k : grad_q;
-      const double* g = &grad[size_t((out_token * c.out_heads() + out_head) * d_size)];
-      const double* a = &f1[size_t(t * width + offset)];
-      const double* b = &f2[size_t(t * width + offset)];
-      for (int64_t d = 0; d < d_size; ++d) dn[size_t(d)] = a[d] * g[d] + b[d ^ 1] * g[d ^ 1];
-      if (c.key_offset && key) {
-        for (int64_t d = c.rotary_dim; d < d_size; ++d) {
-          const double next = t + 1 < c.tokens ? grad[size_t(((t + 1) * c.out_heads() + h) * d_size + d)] : 0.0;
-          dn[size_t(d)] = next + (t == 0 ? g[d] : 0.0);
-        }
-      }
-      double dot = 0;
-      for (int64_t d = 0; d < d_size; ++d) dot += dn[size_t(d)] * n[size_t(d)];
-      double largest = 0;
-      for (int64_t d = 0; d < d_size; ++d) {
-        largest = std::max(largest, std::fabs(dn[size_t(d)]) + std::fabs(n[size_t(d)] * dot / double(d_size)));
-      }
-      const double value = rstd * largest;
-      scale[size_t(t * heads2 + h2)] = std::isfinite(value) ? value : 0.0;
-    }
+ref::Rope model_rope(const Case& c) {
+  ref::Rope rope{c.tokens, c.heads, c.head_dim, c.rotary_dim, c.paired, c.key_offset};
+  rope.kv_heads = c.kv_heads;
+  rope.neox = c.neox;
+  rope.normalize = c.normalize;
+  rope.eps = double(c.eps);
+  rope.weight_offset = double(c.weight_offset);
+  return rope;
+}
+
+ref::RopeTensors model_tensors(const Case& c, const Inputs& in) {
+  ref::RopeTensors tensors;
+  tensors.cache = c.cache;
+  if (c.cache) {
+    tensors.cache_rows = c.cache_rows;
+    tensors.cos_sin = in.cos_sin.get_values();
+    tensors.positions = in.positions.get_ints();
+  } else {
+    tensors.factor1 = in.factor1.get_values();
+    tensors.factor2 = in.factor2.get_values();
   }
-  return scale;
+  if (c.q_weight) tensors.q_weight = in.q_weight.get_values();
+  if (c.k_weight) tensors.k_weight = in.k_weight.get_values();
+  return tensors;
+}
+
+/// The model's gradients of a backward case (its term scales: the rounding scale of dx per input
+/// row, see ref::RopeGradients; and the weight gradients with their magnitudes).
+ref::RopeGradients model_gradients(const Case& c, const Inputs& in) {
+  return ref::rope_gradients(model_rope(c), in.grad_q.get_values(), in.grad_k.get_values(),
+                             in.qk.get_values(), model_tensors(c, in));
 }
 
 // ---- GPU vs CPU ------------------------------------------------------------------------------------
@@ -232,10 +227,9 @@ std::vector<double> feature_noise(const Case& c, const std::vector<double>& valu
 std::vector<bool> zero_scale_ambiguity(const Case& c, const Inputs& in,
                                        const std::vector<double>& term_scale) {
   if (c.scales[0] != 0.0f) return {};
-  const ref::Rope rope{c.tokens, c.heads, c.head_dim, c.rotary(), c.paired, c.key_offset};
   const std::vector<double> values = ref::qkv_backward_values(
-      rope, c.v_dim, in.grad_q.get_values(), in.grad_k.get_values(), in.grad_v.get_values(),
-      in.qk.get_values(), in.factor1.get_values(), in.factor2.get_values());
+      model_rope(c), c.v_dim, in.grad_q.get_values(), in.grad_k.get_values(),
+      in.grad_v.get_values(), in.qk.get_values(), model_tensors(c, in));
   const std::vector<double> noise = feature_noise(c, values, term_scale);
   std::vector<bool> ambiguous(values.size());
   for (size_t i = 0; i < values.size(); ++i) {
@@ -244,21 +238,22 @@ std::vector<bool> zero_scale_ambiguity(const Case& c, const Inputs& in,
   return ambiguous;
 }
 
-/// qkv_backward_fp8's grad_row [T][qkv_dim], GPU against CPU (test_cuda_qkv_backward_fp8.cpp's
-/// rule): V features exact, Q/K within one step or the row noise, NaN where the CPU has NaN
-/// (or, for a zero scale, where zero_scale_ambiguity allows it).
+/// grad_row [T][qkv_dim], GPU against CPU (test_cuda_qkv_backward_fp8.cpp's rule): V features
+/// exact, Q/K within one step or the row noise, NaN where the CPU has NaN (or, for a zero scale,
+/// where zero_scale_ambiguity allows it).
 void compare_grad_row_gpu(Findings& findings, const Case& c, const std::vector<uint8_t>& gpu,
                           const std::vector<uint8_t>& cpu, const std::vector<double>& term_scale,
                           const std::vector<bool>& ambiguous) {
   const double scale = std::fabs(double(c.scales[0]));
   const bool scale_usable = std::isfinite(scale) && scale > 0;
   Tally tally;
-  const int64_t qk_features = 2 * c.heads * c.head_dim;
+  const int64_t qk_rows = c.input_heads();
+  const int64_t qk_features = c.qk_features();
   const int64_t qkv = c.qkv_dim();
   for (int64_t t = 0; t < c.tokens; ++t) {
-    for (int64_t row = 0; row < 3 * c.heads; ++row) {
-      const bool qk_row = row < 2 * c.heads;
-      const int64_t begin = qk_row ? row * c.head_dim : qk_features + (row - 2 * c.heads) * c.v_dim;
+    for (int64_t row = 0; row < qk_rows + c.kv_heads; ++row) {
+      const bool qk_row = row < qk_rows;
+      const int64_t begin = qk_row ? row * c.head_dim : qk_features + (row - qk_rows) * c.v_dim;
       const int64_t end = begin + (qk_row ? c.head_dim : c.v_dim);
       double row_max = 0;
       for (int64_t f = begin; f < end; ++f) {
@@ -266,7 +261,7 @@ void compare_grad_row_gpu(Findings& findings, const Case& c, const std::vector<u
         if (std::isfinite(v)) row_max = std::max(row_max, v);
       }
       if (qk_row && scale_usable) {
-        row_max = std::max(row_max, term_scale[size_t(t * 2 * c.heads + row)] / scale);
+        row_max = std::max(row_max, term_scale[size_t(t * qk_rows + row)] / scale);
       }
       for (int64_t f = begin; f < end; ++f) {
         const size_t i = size_t(t * qkv + f);
@@ -301,6 +296,79 @@ void compare_grad_row_gpu(Findings& findings, const Case& c, const std::vector<u
     }
   }
   if (tally.bad || tally.unwritten) findings.add(tally.summary("grad_row [gpu vs cpu]"));
+}
+
+/// The values of a float output's bytes (bf16 or float32).
+std::vector<double> float_values(const Output& out) {
+  std::vector<double> values;
+  if (out.dtype == DType::kFloat32) {
+    for (float v : as_f32(out.bytes)) values.push_back(v);
+  } else {
+    for (uint16_t v : as_u16(out.bytes)) values.push_back(bf16_to_float(v));
+  }
+  return values;
+}
+
+/// The tolerance of a weight gradient against the exact sum: a float32 sum of the model's terms.
+std::vector<double> weight_tolerance(const ref::RopeGradients& model, int kind) {
+  return test::fp32_sum_tolerance(kind ? model.k_weight_magnitude : model.q_weight_magnitude,
+                                  kind ? model.k_weight_terms : model.q_weight_terms);
+}
+
+/// The norm weights' gradients GPU against CPU: both within a float32 sum's error of the exact
+/// value, so within twice that of each other (plus one ulp of a bf16 weight's rounding).
+void compare_weight_grads_gpu(Findings& findings, const Case& c, const std::vector<Output>& gpu,
+                              const std::vector<Output>& cpu, const ref::RopeGradients& model) {
+  for (int kind = 0; kind < 2; ++kind) {
+    if (!(kind ? c.k_weight : c.q_weight)) continue;
+    const std::string name = kind ? "grad_k_weight" : "grad_q_weight";
+    const Output& g = find_output(gpu, name);
+    const Output& h = find_output(cpu, name);
+    const std::vector<double> a = float_values(g), b = float_values(h);
+    const std::vector<double> tolerance = weight_tolerance(model, kind);
+    for (size_t d = 0; d < a.size(); ++d) {
+      const bool bf16 = c.weight_dtype == DType::kBFloat16;
+      const bool unwritten = bf16 ? as_u16(g.bytes)[d] == kPoisonBF16 : as_f32(g.bytes)[d] == kPoisonF32;
+      const double ulp = bf16 ? std::ldexp(std::fabs(b[d]), -7) : 0.0;
+      const bool ok = !unwritten && ((std::isnan(a[d]) && std::isnan(b[d])) || a[d] == b[d] ||
+                                     std::fabs(a[d] - b[d]) <= 2 * tolerance[d] + ulp);
+      if (!ok) {
+        std::ostringstream out;
+        out.precision(9);
+        out << name << "[" << d << "] [gpu vs cpu]: gpu " << a[d] << (unwritten ? " (unwritten)" : "")
+            << ", cpu " << b[d] << ", tolerance " << 2 * tolerance[d] + ulp;
+        findings.add(out.str());
+        return;
+      }
+    }
+  }
+}
+
+/// A GEMM output (or a value derived from one) against a reference: |got - want| within
+/// 2^-6 * max(|want|, rms(want)) elementwise (two bf16 ulps, or the scale of the tensor where an
+/// element cancels), as test_cuda_packed_qkv.cpp judges the GPU's fast-accumulating GEMMs.
+void compare_gemm(Findings& findings, const std::string& what, const std::vector<double>& got,
+                  const std::vector<double>& want) {
+  if (got.size() != want.size()) {
+    findings.add(what + ": sizes differ");
+    return;
+  }
+  double squares = 0;
+  for (double v : want) squares += v * v;
+  const double rms = want.empty() ? 0.0 : std::sqrt(squares / double(want.size()));
+  int64_t bad = 0;
+  std::string first;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const bool ok = (std::isnan(got[i]) && std::isnan(want[i])) ||
+                    std::fabs(got[i] - want[i]) <= std::ldexp(std::max(std::fabs(want[i]), rms), -6);
+    if (!ok && bad++ == 0) {
+      std::ostringstream out;
+      out.precision(9);
+      out << "element " << i << ": got " << got[i] << ", expected " << want[i] << " (rms " << rms << ")";
+      first = out.str();
+    }
+  }
+  if (bad) findings.add(what + ": " + std::to_string(bad) + " elements off (first: " + first + ")");
 }
 
 void compare_bytes(Findings& findings, const std::string& what, const std::vector<uint8_t>& got,
@@ -348,6 +416,84 @@ std::vector<uint8_t> transposed(const std::vector<uint8_t>& in, int64_t batch, i
   return out;
 }
 
+// ---- the packed op's stages --------------------------------------------------------------------------
+
+/// The packed forward's qkv [T][qkv_dim] as bf16 bits, from its joined or separate outputs.
+std::vector<uint16_t> packed_qkv_bits(const Case& c, const std::vector<Output>& outputs) {
+  if (c.joined_qkv) return as_u16(find_output(outputs, "qkv").bytes);
+  const std::vector<uint16_t> qk = as_u16(find_output(outputs, "qk").bytes);
+  const std::vector<uint16_t> v = as_u16(find_output(outputs, "v").bytes);
+  const int64_t QK = c.qk_features(), V = c.kv_heads * c.v_dim;
+  std::vector<uint16_t> qkv;
+  for (int64_t t = 0; t < c.tokens; ++t) {
+    qkv.insert(qkv.end(), qk.begin() + t * QK, qk.begin() + (t + 1) * QK);
+    qkv.insert(qkv.end(), v.begin() + t * V, v.begin() + (t + 1) * V);
+  }
+  return qkv;
+}
+
+/// The projection's weight gradient [qkv_dim][C] as bf16 bits, joined or separate.
+std::vector<uint16_t> packed_weight_grad_bits(const Case& c, const std::vector<Output>& outputs) {
+  if (c.joined_weight_grads) return as_u16(find_output(outputs, "grad_weight").bytes);
+  std::vector<uint16_t> all = as_u16(find_output(outputs, "grad_qk_weight").bytes);
+  const std::vector<uint16_t> v = as_u16(find_output(outputs, "grad_v_weight").bytes);
+  all.insert(all.end(), v.begin(), v.end());
+  return all;
+}
+
+/// The CPU backend's qk_norm_rope of a given qk [T][Hq+Hkv][D] (bf16 bits) with the case's layout:
+/// the forward's rope step judged on the qk that the op itself produced.
+std::vector<Output> cpu_rope_of(const Case& c, const Inputs& in, const std::vector<uint16_t>& qk_bits) {
+  Case rope_case = c;
+  rope_case.op = Op::kRopeForward;
+  rope_case.out_offset = 0;
+  rope_case.qk = Placement{{c.tokens, c.input_heads(), c.head_dim}, {}, 0};
+  Inputs rope_in = in;
+  rope_in.qk = HostBuffer(DType::kBFloat16, rope_case.qk);
+  std::vector<uint16_t> dense(qk_bits.size() / size_t(std::max<int64_t>(1, c.qkv_dim())) *
+                              size_t(c.qk_features()));
+  dense.clear();
+  const int64_t F = c.qkv_dim(), QK = c.qk_features();
+  for (int64_t t = 0; t < c.tokens; ++t) {
+    dense.insert(dense.end(), qk_bits.begin() + t * F, qk_bits.begin() + t * F + QK);
+  }
+  rope_in.qk.set_bf16(dense);
+  const std::unique_ptr<Memory> memory = make_cpu_memory();
+  return run_case(rope_case, rope_in, *memory);
+}
+
+/// The packed backward's GEMM stages from its own FP8 gradient (bf16-rounded unscaled weight
+/// gradient, then the scaled one and grad_qkv_scale; grad_x), in float64.
+struct PackedGemms {
+  std::vector<double> grad_weight;  ///< [qkv_dim][C], unrounded (the op rounds it to bf16)
+  double grad_qkv_scale = 0;
+  double grad_qkv_scale_scale = 0;  ///< sqrt(sum (g * w)^2): the dot product's scale
+  std::vector<double> grad_x;       ///< [T][C], unrounded
+};
+
+PackedGemms packed_gemms(const Case& c, const Inputs& in, const std::vector<uint8_t>& grad_row,
+                         const std::vector<uint8_t>& grad_t) {
+  const int64_t T = c.tokens, C = c.channels, F = c.qkv_dim();
+  const float grad_scale = c.scales[0];
+  PackedGemms out;
+  const std::vector<double> unscaled = ref::gemm(grad_t, in.x_f8_t.get_codes(), F, C, T,
+                                                 double(grad_scale) * double(c.x_scale));
+  std::vector<double> unscaled_bf16(unscaled.size());
+  for (size_t i = 0; i < unscaled.size(); ++i) unscaled_bf16[i] = ref::round_bf16(unscaled[i]);
+  std::vector<double> weights = in.qk_weight.get_values();
+  const std::vector<double> v_weights = in.v_weight.get_values();
+  weights.insert(weights.end(), v_weights.begin(), v_weights.end());
+  const ref::WeightGrads w = ref::packed_weight_grads(unscaled_bf16, weights, c.qkv_scale);
+  out.grad_weight = w.grad_weight;
+  out.grad_qkv_scale = w.grad_qkv_scale;
+  double squares = 0;
+  for (size_t i = 0; i < weights.size(); ++i) squares += std::pow(unscaled_bf16[i] * weights[i], 2);
+  out.grad_qkv_scale_scale = std::sqrt(squares);
+  out.grad_x = ref::gemm(grad_row, in.weight_f8_t.get_codes(), T, C, F,
+                         double(grad_scale) * double(c.weight_scale) * double(c.qkv_scale));
+  return out;
+}
+
 void compare_gpu_cpu(Findings& findings, const Case& c, const Inputs& in,
                      const std::vector<Output>& gpu, const std::vector<Output>& cpu) {
   switch (c.op) {
@@ -357,18 +503,71 @@ void compare_gpu_cpu(Findings& findings, const Case& c, const Inputs& in,
                          as_u16(find_output(cpu, name).bytes), c.head_dim);
       }
       return;
-    case Op::kRopeBackward:
+    case Op::kRopeBackward: {
+      const ref::RopeGradients model = model_gradients(c, in);
       compare_bf16_gpu(findings, "grad_qk", as_u16(find_output(gpu, "grad_qk").bytes),
-                       as_u16(find_output(cpu, "grad_qk").bytes), c.head_dim,
-                       backward_term_scale(c, in));
+                       as_u16(find_output(cpu, "grad_qk").bytes), c.head_dim, model.term_scale);
+      compare_weight_grads_gpu(findings, c, gpu, cpu, model);
       return;
+    }
     case Op::kQkvBackwardFp8: {
+      const ref::RopeGradients model = model_gradients(c, in);
       const std::vector<uint8_t>& row = find_output(gpu, "grad_row").bytes;
-      const std::vector<double> term_scale = backward_term_scale(c, in);
-      compare_grad_row_gpu(findings, c, row, find_output(cpu, "grad_row").bytes, term_scale,
-                           zero_scale_ambiguity(c, in, term_scale));
+      compare_grad_row_gpu(findings, c, row, find_output(cpu, "grad_row").bytes, model.term_scale,
+                           zero_scale_ambiguity(c, in, model.term_scale));
       compare_bytes(findings, "grad_t [gpu] vs grad_row^T [gpu]", find_output(gpu, "grad_t").bytes,
                     transposed(row, 1, c.tokens, c.qkv_dim()));
+      compare_weight_grads_gpu(findings, c, gpu, cpu, model);
+      return;
+    }
+    case Op::kPacked: {
+      if (c.tokens == 0) {
+        // Nothing but the norm weights' gradients (zeros) is written, on either backend.
+        for (const Output& out : cpu) {
+          if (out.name == "workspace") continue;
+          compare_bytes(findings, out.name + " [gpu vs cpu, T = 0]", find_output(gpu, out.name).bytes,
+                        out.bytes);
+        }
+        return;
+      }
+      const ref::RopeGradients model = model_gradients(c, in);
+      // Forward: the GEMM within its accumulation error, the rope step on the GPU's own qk.
+      const std::vector<uint16_t> qkv_gpu = packed_qkv_bits(c, gpu), qkv_cpu = packed_qkv_bits(c, cpu);
+      std::vector<double> a, b;
+      for (uint16_t v : qkv_gpu) a.push_back(bf16_to_float(v));
+      for (uint16_t v : qkv_cpu) b.push_back(bf16_to_float(v));
+      compare_gemm(findings, "qkv [gpu vs cpu]", a, b);
+      const std::vector<Output> rope = cpu_rope_of(c, in, qkv_gpu);
+      for (const char* name : {"q", "k"}) {
+        compare_bf16_gpu(findings, std::string(name) + " (on the GPU's qk)",
+                         as_u16(find_output(gpu, name).bytes), as_u16(find_output(rope, name).bytes),
+                         c.head_dim);
+      }
+      // Backward: the FP8 gradient from identical inputs, the GEMMs from the GPU's own gradient.
+      const std::vector<uint8_t>& row = find_output(gpu, "grad_row").bytes;
+      const std::vector<uint8_t>& t = find_output(gpu, "grad_t").bytes;
+      compare_grad_row_gpu(findings, c, row, find_output(cpu, "grad_row").bytes, model.term_scale, {});
+      compare_bytes(findings, "grad_t [gpu] vs grad_row^T [gpu]", t,
+                    transposed(row, 1, c.tokens, c.qkv_dim()));
+      compare_weight_grads_gpu(findings, c, gpu, cpu, model);
+      const PackedGemms want = packed_gemms(c, in, row, t);
+      std::vector<double> grad_weight;
+      for (uint16_t v : packed_weight_grad_bits(c, gpu)) grad_weight.push_back(bf16_to_float(v));
+      compare_gemm(findings, "grad_qk_weight; grad_v_weight [gpu vs its grad_t]", grad_weight,
+                   want.grad_weight);
+      std::vector<double> grad_x;
+      for (uint16_t v : as_u16(find_output(gpu, "grad_x").bytes)) grad_x.push_back(bf16_to_float(v));
+      compare_gemm(findings, "grad_x [gpu vs its grad_row]", grad_x, want.grad_x);
+      const double scale = as_f32(find_output(gpu, "grad_qkv_scale").bytes)[0];
+      const bool both_nan = std::isnan(scale) && std::isnan(want.grad_qkv_scale);
+      if (!both_nan &&
+          !(std::fabs(scale - want.grad_qkv_scale) <= 1e-2 * want.grad_qkv_scale_scale + 1e-30)) {
+        std::ostringstream out;
+        out.precision(9);
+        out << "grad_qkv_scale [gpu vs its grad_t]: got " << scale << ", expected "
+            << want.grad_qkv_scale << " (scale " << want.grad_qkv_scale_scale << ")";
+        findings.add(out.str());
+      }
       return;
     }
     case Op::kQuantize:
@@ -407,34 +606,11 @@ std::vector<double> finite_row_noise(const std::vector<double>& values, int64_t 
   return noise;
 }
 
-/// Raises each row's noise to kRowNoise * the row's backward term scale.
-void widen_by_terms(std::vector<double>& noise, const std::vector<double>& term_scale,
-                    int64_t row_length) {
-  for (size_t i = 0; i < noise.size(); ++i) {
-    noise[i] = std::max(noise[i], kRowNoise * term_scale[i / size_t(row_length)]);
-  }
-}
-
 /// The row noise of grad_row's Q/K features (per head row of D, widened to the backward's term
 /// scale), 0 for V features.
 std::vector<double> feature_noise(const Case& c, const std::vector<double>& values,
                                   const std::vector<double>& term_scale) {
-  const int64_t qk_features = 2 * c.heads * c.head_dim;
-  const int64_t qkv = c.qkv_dim();
-  std::vector<double> noise(values.size(), 0.0);
-  for (int64_t t = 0; t < c.tokens; ++t) {
-    for (int64_t start = 0; start < qk_features; start += c.head_dim) {
-      const size_t base = size_t(t * qkv + start);
-      double largest = 0;
-      for (int64_t d = 0; d < c.head_dim; ++d) {
-        const double v = values[base + size_t(d)];
-        if (std::isfinite(v)) largest = std::max(largest, std::fabs(v));
-      }
-      largest = std::max(largest, term_scale[size_t(t * 2 * c.heads + start / c.head_dim)]);
-      for (int64_t d = 0; d < c.head_dim; ++d) noise[base + size_t(d)] = kRowNoise * largest;
-    }
-  }
-  return noise;
+  return test::qkv_feature_noise(model_rope(c), c.v_dim, values, kRowNoise, term_scale);
 }
 
 void add_comparison(Findings& findings, const test::Comparison& comparison) {
@@ -460,15 +636,126 @@ void check_poison_e4m3(Findings& findings, const std::string& what, const std::v
   }
 }
 
+/// The norm weights' gradients against the model's exact sums (a float32 sum's tolerance, plus
+/// one ulp for bf16 weights).
+void compare_weight_grads_model(Findings& findings, const Case& c, const std::vector<Output>& cpu,
+                                const ref::RopeGradients& model) {
+  for (int kind = 0; kind < 2; ++kind) {
+    if (!(kind ? c.k_weight : c.q_weight)) continue;
+    const std::string name = kind ? "grad_k_weight" : "grad_q_weight";
+    const Output& out = find_output(cpu, name);
+    const std::vector<double>& want = kind ? model.grad_k_weight : model.grad_q_weight;
+    const std::vector<double> tolerance = weight_tolerance(model, kind);
+    if (c.weight_dtype == DType::kBFloat16) {
+      add_comparison(findings, test::compare_bf16(name + " [cpu vs model]", as_u16(out.bytes), want,
+                                                  tolerance));
+    } else {
+      add_comparison(findings, test::compare_close(name + " [cpu vs model]", float_values(out), want,
+                                                   tolerance));
+    }
+  }
+}
+
+/// grad_row against the model's values: codes within one e4m3 step (or the row noise), V codes
+/// exact, grad_t the transpose.
+void compare_grad_row_model(Findings& findings, const Case& c, const Inputs& in,
+                            const std::vector<Output>& cpu, const ref::RopeGradients& model) {
+  const std::vector<double> values = ref::qkv_backward_values(
+      model_rope(c), c.v_dim, in.grad_q.get_values(), in.grad_k.get_values(),
+      in.grad_v.get_values(), in.qk.get_values(), model_tensors(c, in));
+  const std::vector<double> noise = feature_noise(c, values, model.term_scale);
+  const float scale = c.scales[0];
+  const std::vector<uint8_t>& row = find_output(cpu, "grad_row").bytes;
+  const std::vector<uint8_t>& t = find_output(cpu, "grad_t").bytes;
+  check_poison_e4m3(findings, "grad_row", row);
+  add_comparison(findings, test::compare_e4m3("grad_row [cpu vs model]", row, values, scale, noise));
+  compare_bytes(findings, "grad_t vs grad_row^T", t, transposed(row, 1, c.tokens, c.qkv_dim()));
+  // V features: no arithmetic but the fp32 division, so exact.
+  int64_t v_bad = 0;
+  for (int64_t token = 0; token < c.tokens; ++token) {
+    for (int64_t f = c.qk_features(); f < c.qkv_dim(); ++f) {
+      const size_t i = size_t(token * c.qkv_dim() + f);
+      v_bad += row[i] != ref::quantize_code(values[i], scale);
+    }
+  }
+  if (v_bad) findings.add("grad_row: " + std::to_string(v_bad) + " V codes differ from e4m3(grad_v / grad_scale)");
+}
+
+/// The packed op on the CPU against the model, stage by stage on the inputs each stage received.
+void compare_packed_model(Findings& findings, const Case& c, const Inputs& in,
+                          const std::vector<Output>& cpu, const ref::RopeGradients& model) {
+  const int64_t T = c.tokens, C = c.channels, F = c.qkv_dim(), QK = c.qk_features();
+  const ref::Rope rope = model_rope(c);
+  const ref::RopeTensors tensors = model_tensors(c, in);
+  if (T == 0) {
+    compare_weight_grads_model(findings, c, cpu, model);  // zeros
+    for (const Output& out : cpu) {
+      if (out.name == "grad_q_weight" || out.name == "grad_k_weight" || out.name == "workspace") {
+        continue;
+      }
+      bool untouched = true;
+      if (out.dtype == DType::kBFloat16) {
+        for (uint16_t v : as_u16(out.bytes)) untouched = untouched && v == kPoisonBF16;
+      } else if (out.dtype == DType::kFloat32) {
+        for (float v : as_f32(out.bytes)) untouched = untouched && same_float(v, kPoisonF32);
+      } else {
+        for (uint8_t v : out.bytes) untouched = untouched && v == kPoisonE4M3;
+      }
+      if (!untouched) findings.add(out.name + ": written at T = 0 (only the norm weights' gradients are)");
+    }
+    return;
+  }
+  // The projection: the exact GEMM rounded once to bf16 (the CPU GEMM sums in fp32: slack 2^-22).
+  const std::vector<uint16_t> qkv = packed_qkv_bits(c, cpu);
+  const std::vector<double> expected_qkv = ref::packed_projection(
+      in.x_f8.get_codes(), in.weight_f8.get_codes(), T, F, C, c.x_scale, c.weight_scale, c.qkv_scale);
+  std::vector<double> slack(expected_qkv.size());
+  for (size_t i = 0; i < slack.size(); ++i) slack[i] = std::ldexp(std::fabs(expected_qkv[i]), -22);
+  add_comparison(findings, test::compare_bf16("qkv [cpu vs model]", qkv, expected_qkv, slack));
+  // The rope step on the op's own qk.
+  std::vector<double> qk;
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t f = 0; f < QK; ++f) qk.push_back(bf16_to_float(qkv[size_t(t * F + f)]));
+  }
+  const ref::QkPair want = ref::rope_forward(rope, qk, tensors);
+  for (const char* name : {"q", "k"}) {
+    const std::vector<double>& values = name[0] == 'q' ? want.q : want.k;
+    const std::vector<uint16_t> got = as_u16(find_output(cpu, name).bytes);
+    add_comparison(findings, test::compare_bf16(std::string(name) + " [cpu vs model of its qk]", got,
+                                                values, finite_row_noise(values, c.head_dim, kRowNoise)));
+  }
+  // Backward: the FP8 gradient and the norm weights' gradients against the model, the GEMMs
+  // against the float64 GEMMs of the op's own FP8 gradient.
+  compare_grad_row_model(findings, c, in, cpu, model);
+  compare_weight_grads_model(findings, c, cpu, model);
+  const std::vector<uint8_t>& row = find_output(cpu, "grad_row").bytes;
+  const std::vector<uint8_t>& t = find_output(cpu, "grad_t").bytes;
+  const PackedGemms gemms = packed_gemms(c, in, row, t);
+  std::vector<double> carried(gemms.grad_weight.size());  // one ulp of the unscaled GEMM output
+  for (size_t i = 0; i < carried.size(); ++i) carried[i] = std::ldexp(std::fabs(gemms.grad_weight[i]), -7);
+  add_comparison(findings, test::compare_bf16("grad_qk_weight; grad_v_weight [cpu vs model]",
+                                              packed_weight_grad_bits(c, cpu), gemms.grad_weight, carried));
+  std::vector<double> x_slack(gemms.grad_x.size());
+  for (size_t i = 0; i < x_slack.size(); ++i) x_slack[i] = std::ldexp(std::fabs(gemms.grad_x[i]), -22);
+  add_comparison(findings, test::compare_bf16("grad_x [cpu vs model]",
+                                              as_u16(find_output(cpu, "grad_x").bytes), gemms.grad_x, x_slack));
+  const double scale = as_f32(find_output(cpu, "grad_qkv_scale").bytes)[0];
+  add_comparison(findings, test::compare_close("grad_qkv_scale [cpu vs model]", {scale}, {gemms.grad_qkv_scale},
+                                               {(1e-4 + std::ldexp(1.0, -7)) * gemms.grad_qkv_scale_scale}));
+}
+
 void compare_cpu_model(Findings& findings, const Case& c, const Inputs& in,
                        const std::vector<Output>& cpu) {
+  if (c.op == Op::kPacked) {
+    compare_packed_model(findings, c, in, cpu, model_gradients(c, in));
+    return;
+  }
   if (is_rope_op(c.op)) {
-    const ref::Rope rope{c.tokens, c.heads, c.head_dim, c.rotary(), c.paired, c.key_offset};
+    const ref::Rope rope = model_rope(c);
+    const ref::RopeTensors tensors = model_tensors(c, in);
     const std::vector<double> qk = in.qk.get_values();
-    const std::vector<double> f1 = in.factor1.get_values();
-    const std::vector<double> f2 = in.factor2.get_values();
     if (c.op == Op::kRopeForward) {
-      const ref::QkPair expected = ref::rope_forward(rope, qk, f1, f2);
+      const ref::QkPair expected = ref::rope_forward(rope, qk, tensors);
       for (const char* name : {"q", "k"}) {
         const std::vector<double>& values = name[0] == 'q' ? expected.q : expected.k;
         const std::vector<uint16_t> got = as_u16(find_output(cpu, name).bytes);
@@ -478,36 +765,18 @@ void compare_cpu_model(Findings& findings, const Case& c, const Inputs& in,
       }
       return;
     }
-    const std::vector<double> grad_q = in.grad_q.get_values();
-    const std::vector<double> grad_k = in.grad_k.get_values();
+    const ref::RopeGradients model = model_gradients(c, in);
     if (c.op == Op::kRopeBackward) {
-      const std::vector<double> expected = ref::rope_backward(rope, grad_q, grad_k, qk, f1, f2);
       const std::vector<uint16_t> got = as_u16(find_output(cpu, "grad_qk").bytes);
       check_poison_bf16(findings, "grad_qk", got);
-      std::vector<double> noise = finite_row_noise(expected, c.head_dim, kRowNoise);
-      widen_by_terms(noise, backward_term_scale(c, in), c.head_dim);
-      add_comparison(findings, test::compare_bf16("grad_qk [cpu vs model]", got, expected, noise));
+      std::vector<double> noise = finite_row_noise(model.grad_qk, c.head_dim, kRowNoise);
+      test::widen_by_terms(noise, model.term_scale, c.head_dim, kRowNoise);
+      add_comparison(findings, test::compare_bf16("grad_qk [cpu vs model]", got, model.grad_qk, noise));
+      compare_weight_grads_model(findings, c, cpu, model);
       return;
     }
-    const std::vector<double> values = ref::qkv_backward_values(
-        rope, c.v_dim, grad_q, grad_k, in.grad_v.get_values(), qk, f1, f2);
-    const std::vector<double> noise = feature_noise(c, values, backward_term_scale(c, in));
-    const float scale = c.scales[0];
-    const std::vector<uint8_t>& row = find_output(cpu, "grad_row").bytes;
-    const std::vector<uint8_t>& t = find_output(cpu, "grad_t").bytes;
-    check_poison_e4m3(findings, "grad_row", row);
-    add_comparison(findings, test::compare_e4m3("grad_row [cpu vs model]", row, values, scale, noise));
-    compare_bytes(findings, "grad_t vs grad_row^T", t, transposed(row, 1, c.tokens, c.qkv_dim()));
-    // V features: no arithmetic but the fp32 division, so exact.
-    const int64_t qk_features = 2 * c.heads * c.head_dim;
-    int64_t v_bad = 0;
-    for (int64_t token = 0; token < c.tokens; ++token) {
-      for (int64_t f = qk_features; f < c.qkv_dim(); ++f) {
-        const size_t i = size_t(token * c.qkv_dim() + f);
-        v_bad += row[i] != ref::quantize_code(values[i], scale);
-      }
-    }
-    if (v_bad) findings.add("grad_row: " + std::to_string(v_bad) + " V codes differ from e4m3(grad_v / grad_scale)");
+    compare_grad_row_model(findings, c, in, cpu, model);
+    compare_weight_grads_model(findings, c, cpu, model);
     return;
   }
 
@@ -563,6 +832,7 @@ struct Verdict {
 std::string message_prefix(Op op) {
   switch (op) {
     case Op::kQuantizeBatched: return "quantize_dual_layout:";
+    case Op::kPacked: return "packed_qkv_";
     default: return std::string(op_name(op)) + ":";
   }
 }
@@ -709,7 +979,7 @@ int run(int argc, char** argv) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
   int64_t done = 0, mismatches = 0, refused = 0, accepted_outside = 0, with_specials = 0;
-  int64_t per_op[6] = {};
+  int64_t per_op[kOpCount] = {};
   int64_t rope_vector = 0, rope_generic = 0;  // by Case::vector_path
   for (int64_t k = first; k < first + count; ++k) {
     const Case c = draw_case(options, k);
@@ -744,7 +1014,7 @@ int run(int argc, char** argv) {
     }
   }
   std::printf("cases by op:");
-  for (int op = 0; op < 6; ++op) std::printf(" %s %lld;", op_name(Op(op)), (long long)per_op[op]);
+  for (int op = 0; op < kOpCount; ++op) std::printf(" %s %lld;", op_name(Op(op)), (long long)per_op[op]);
   std::printf(" with special values %lld", (long long)with_specials);
   if (!options.cpu_only) {
     std::printf("; rope ops on the CUDA vector path %lld, generic path %lld", (long long)rope_vector,

@@ -114,7 +114,8 @@ std::vector<Output> run_case(const Case& c, const Inputs& in, Memory& memory) {
   };
   std::vector<Made> made;
   const auto output = [&](const std::string& name, DType dtype, std::vector<int64_t> sizes) {
-    const TensorView view = memory.output(name, dtype, sizes, is_rope_op(c.op) ? c.out_offset : 0);
+    const int64_t offset = is_rope_op(c.op) && c.op != Op::kPacked ? c.out_offset : 0;
+    const TensorView view = memory.output(name, dtype, sizes, offset);
     made.push_back({name, dtype, sizes, view});
     return view;
   };
@@ -122,15 +123,34 @@ std::vector<Output> run_case(const Case& c, const Inputs& in, Memory& memory) {
   const DType bf16 = DType::kBFloat16;
   const DType e4m3 = DType::kFloat8E4M3;
 
+  // The layout: the case's options and its tensors on this memory.
+  const auto layout = [&] {
+    RopeLayout l = c.layout();
+    if (c.cache) {
+      l.cos_sin = memory.input(in.cos_sin);
+      l.positions = memory.input(in.positions);
+    } else {
+      l.factor1 = memory.input(in.factor1);
+      l.factor2 = memory.input(in.factor2);
+    }
+    if (c.q_weight) l.q_weight = memory.input(in.q_weight);
+    if (c.k_weight) l.k_weight = memory.input(in.k_weight);
+    return l;
+  };
+  // The norm weights' gradients, present exactly when the weights are.
+  const auto weight_grads = [&](TensorView& grad_q_weight, TensorView& grad_k_weight) {
+    if (c.q_weight) grad_q_weight = output("grad_q_weight", c.weight_dtype, {c.head_dim});
+    if (c.k_weight) grad_k_weight = output("grad_k_weight", c.weight_dtype, {c.head_dim});
+  };
+  const int64_t heads2 = c.input_heads();
+
   switch (c.op) {
     case Op::kRopeForward: {
       QkNormRopeParams p;
       p.qk = memory.input(in.qk);
-      p.q = output("q", bf16, {c.out_tokens(), c.out_heads(), c.head_dim});
-      p.k = output("k", bf16, {c.out_tokens(), c.out_heads(), c.head_dim});
-      p.layout = c.layout();
-      p.layout.factor1 = memory.input(in.factor1);
-      p.layout.factor2 = memory.input(in.factor2);
+      p.q = output("q", bf16, {c.out_tokens(), c.q_out_heads(), c.head_dim});
+      p.k = output("k", bf16, {c.out_tokens(), c.k_out_heads(), c.head_dim});
+      p.layout = layout();
       p.stream = stream;
       qk_norm_rope(p);
       break;
@@ -140,11 +160,12 @@ std::vector<Output> run_case(const Case& c, const Inputs& in, Memory& memory) {
       p.grad_q = memory.input(in.grad_q);
       p.grad_k = memory.input(in.grad_k);
       p.qk = memory.input(in.qk);
-      p.grad_qk = output("grad_qk", bf16, {c.tokens, 2 * c.heads, c.head_dim});
-      p.layout = c.layout();
-      p.layout.factor1 = memory.input(in.factor1);
-      p.layout.factor2 = memory.input(in.factor2);
+      p.grad_qk = output("grad_qk", bf16, {c.tokens, heads2, c.head_dim});
+      weight_grads(p.grad_q_weight, p.grad_k_weight);
+      p.layout = layout();
       p.stream = stream;
+      const int64_t workspace = backward_workspace_size(p);
+      if (workspace > 0) p.workspace = output("workspace", DType::kFloat32, {workspace});
       qk_norm_rope_backward(p);
       break;
     }
@@ -157,11 +178,80 @@ std::vector<Output> run_case(const Case& c, const Inputs& in, Memory& memory) {
       p.grad_scale = memory.input(in.scale);
       p.grad_row = output("grad_row", e4m3, {c.tokens, c.qkv_dim()});
       p.grad_t = output("grad_t", e4m3, {c.qkv_dim(), c.tokens});
-      p.layout = c.layout();
-      p.layout.factor1 = memory.input(in.factor1);
-      p.layout.factor2 = memory.input(in.factor2);
+      weight_grads(p.grad_q_weight, p.grad_k_weight);
+      p.layout = layout();
       p.stream = stream;
+      const int64_t workspace = backward_workspace_size(p);
+      if (workspace > 0) p.workspace = output("workspace", DType::kFloat32, {workspace});
       qkv_backward_fp8(p);
+      break;
+    }
+    case Op::kPacked: {
+      const int64_t T = c.tokens, C = c.channels, F = c.qkv_dim(), QK = c.qk_features();
+      const int64_t V = c.kv_heads * c.v_dim;
+      const auto slice = [](TensorView base, int64_t element_offset, std::vector<int64_t> sizes,
+                            std::vector<int64_t> strides) {
+        TensorView view = base;
+        view.data = static_cast<char*>(base.data) + element_offset * int64_t(dtype_size(base.dtype));
+        view.ndim = int(sizes.size());
+        for (int d = 0; d < view.ndim; ++d) {
+          view.sizes[d] = sizes[size_t(d)];
+          view.strides[d] = strides[size_t(d)];
+        }
+        return view;
+      };
+      PackedQkvForwardParams f;
+      f.x_f8 = memory.input(in.x_f8);
+      f.weight_f8 = memory.input(in.weight_f8);
+      f.x_scale = memory.input(in.x_scale);
+      f.weight_scale = memory.input(in.weight_scale);
+      f.qkv_scale = memory.input(in.qkv_scale);
+      if (c.joined_qkv) {
+        const TensorView qkv = output("qkv", bf16, {T, F});
+        f.qk = slice(qkv, 0, {T, heads2, c.head_dim}, {F, c.head_dim, 1});
+        f.v = slice(qkv, QK, {T, c.kv_heads, c.v_dim}, {F, c.v_dim, 1});
+      } else {
+        f.qk = output("qk", bf16, {T, heads2, c.head_dim});
+        f.v = output("v", bf16, {T, c.kv_heads, c.v_dim});
+      }
+      f.q = output("q", bf16, {c.out_tokens(), c.q_out_heads(), c.head_dim});
+      f.k = output("k", bf16, {c.out_tokens(), c.k_out_heads(), c.head_dim});
+      f.layout = layout();
+      f.stream = stream;
+      packed_qkv_forward(f);
+
+      PackedQkvBackwardParams b;
+      b.grad_q = memory.input(in.grad_q);
+      b.grad_k = memory.input(in.grad_k);
+      b.grad_v = memory.input(in.grad_v);
+      b.qk = memory.input(in.qk);
+      b.x_f8_t = memory.input(in.x_f8_t);
+      b.weight_f8_t = memory.input(in.weight_f8_t);
+      b.qk_weight = memory.input(in.qk_weight);
+      b.v_weight = memory.input(in.v_weight);
+      b.x_scale = f.x_scale;
+      b.weight_scale = f.weight_scale;
+      b.qkv_scale = f.qkv_scale;
+      b.grad_scale = memory.input(in.scale);
+      b.grad_row = output("grad_row", e4m3, {T, F});
+      b.grad_t = output("grad_t", e4m3, {F, T});
+      b.partials = output("partials", DType::kFloat32, {kGradScalePartials});
+      weight_grads(b.grad_q_weight, b.grad_k_weight);
+      b.grad_x = output("grad_x", bf16, {T, C});
+      if (c.joined_weight_grads) {
+        const TensorView grad_weight = output("grad_weight", bf16, {F, C});
+        b.grad_qk_weight = slice(grad_weight, 0, {QK, C}, {C, 1});
+        b.grad_v_weight = slice(grad_weight, QK * C, {V, C}, {C, 1});
+      } else {
+        b.grad_qk_weight = output("grad_qk_weight", bf16, {QK, C});
+        b.grad_v_weight = output("grad_v_weight", bf16, {V, C});
+      }
+      b.grad_qkv_scale = output("grad_qkv_scale", DType::kFloat32, {});
+      b.layout = f.layout;
+      b.stream = stream;
+      const int64_t workspace = backward_workspace_size(b);
+      if (workspace > 0) b.rope_workspace = output("workspace", DType::kFloat32, {workspace});
+      packed_qkv_backward(b);
       break;
     }
     case Op::kQuantize:
