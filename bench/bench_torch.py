@@ -9,13 +9,18 @@ do_bench, and inputs rotated across enough copies to exceed L2):
   - the whole packed FP8 QKV op, forward alone and forward + backward (gradients of x, both weights
     and qkv_scale through torch.autograd.grad), eager and as a replayed CUDA graph, vs the reference
     PackedFP8QKV;
-  - the three FP8 GEMMs of the op (forward, wgrad, dgrad): torch._scaled_mm vs qkvfuse.fp8_gemm.
+  - the three FP8 GEMMs of the op (forward, wgrad, dgrad): torch._scaled_mm vs qkvfuse.fp8_gemm;
+  - the general layouts at the model shapes (Qwen3-8B, Gemma3-12B, Qwen3-0.6B; SPEC.md section 8):
+    QK-norm with learned weights + NeoX rotary from a cos/sin cache, forward, backward and both,
+    vs the eager Hugging Face chain, torch.compile of it and Liger-Kernel's ops (--liger-path);
+    bench/bench_general.py says what each row measures.
 Memory-bound kernels report GB/s of their minimum traffic and % of a measured device copy (2 GiB
 buffer); GEMMs report TFLOP/s. Results go to --out (markdown for *.md, CSV otherwise) with the
 device, date and commit; a short table is printed last.
 
   python bench/bench_torch.py --out bench_torch_h200.csv \
       [--reference /path/to/seed.txt] [--commit SHA] [--tokens 49152] [--channels 768]
+      [--sections norm,backward,packed,gemm,general] [--liger-path .whl]
 """
 import argparse
 import time
@@ -24,8 +29,11 @@ import datetime
 import importlib.machinery
 import importlib.util
 import math
+import os
 import statistics
 import subprocess
+import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -514,8 +522,12 @@ def main():
     parser.add_argument("--channels", type=int, default=768)
     parser.add_argument("--budget-gib", type=int, default=16,
                         help="device memory for rotated input copies")
-    parser.add_argument("--sections", default="norm,backward,packed,gemm",
-                        help="comma-separated subset of norm,backward,packed,gemm")
+    parser.add_argument("--sections", default="norm,backward,packed,gemm,general",
+                        help="comma-separated subset of norm,backward,packed,gemm,general")
+    parser.add_argument("--liger-path", default=os.environ.get("QKVFUSE_LIGER_PATH"),
+                        help="general section: Liger-Kernel as a folder for sys.path, a "
+                             "liger_kernel-*.whl or a folder holding one (default "
+                             "$QKVFUSE_LIGER_PATH, else as installed; without it no Liger rows)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_torch.py needs a CUDA device")
@@ -538,6 +550,20 @@ def main():
     if "gemm" in sections:
         for shape in (Shape(6, 128), Shape(6, 96), Shape(12, 64)):
             rows += bench_gemms(shape, args)
+    general_rows, general_header, general_passed = [], {}, True
+    if "general" in sections:
+        import bench_general  # the general layouts at the model shapes (its own module)
+        try:
+            general_rows, general_header, general_passed = bench_general.run(
+                bench_general.section_args(args.liger_path), copy_gbs,
+                bench_general.Timers(median_ms, bench_general.cuda_split_ms, cycle),
+                lambda make: rotating(make, l2_bytes, args.budget_gib << 30), Row)
+        except Exception as error:  # keep the other sections' results
+            traceback.print_exc()
+            general_header = {"general check": "FAILED: the section raised "
+                                               + bench_general.error_text(error)}
+            general_passed = False
+        rows += general_rows
 
     header = {
         "device": torch.cuda.get_device_name(0),
@@ -550,11 +576,18 @@ def main():
         "copy bandwidth (2 GiB buffer, read + write)": f"{copy_gbs:.0f} GB/s",
         "reference": args.reference or "not given",
         "timing": "triton.testing.do_bench median; L2 flushed per run, inputs rotated",
+        **general_header,
     }
     write_results(args.out, header, rows)
     print(f"# {header['device']}, {header['date']}, commit {header['commit']}, "
           f"copy {copy_gbs:.0f} GB/s -> {args.out}")
     print_summary(rows)
+    if general_rows:
+        print("\n".join(bench_general.summary_lines(general_rows, copy_gbs)))
+    if general_header:
+        print(f"check {general_header['general check']}")
+    if not general_passed:
+        sys.exit(1)  # the results are written; a failed correctness check fails the run
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@
   --kernels  qkvfuse_bench_kernels --csv: norm + rotary forward, bf16 backward, fused FP8 backward
   --fp8      qkvfuse_bench_fp8 --csv: FP8 GEMMs, quantize, the packed op through the C++ API
   --torch    bench/bench_torch.py --out X.csv: qkvfuse side by side with the eager PyTorch chain,
-             torch.compile of it, the reference Triton implementation and torch._scaled_mm
+             torch.compile of it, the reference Triton implementation and torch._scaled_mm; and
+             its general section (or bench/bench_general.py --out X.csv alone): the model shapes
+             against the eager Hugging Face chain, torch.compile of it and Liger-Kernel
 Any of the three may be left out (its tables then say so). Every number in the report comes from
 the CSVs; only the method text is fixed here. The chart needs matplotlib (imported only for it).
 """
@@ -321,6 +323,65 @@ def packed_section(run):
     return out
 
 
+GENERAL_STEPS = (("general fwd", "forward"), ("general bwd", "backward"),
+                 ("general fwd+bwd", "fwd+bwd"))
+GENERAL_BASELINES = ("eager HF chain", "torch.compile", "Liger", "Liger (dense q, k)")
+
+
+def general_section(run):
+    """The general layouts (SPEC.md section 8) at the model shapes: per shape and step, the
+    bytes floor, qkvfuse and each baseline as ms (its time over qkvfuse's)."""
+    title = "## General layouts at model shapes (QK-norm + NeoX rotary, cos/sin cache)"
+    steps = dict(GENERAL_STEPS)
+    found = [r for r in run.torch if r["section"] in steps]
+    meta = run.sources.get("bench_torch", (None, {}))[1]
+    if not found:  # not run, or it failed before any row (its check line says why)
+        return [title, "", f"No results: {meta['general check']}" if meta.get("general check")
+                else "Not run.", ""]
+    cells = {(r["shape"], r["section"], r["impl"]): r for r in found}
+    shapes = list(dict.fromkeys((r["shape"], r["mode"]) for r in found))
+    baselines = [b for b in GENERAL_BASELINES if any(key[2] == b for key in cells)]
+    rows = []
+    for shape, mode in shapes:
+        for section, step in GENERAL_STEPS:
+            ours, floor = cells.get((shape, section, "qkvfuse")), cells.get(
+                (shape, section, "bytes floor"))
+            if ours is None:
+                continue
+            rows.append([shape, mode, step, fmt(number(floor["ms"]), 3) if floor else "-",
+                         fmt(number(ours["ms"]), 4), fmt(number(ours["rate"]), 0),
+                         fmt(number(ours["% copy"]), 1)] +
+                        [f"{fmt(number(c['ms']), 3)} ({ratio(number(c['x qkvfuse']))})"
+                         if c else "-" for c in (cells.get((shape, section, b))
+                                                 for b in baselines)])
+    out = [title, "", paragraph(
+        "Per-head RMS-norm with a learned weight (Qwen3: w; Gemma 3: 1 + w) and NeoX rotary from "
+        "a bf16 cos/sin cache read at int64 positions, bf16, the weights receiving gradients; q "
+        "and k are the strided Q/K columns of a fused projection's output. Forward and backward "
+        "alone: qkvfuse's registered ops; the baselines' training forward, and their autograd "
+        "backward after a fresh forward. Fwd+bwd: everything through autograd. "
+        "Floor: each input read once and each output written once at the measured copy "
+        "bandwidth; GB/s and % copy count those bytes. Baselines, timed side by side: the eager "
+        "Hugging Face chain (transformers' Qwen3/Gemma3 RMSNorm and apply_rotary_pos_emb, "
+        "restated), torch.compile of it (static shapes), Liger-Kernel's RMSNorm + rope as its "
+        "patches use them, with the copies its ops make of strided inputs, and the same with q "
+        "and k as separate dense tensors (separate projections). Each as ms (its time over "
+        "qkvfuse's; above 1.00x qkvfuse is faster). `bench/bench_general.py` documents every "
+        "column. Targets (issue 20): forward and backward each at >= 88 % of copy, fwd+bwd >= "
+        "3x faster than torch.compile and >= 5x faster than Liger."), ""]
+    if meta.get("general problem"):
+        out.append(f"- problem: {meta['general problem']}")
+    if meta.get("general check"):
+        # "passed: <model>: ... | <model>: ..." (or "FAILED: ..."): one item per model.
+        status, _, details = meta["general check"].partition(": ")
+        out.append(f"- check against the eager chain: {status}")
+        out += [f"  - {detail}" for detail in details.split(" | ") if detail]
+    if meta.get("liger"):
+        out.append(f"- Liger-Kernel: {meta['liger']}")
+    return out + ["", table(["shape", "mode", "step", "floor ms", "qkvfuse ms", "GB/s", "% copy"]
+                            + [f"{b} ms" for b in baselines], rows), ""]
+
+
 HOW_MEASURED = (
     "Every time is a median. The C++ benchmarks time each iteration between its own pair of CUDA "
     "events (median of at least 50 after warm-up; for single kernels a spinning kernel holds the "
@@ -373,6 +434,7 @@ def header(run, md_path, png_path):
 def write_markdown(run, md_path, png_path):
     lines = header(run, md_path, png_path)
     lines += memory_bound_section(run) + gemm_section(run) + packed_section(run)
+    lines += general_section(run)
     lines += ["## How measured", "", paragraph(HOW_MEASURED), ""]
     failures = run.failures()
     if failures:

@@ -19,6 +19,10 @@
 #   QKVFUSE_DEVICE_SLUG  device part of the file names (default from nvidia-smi: h200, h100-...)
 #   QKVFUSE_BENCH_TORCH  0 skips the PyTorch benchmark (default 1)
 #   QKVFUSE_REFERENCE    reference implementation (default .seed/reference_triton.py)
+#   QKVFUSE_LIGER_PATH   Liger-Kernel for bench_torch.py's general section: a folder for
+#                        sys.path, a liger_kernel-*.whl or a folder holding one (default .whl/,
+#                        git-ignored: `pip download --no-deps liger-kernel -d .whl`); none: no
+#                        Liger rows
 #   QKVFUSE_BENCH_ARGS   extra arguments for the C++ benchmarks (e.g. --iters 200)
 # Prints one line per step. Exit status 1 when a benchmark or the report failed; the report is
 # still written from whatever ran.
@@ -77,7 +81,9 @@ if [ "${QKVFUSE_BENCH_TORCH:-1}" = 1 ]; then
   if python_outside -c 'import qkvfuse, triton' 2>/dev/null; then
     ref=()
     [ -f "$reference" ] && ref=(--reference "$reference")
-    run bench_torch --torch python3 bench/bench_torch.py "${ref[@]}" \
+    liger=() # Liger-Kernel for the general section's baselines
+    [ -e "${QKVFUSE_LIGER_PATH:-.whl}" ] && liger=(--liger-path "${QKVFUSE_LIGER_PATH:-.whl}")
+    run bench_torch --torch python3 bench/bench_torch.py "${ref[@]}" "${liger[@]}" \
       --out "$dir/${prefix}_bench_torch.csv" --commit "$QKVFUSE_COMMIT"
   else
     echo "bench_torch: skipped: qkvfuse or triton does not import (pip install .)"
