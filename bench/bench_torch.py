@@ -350,7 +350,8 @@ def bench_norm_forward(shape, args, seed, copy_gbs, l2_bytes):
     layout = (shape.heads, shape.rotary_dim, shape.paired, shape.key_offset)
     compiled = torch.compile(chain_forward, fullgraph=True)
     impls = {
-        "qkvfuse": median_ms(cycle(sets, lambda *a: torch.ops.qkvfuse.qk_norm_rope(*a, *layout))),
+        "qkvfuse": median_ms(cycle(sets, lambda qk, f1, f2: torch.ops.qkvfuse.qk_norm_rope(
+            qk, *qkvfuse.ops.rope_layout(*layout, factor1=f1, factor2=f2)))),
         "eager chain": median_ms(cycle(sets, lambda *a: chain_forward(*a, *layout))),
         "compiled chain": median_ms(cycle(sets, lambda *a: compiled(*a, *layout))),
     }
@@ -370,8 +371,11 @@ def bench_backward_fp8(shape, args, seed, copy_gbs, l2_bytes):
     grad_row, grad_t = qkvfuse.qkv_backward_fp8(*first, *layout)
     compiled = torch.compile(chain_backward_fp8, fullgraph=True)
     impls = {
-        "qkvfuse": median_ms(cycle(sets, lambda *a: torch.ops.qkvfuse.qkv_backward_fp8(*a,
-                                                                                      *layout))),
+        "qkvfuse": median_ms(cycle(sets, lambda gq, gk, gv, qk, f1, f2, scale:
+                                   torch.ops.qkvfuse.qkv_backward_fp8(
+                                       gq, gk, gv, qk, scale,
+                                       *qkvfuse.ops.rope_layout(*layout, factor1=f1,
+                                                                factor2=f2)))),
         "eager chain": median_ms(cycle(sets, lambda *a: chain_backward_fp8(*a, *layout))),
         "compiled chain": median_ms(cycle(sets, lambda *a: compiled(*a, *layout))),
     }
