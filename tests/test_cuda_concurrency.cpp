@@ -25,6 +25,7 @@
 
 #include "gpu_util.hpp"
 #include "qkvfuse/qkvfuse.hpp"
+#include "reference.hpp"
 #include "test_util.hpp"
 
 namespace qkvfuse::test {
@@ -229,19 +230,22 @@ class Workload {
     }
     const DeviceInputs& in = in_;
     const Device dev = in.device;
-    const RopeLayout key_offset{kH, kD / 2, false, true};
-    const RopeLayout plain{kH, kD, false, false};
+    const TensorView factor1 = in.bf16(in->factor1, {kT, kD});
+    const TensorView factor2 = in.bf16(in->factor2, {kT, kD});
+    const RopeLayout key_offset = tables_layout(kH, kD / 2, false, true, factor1, factor2);
+    const RopeLayout plain = tables_layout(kH, kD, false, false, factor1, factor2);
     switch (op) {
       case kRopeForward:
-        qk_norm_rope({in.bf16(in->qk, {kT, 2 * kH, kD}), in.bf16(in->factor1, {kT, kD}),
-                      in.bf16(in->factor2, {kT, kD}), in.bf16(*q_, {kT, kH, kD}),
+        qk_norm_rope({in.bf16(in->qk, {kT, 2 * kH, kD}), in.bf16(*q_, {kT, kH, kD}),
                       in.bf16(*k_, {kT, kH, kD}), key_offset, stream});
         break;
       case kRopeBackward:
-        qk_norm_rope_backward({in.bf16(in->grad_q, {kT, kH, kD}), in.bf16(in->grad_k, {kT, kH, kD}),
-                               in.bf16(in->qk, {kT, 2 * kH, kD}), in.bf16(in->factor1, {kT, kD}),
-                               in.bf16(in->factor2, {kT, kD}), in.bf16(*grad_qk_, {kT, 2 * kH, kD}),
-                               key_offset, stream});
+        qk_norm_rope_backward({.grad_q = in.bf16(in->grad_q, {kT, kH, kD}),
+                               .grad_k = in.bf16(in->grad_k, {kT, kH, kD}),
+                               .qk = in.bf16(in->qk, {kT, 2 * kH, kD}),
+                               .grad_qk = in.bf16(*grad_qk_, {kT, 2 * kH, kD}),
+                               .layout = key_offset,
+                               .stream = stream});
         break;
       case kQkvBackwardFp8: {
         QkvBackwardFp8Params p;
@@ -249,8 +253,6 @@ class Workload {
         p.grad_k = in.bf16(in->grad_k, {kT, kH, kD});
         p.grad_v = in.bf16(in->grad_v, {kT, kH, kDv});
         p.qk = in.bf16(in->qk, {kT, 2 * kH, kD});
-        p.factor1 = in.bf16(in->factor1, {kT, kD});
-        p.factor2 = in.bf16(in->factor2, {kT, kD});
         p.grad_scale = in.scalar(0);
         p.grad_row = in.e4m3(*fp8_row_, {kT, kQkv});
         p.grad_t = in.e4m3(*fp8_t_, {kQkv, kT});
@@ -290,8 +292,6 @@ class Workload {
         p.x_scale = in.scalar(2);
         p.weight_scale = in.scalar(3);
         p.qkv_scale = in.scalar(4);
-        p.factor1 = in.bf16(in->factor1, {kT, kD});
-        p.factor2 = in.bf16(in->factor2, {kT, kD});
         // qk and v: the two column slices of one [T, qkv_dim] buffer (one GEMM writes both).
         auto* base = static_cast<uint16_t*>(packed_qkv_->data());
         p.qk = make_view(base, DType::kBFloat16, dev, {kT, 2 * kH, kD}, {kQkv, kD, 1});
@@ -309,8 +309,6 @@ class Workload {
         p.grad_k = in.bf16(in->grad_k, {kT, kH, kD});
         p.grad_v = in.bf16(in->grad_v, {kT, kH, kDv});
         p.qk = in.bf16(in->qk, {kT, 2 * kH, kD});
-        p.factor1 = in.bf16(in->factor1, {kT, kD});
-        p.factor2 = in.bf16(in->factor2, {kT, kD});
         p.x_f8_t = in.e4m3(in->x_f8_t, {kC, kT});
         p.weight_f8_t = in.e4m3(in->weight_f8_t, {kC, kQkv});
         p.qk_weight = in.bf16(in->qk_weight, {kQkFeatures, kC});

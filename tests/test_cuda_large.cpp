@@ -25,6 +25,7 @@
 
 #include "gpu_util.hpp"
 #include "qkvfuse/qkvfuse.hpp"
+#include "reference.hpp"
 #include "test_util.hpp"
 
 namespace qkvfuse::test {
@@ -154,17 +155,17 @@ TEST(CudaLarge, QkNormRopeOver2To31Elements) {
 
   for (bool key_offset : {false, true}) {
     SCOPED_TRACE(key_offset ? "key offset, rotary_dim 64" : "plain");
-    const RopeLayout layout{kH, key_offset ? kD / 2 : kD, false, key_offset};
+    const TensorView device_f1 = make_view(f1.data(), DType::kBFloat16, kGPU, {kT, kD});
+    const TensorView device_f2 = make_view(f2.data(), DType::kBFloat16, kGPU, {kT, kD});
     q.fill_byte(0xff);
     k.fill_byte(0xff);
     synchronize();  // the poison (cudaMemset, legacy stream) lands before the op starts
     QkNormRopeParams params;
     params.qk = make_view(qk.data(), DType::kBFloat16, kGPU, {kT, 2 * kH, kD});
-    params.factor1 = make_view(f1.data(), DType::kBFloat16, kGPU, {kT, kD});
-    params.factor2 = make_view(f2.data(), DType::kBFloat16, kGPU, {kT, kD});
     params.q = make_view(q.data(), DType::kBFloat16, kGPU, {kT, kH, kD});
     params.k = make_view(k.data(), DType::kBFloat16, kGPU, {kT, kH, kD});
-    params.layout = layout;
+    params.layout =
+        tables_layout(kH, key_offset ? kD / 2 : kD, false, key_offset, device_f1, device_f2);
     params.stream = stream;
     qk_norm_rope(params);
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
@@ -178,10 +179,11 @@ TEST(CudaLarge, QkNormRopeOver2To31Elements) {
       std::vector<uint16_t> host_f2 = download<uint16_t>(f2.data(), first * kD, n * kD);
       std::vector<uint16_t> cpu_q(size_t(n * kH * kD)), cpu_k(size_t(n * kH * kD));
       qk_norm_rope({make_view(host_qk.data(), DType::kBFloat16, kCPU, {n, 2 * kH, kD}),
-                    make_view(host_f1.data(), DType::kBFloat16, kCPU, {n, kD}),
-                    make_view(host_f2.data(), DType::kBFloat16, kCPU, {n, kD}),
                     make_view(cpu_q.data(), DType::kBFloat16, kCPU, {n, kH, kD}),
-                    make_view(cpu_k.data(), DType::kBFloat16, kCPU, {n, kH, kD}), layout});
+                    make_view(cpu_k.data(), DType::kBFloat16, kCPU, {n, kH, kD}),
+                    tables_layout(kH, key_offset ? kD / 2 : kD, false, key_offset,
+                                  make_view(host_f1.data(), DType::kBFloat16, kCPU, {n, kD}),
+                                  make_view(host_f2.data(), DType::kBFloat16, kCPU, {n, kD}))});
       const std::vector<uint16_t> want_q(cpu_q.end() - kH * kD, cpu_q.end());
       const std::vector<uint16_t> want_k(cpu_k.end() - kH * kD, cpu_k.end());
       const std::vector<uint16_t> got_q = download<uint16_t>(q.data(), t * kH * kD, kH * kD);

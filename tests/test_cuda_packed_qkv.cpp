@@ -197,8 +197,9 @@ ForwardOut run_forward(const Config& cfg, const Inputs& in, Device device) {
       make_view(arena.put(std::vector<float>{in.weight_scale}), DType::kFloat32, device, {1});
   p.qkv_scale = make_view(arena.put(std::vector<float>{in.qkv_scale}), DType::kFloat32, device, {});
   const int64_t fw = cfg.qk_dim * (cfg.paired ? 2 : 1);
-  p.factor1 = make_view(arena.put(in.factor1), DType::kBFloat16, device, {t, fw});
-  p.factor2 = make_view(arena.put(in.factor2), DType::kBFloat16, device, {t, fw});
+  p.layout = cfg.layout();
+  p.layout.factor1 = make_view(arena.put(in.factor1), DType::kBFloat16, device, {t, fw});
+  p.layout.factor2 = make_view(arena.put(in.factor2), DType::kBFloat16, device, {t, fw});
   uint16_t* qk_data = nullptr;
   uint16_t* v_data = nullptr;
   int64_t qk_stride = hd2, v_stride = hdv;
@@ -219,7 +220,6 @@ ForwardOut run_forward(const Config& cfg, const Inputs& in, Device device) {
   uint16_t* k = arena.put(std::vector<uint16_t>(qk_out, kPoisonBF16));
   p.q = qk_out_view(cfg, q, device, t);
   p.k = qk_out_view(cfg, k, device, t);
-  p.layout = cfg.layout();
   packed_qkv_forward(p);
   if (device.type == DeviceType::kCUDA) synchronize();
 
@@ -263,8 +263,9 @@ BackwardOut run_backward(const Config& cfg, const Inputs& in, const std::vector<
     p.qk = make_view(arena.put(qk), DType::kBFloat16, device, {t, 2 * cfg.heads, cfg.qk_dim});
   }
   const int64_t fw = cfg.qk_dim * (cfg.paired ? 2 : 1);
-  p.factor1 = make_view(arena.put(in.factor1), DType::kBFloat16, device, {t, fw});
-  p.factor2 = make_view(arena.put(in.factor2), DType::kBFloat16, device, {t, fw});
+  p.layout = cfg.layout();
+  p.layout.factor1 = make_view(arena.put(in.factor1), DType::kBFloat16, device, {t, fw});
+  p.layout.factor2 = make_view(arena.put(in.factor2), DType::kBFloat16, device, {t, fw});
   p.x_f8_t = make_view(arena.put(in.x_f8_t), DType::kFloat8E4M3, device, {c, t});
   p.weight_f8_t = make_view(arena.put(in.weight_f8_t), DType::kFloat8E4M3, device, {c, qkv});
   p.qk_weight = make_view(arena.put(in.qk_weight), DType::kBFloat16, device, {hd2, c});
@@ -295,7 +296,6 @@ BackwardOut run_backward(const Config& cfg, const Inputs& in, const std::vector<
   p.grad_v_weight = make_view(grad_v_w, DType::kBFloat16, device, {hdv, c});
   float* grad_qkv_scale = arena.put(std::vector<float>{NAN});
   p.grad_qkv_scale = make_view(grad_qkv_scale, DType::kFloat32, device, {});
-  p.layout = cfg.layout();
   packed_qkv_backward(p);
   if (device.type == DeviceType::kCUDA) synchronize();
 

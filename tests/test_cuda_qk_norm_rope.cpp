@@ -163,7 +163,7 @@ struct RopeCase {
   int64_t head_dim = 64;
   bool paired = false;
   bool key_offset = false;
-  int64_t rotary_dim = 0;        ///< key offset only
+  int64_t rotary_dim = 0;        ///< with key offset (r = D otherwise: tables carry the rest)
   int64_t table_rotary = -1;     ///< rotating dims of the factor tables; -1: D (or rotary_dim)
   DType factor_dtype = DType::kBFloat16;
   int64_t qk_extra_columns = 0;  ///< qk is a column slice of a wider [T, 2HD + extra] buffer
@@ -221,8 +221,9 @@ struct RopeCase {
   int64_t out_tokens() const { return paired ? 2 * tokens : tokens; }
   int64_t out_heads() const { return paired ? heads / 2 : heads; }
   int64_t factor_width() const { return paired ? 2 * head_dim : head_dim; }
-  RopeLayout layout() const {
-    return {heads, key_offset ? rotary_dim : head_dim, paired, key_offset};
+  RopeLayout layout(const TensorView& factor1, const TensorView& factor2) const {
+    return tables_layout(heads, key_offset ? rotary_dim : head_dim, paired, key_offset, factor1,
+                         factor2);
   }
 };
 
@@ -270,7 +271,7 @@ ForwardResult run_forward_gpu(const RopeCase& c, const DeviceView& qk, const Dev
   // cudaMemcpy may return before its DMA lands: without this the kernel can race the poison
   // and outputs it wrote can be overwritten by NaN afterwards.
   synchronize();
-  QkNormRopeParams params{qk.view, f1.view, f2.view, q.view, k.view, c.layout(), stream.get()};
+  QkNormRopeParams params{qk.view, q.view, k.view, c.layout(f1.view, f2.view), stream.get()};
   qk_norm_rope(params);
   stream.sync();
   return {read_output(q, "q"), read_output(k, "k")};
@@ -283,8 +284,7 @@ void check_forward(const RopeCase& c) {
 
   HostTensor q(DType::kBFloat16, {c.out_tokens(), c.out_heads(), c.head_dim});
   HostTensor k(DType::kBFloat16, {c.out_tokens(), c.out_heads(), c.head_dim});
-  qk_norm_rope({in.qk.view(), in.factor1.view(), in.factor2.view(), q.view(), k.view(),
-                c.layout()});
+  qk_norm_rope({in.qk.view(), q.view(), k.view(), c.layout(in.factor1.view(), in.factor2.view())});
 
   const DeviceView qk = to_device(in.qk.view(), c.qk_offset);
   const DeviceView f1 = to_device(in.factor1.view(), c.factor_offset);
@@ -547,8 +547,12 @@ std::vector<uint16_t> run_backward_gpu(const RopeCase& c, const DeviceView& grad
   // cudaMemcpy may return before its DMA lands: without this the kernel can race the poison
   // and outputs it wrote can be overwritten by NaN afterwards.
   synchronize();
-  QkNormRopeBackwardParams params{grad_q.view, grad_k.view, qk.view,    f1.view,
-                                  f2.view,     grad_qk.view, c.layout(), stream.get()};
+  QkNormRopeBackwardParams params{.grad_q = grad_q.view,
+                                  .grad_k = grad_k.view,
+                                  .qk = qk.view,
+                                  .grad_qk = grad_qk.view,
+                                  .layout = c.layout(f1.view, f2.view),
+                                  .stream = stream.get()};
   qk_norm_rope_backward(params);
   stream.sync();
   return read_output(grad_qk, "grad_qk");
@@ -562,8 +566,11 @@ void check_backward(const RopeCase& c) {
   HostTensor grad_k = grad_tensor(c, rng);
 
   HostTensor grad_qk(DType::kBFloat16, {c.tokens, 2 * c.heads, c.head_dim});
-  qk_norm_rope_backward({grad_q.view(), grad_k.view(), in.qk.view(), in.factor1.view(),
-                         in.factor2.view(), grad_qk.view(), c.layout()});
+  qk_norm_rope_backward({.grad_q = grad_q.view(),
+                         .grad_k = grad_k.view(),
+                         .qk = in.qk.view(),
+                         .grad_qk = grad_qk.view(),
+                         .layout = c.layout(in.factor1.view(), in.factor2.view())});
 
   const DeviceView dq = to_device(grad_q.view(), c.grad_offset);
   const DeviceView dk = to_device(grad_k.view(), c.grad_offset);
@@ -727,9 +734,12 @@ TEST(CudaQkNormRope, RefusesWhatIsStillOutsideTheDomain) {
   DeviceView grad_qk = device_output({c.tokens, 2 * c.heads, c.head_dim});
   // float32 factors one 2-byte step off their 4-byte alignment.
   DeviceBuffer f32(size_t(c.tokens * c.head_dim + 1) * 4);
-  const QkNormRopeParams forward{qk.view, f1.view, f2.view, q.view, k.view, c.layout()};
-  const QkNormRopeBackwardParams backward{dq.view, dk.view,      qk.view,   f1.view,
-                                          f2.view, grad_qk.view, c.layout()};
+  const QkNormRopeParams forward{qk.view, q.view, k.view, c.layout(f1.view, f2.view)};
+  const QkNormRopeBackwardParams backward{.grad_q = dq.view,
+                                          .grad_k = dk.view,
+                                          .qk = qk.view,
+                                          .grad_qk = grad_qk.view,
+                                          .layout = c.layout(f1.view, f2.view)};
 
   for (int64_t bad : {33, 258, 0}) {
     const std::string what = "qk: head width D = " + std::to_string(bad);
@@ -746,16 +756,18 @@ TEST(CudaQkNormRope, RefusesWhatIsStillOutsideTheDomain) {
     p.qk = shifted_bytes(p.qk, 1);
     EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"qk_norm_rope: qk: ", "aligned"}));
     p = forward;
-    p.factor1 = p.factor2 = make_view(static_cast<char*>(f32.data()) + 2, DType::kFloat32, kGPU,
-                                      {c.tokens, c.head_dim});
-    EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"qk_norm_rope: factor1: ", "aligned"}));
+    p.layout.factor1 = p.layout.factor2 = make_view(static_cast<char*>(f32.data()) + 2,
+                                                    DType::kFloat32, kGPU, {c.tokens, c.head_dim});
+    EXPECT_TRUE(
+        throws_error([&] { qk_norm_rope(p); }, {"qk_norm_rope: layout.factor1: ", "aligned"}));
     p = forward;
     p.k = shifted_bytes(p.k, 1);
     EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"qk_norm_rope: k: ", "aligned"}));
     p = forward;
     p.q.sizes[0] = c.tokens / 2;  // every other token row of a [T, H, D] buffer: padded rows
     p.q.strides[0] *= 2;
-    p.qk.sizes[0] = p.factor1.sizes[0] = p.factor2.sizes[0] = p.k.sizes[0] = c.tokens / 2;
+    p.qk.sizes[0] = p.layout.factor1.sizes[0] = p.layout.factor2.sizes[0] = p.k.sizes[0] =
+        c.tokens / 2;
     EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"qk_norm_rope: q: ", "contiguous"}));
   }
   {
@@ -787,7 +799,7 @@ TEST(CudaQkNormRope, ZeroTokensIsANoOp) {
     const TensorView f = make_view(b.data(), DType::kBFloat16, kGPU, {0, D});
     const TensorView q = make_view(c.data(), DType::kBFloat16, kGPU, {0, 2, D});
     const TensorView k = make_view(d.data(), DType::kBFloat16, kGPU, {0, 2, D});
-    EXPECT_NO_THROW(qk_norm_rope({qk, f, f, q, k, RopeLayout{2, D, false, false}}));
+    EXPECT_NO_THROW(qk_norm_rope({qk, q, k, tables_layout(2, D, false, false, f, f)}));
   }
   synchronize();
 }

@@ -120,8 +120,9 @@ struct Fp8Case {
   int64_t out_heads() const { return paired ? heads / 2 : heads; }
   int64_t factor_width() const { return paired ? 2 * head_dim : head_dim; }
   int64_t qkv_dim() const { return 2 * heads * head_dim + heads * v_dim; }
-  RopeLayout layout() const {
-    return {heads, key_offset ? rotary_dim : head_dim, paired, key_offset};
+  RopeLayout layout(const TensorView& factor1, const TensorView& factor2) const {
+    return tables_layout(heads, key_offset ? rotary_dim : head_dim, paired, key_offset, factor1,
+                         factor2);
   }
 };
 
@@ -286,12 +287,10 @@ QkvBackwardFp8Params gpu_params(const Fp8Case& c, const DeviceInputs& in, const 
   params.grad_k = in.grad_k.view;
   params.grad_v = in.grad_v.view;
   params.qk = in.qk.view;
-  params.factor1 = in.factor1.view;
-  params.factor2 = in.factor2.view;
   params.grad_scale = in.scale.view;
   params.grad_row = make_view(row.data(), DType::kFloat8E4M3, kGPU, {c.tokens, c.qkv_dim()});
   params.grad_t = make_view(t.data(), DType::kFloat8E4M3, kGPU, {c.qkv_dim(), c.tokens});
-  params.layout = c.layout();
+  params.layout = c.layout(in.factor1.view, in.factor2.view);
   params.stream = stream.get();
   return params;
 }
@@ -339,12 +338,10 @@ void check_fp8(const Fp8Case& c) {
   cpu.grad_k = in.grad_k.view();
   cpu.grad_v = in.grad_v.view();
   cpu.qk = in.qk.view();
-  cpu.factor1 = in.factor1.view();
-  cpu.factor2 = in.factor2.view();
   cpu.grad_scale = scale_view(in.scale.data(), kCPU, c.scale_ndim);
   cpu.grad_row = row.view();
   cpu.grad_t = t.view();
-  cpu.layout = c.layout();
+  cpu.layout = c.layout(in.factor1.view(), in.factor2.view());
   qkv_backward_fp8(cpu);
 
   const DeviceInputs dev = device_inputs(c, in, cpu.grad_scale);

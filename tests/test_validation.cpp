@@ -1152,11 +1152,9 @@ TEST(ValidationLayout, PackedOpWithAGeneralLayout) {
 }
 
 TEST(ValidationLayout, PackedRopeWorkspaceIsNamedAsThePackedArgument) {
-  // SUSPECTED BUG (src/packed_qkv.cpp, fp8_step): packed_qkv_backward's norm-weight workspace
-  // is the argument `rope_workspace`, but its refusals come from the qkv_backward_fp8 step, which
-  // calls it `workspace`: "packed_qkv_backward: qkv_backward_fp8: workspace: expected dtype
-  // float32, got float64" does not name the argument the caller passed (validate.hpp: messages
-  // name the argument). Expected: a message naming rope_workspace.
+  // packed_qkv_backward's norm-weight workspace is the argument `rope_workspace`; its refusals
+  // come from the qkv_backward_fp8 step, whose argument is `workspace`, and must still name the
+  // one the caller passed (found by this test, fixed in 160d250).
   PackedLayoutArgs args;
   HostTensor f64(DType::kFloat64, {16});
   auto b = args.backward();
