@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -618,6 +619,50 @@ TEST(CpuRopePositions, CheckPositionsNamesTheFirstBadToken) {
   one.set_ints({0});
   EXPECT_TRUE(throws_error([&] { check_positions(one.view(), -1); },
                            {"check_positions: num_positions: expected >= 0, got -1"}));
+}
+
+TEST(CpuRopePositions, EnvironmentVariableChecksPositionsFirst) {
+  // QKVFUSE_CHECK_POSITIONS=1 makes every call with a cache run check_positions first (read once
+  // per process: CMake runs this test again with the variable set, as check_positions_env).
+  const char* value = std::getenv("QKVFUSE_CHECK_POSITIONS");
+  if (value == nullptr || std::string(value) != "1") {
+    GTEST_SKIP() << "runs under QKVFUSE_CHECK_POSITIONS=1 (the check_positions_env test)";
+  }
+  auto rng = rng_for_test();
+  ref::Rope rope;
+  rope.tokens = 5;
+  rope.heads = 2;
+  rope.kv_heads = 1;
+  rope.head_dim = 16;
+  RopeSpec spec;
+  spec.cache = true;
+  spec.cache_rows = 4;
+  spec.q_weight = true;
+  RopeData data(rope, spec, rng);
+  data.tensors.positions = {0, 3, 4, 1, -2};
+  data.refresh();
+  ForwardOut out{HostTensor(DType::kBFloat16, {5, 2, 16}), HostTensor(DType::kBFloat16, {5, 1, 16})};
+  EXPECT_TRUE(throws_error(
+      [&] { qk_norm_rope({data.qk_tensor->view(), out.q.view(), out.k.view(), data.layout()}); },
+      {"check_positions: positions[2] = 4 lies outside [0, 4)"}));
+  EXPECT_EQ(out.q.elements_touched(), 0) << "the forward ran despite the bad position";
+  Grads grads(rng, data);
+  BackwardOut back{HostTensor(DType::kBFloat16, {5, 3, 16}), WeightGradOut(data)};
+  EXPECT_TRUE(throws_error(
+      [&] {
+        qk_norm_rope_backward({.grad_q = grads.q_tensor.view(),
+                               .grad_k = grads.k_tensor.view(),
+                               .qk = data.qk_tensor->view(),
+                               .grad_qk = back.grad_qk.view(),
+                               .grad_q_weight = back.weights.q_view(),
+                               .layout = data.layout()});
+      },
+      {"positions[2] = 4"}));
+  EXPECT_EQ(back.grad_qk.elements_touched(), 0);
+  // Valid positions run.
+  data.tensors.positions = {0, 3, 2, 1, 0};
+  data.refresh();
+  EXPECT_NO_THROW(qk_norm_rope({data.qk_tensor->view(), out.q.view(), out.k.view(), data.layout()}));
 }
 
 // ---- rotary width -----------------------------------------------------------------------------------
