@@ -49,7 +49,7 @@ enum Special : unsigned {
   kHuge = 1u << 2,      ///< far beyond e4m3's 448 (bounded so fp32 sums cannot overflow in rope rows)
   kZeroRows = 1u << 3,  ///< whole rows (and, rarely, a whole tensor) of zeros
   kTiny = 1u << 4,      ///< bf16 subnormals and tiny normals
-  kFactors = 1u << 5,   ///< the angles (factor tables or cos/sin cache) get special values too
+  kFactors = 1u << 5,   ///< the angles (tables or cos/sin cache) and norm weights get them too
 };
 
 /// Where a tensor lies in its buffer: sizes, strides (elements) and the element offset of its

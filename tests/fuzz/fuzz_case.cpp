@@ -696,6 +696,7 @@ void fill_angles(const Case& c, Rng& rng, Inputs& in) {
     const std::vector<uint16_t> noise = normal_bf16(rng, c.head_dim, c.head_dim, 0.5f, 0, 0);
     std::vector<float> w(size_t(c.head_dim));
     for (size_t d = 0; d < w.size(); ++d) w[d] = mean + bf16_to_float(noise[d]);
+    if ((c.specials & kFactors) && rng.chance(0.5)) plant_in_floats(rng, w, c.head_dim, c.head_dim, c.specials);
     store_floats(kind == 0 ? in.q_weight : in.k_weight, c.weight_dtype, c.weight, w);
   }
 }
