@@ -22,6 +22,7 @@
 #include <functional>
 #include <limits>
 #include <optional>
+#include <ostream>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -282,6 +283,9 @@ struct LayoutParam {
   ref::Rope rope;
   RopeSpec spec;
 };
+
+/// gtest prints a parameter with its test's name (instead of its bytes, which hold pointers).
+void PrintTo(const LayoutParam& param, std::ostream* out) { *out << param.name; }
 
 void apply_norm(Norm norm, int64_t index, ref::Rope& rope, RopeSpec& spec) {
   rope.normalize = norm != Norm::kNone;
