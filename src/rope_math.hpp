@@ -36,8 +36,10 @@ QKVF_HOST_DEVICE Place place(const Dims& dims, int64_t t, int h2) {
   const bool is_key = h2 >= dims.q_heads;
   const int h = is_key ? h2 - dims.q_heads : h2;
   if (dims.paired) {
+    // h < H = 2 * half, so h / half is 0 or 1: no integer division on the kernels' hot path.
     const int half = dims.q_heads / 2;
-    return {2 * t + h / half, h % half, (h % 2) * dims.head_dim, is_key};
+    const int second = h >= half ? 1 : 0;
+    return {2 * t + second, h - second * half, (h & 1) * dims.head_dim, is_key};
   }
   return {t, h, 0, is_key};
 }

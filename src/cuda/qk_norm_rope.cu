@@ -96,7 +96,15 @@ __global__ void __launch_bounds__(kRowThreads, forward_min_blocks<Geom, AngleT, 
                                       Features::kGeneral && in.dims.neox);
 
   // ---- loads: the K rows of the set (row k is input head set + NS*k; rows past Hq + Hkv are
-  // masked) and the token's angles, all issued before any use ----
+  // masked), the token's angles and the norm weights, all issued before any use. The general
+  // layouts load the angles first: a cos/sin cache's row waits for the token's position. ----
+  // Paired: every head of the set has the set's parity, hence one angle half for all its rows.
+  rope::TokenAngles<Geom, AngleT, Features> angles;
+  const auto load_angles = [&] {
+    angles.load(in, t, qkvfuse::rope::place(in.dims, t, set).angle_offset, lanes, token_ok,
+                /*backward=*/false);
+  };
+  if constexpr (Features::kGeneral) load_angles();
   const uint16_t* qk_token = in.qk + t * in.qk_stride_t + int64_t(set) * in.qk_stride_h;
   const int64_t qk_row_step = int64_t(p.row_sets) * in.qk_stride_h;
   Chunk<V> x[K][C];
@@ -109,38 +117,28 @@ __global__ void __launch_bounds__(kRowThreads, forward_min_blocks<Geom, AngleT, 
                                                              qk_token + k * qk_row_step + lanes.d0[c]);
     }
   }
-  // Paired: every head of the set has the set's parity, hence one angle half for all its rows.
-  rope::TokenAngles<Geom, AngleT, Features> angles;
-  angles.load(in, t, qkvfuse::rope::place(in.dims, t, set).angle_offset, lanes, token_ok,
-              /*backward=*/false);
+  if constexpr (!Features::kGeneral) load_angles();
+  rope::LaneWeights<Geom> weights;
+  if constexpr (Features::kGeneral) weights.load(in, lanes);
 
   // ---- per row: norm, rotate, store ----
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     const int head2 = set + p.row_sets * k;
-    const qkvfuse::rope::Place at = qkvfuse::rope::place(in.dims, t, head2);
+    const bool is_key = head2 >= in.dims.q_heads;
     const bool normalize = !Features::kGeneral || in.normalize;
     const float rstd =
         normalize ? rope::row_rstd<G, V, C>(x[k], width, in.eps) : 1.0f;  // all lanes: shuffles
-    rope::RowWeight<Geom> weight;
-    if constexpr (Features::kGeneral) weight.load(in, at.is_key, lanes, exchange);
     // Rows (t, h) of q and k start at (t * heads + h) * D in both layouts: paired
     // (2t + h / (H/2), h mod (H/2)) is (2t + h / (H/2)) * (H/2) * D + (h mod (H/2)) * D.
     const bool row_ok = token_ok && head2 < heads2;
-    const int heads = at.is_key ? in.dims.kv_heads : in.dims.q_heads;
-    const int h = at.is_key ? head2 - in.dims.q_heads : head2;
+    const int heads = is_key ? in.dims.kv_heads : in.dims.q_heads;
+    const int h = is_key ? head2 - in.dims.q_heads : head2;
     const int64_t out_token_step = int64_t(heads) * D;
-    uint16_t* out = (at.is_key ? p.k : p.q) + t * out_token_step + int64_t(h) * D;
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-      Chunk<V> y;
-      Chunk<V> nw;
-      rope::forward_chunk<Geom, Features>(in, x[k], c, rstd,
-                                          Features::kGeneral ? &weight : nullptr, angles, lanes,
-                                          exchange ? &partners : nullptr, y,
-                                          kKeyOffset ? &nw : nullptr);  // all lanes: shuffles
-      if (!(row_ok && lanes.ok[c])) continue;
-      if (kKeyOffset && at.is_key) {
+    uint16_t* out = (is_key ? p.k : p.q) + t * out_token_step + int64_t(h) * D;
+    const auto store = [&](int c, const Chunk<V>& y, const Chunk<V>& nw) {
+      if (!(row_ok && lanes.ok[c])) return;
+      if (kKeyOffset && is_key) {
         // Own row: the rotary lanes (every lane at t = 0); the lanes >= r come from the group
         // of token t-1. Next token's row: its lanes >= r are this row's nw.
         rope::store_chunk_range(out + lanes.d0[c], y, 0, t == 0 ? V : lanes.rot_end[c]);
@@ -149,6 +147,19 @@ __global__ void __launch_bounds__(kRowThreads, forward_min_blocks<Geom, AngleT, 
         }
       } else {
         rope::store_chunk(out + lanes.d0[c], y);
+      }
+    };
+    if constexpr (Features::kGeneral) {
+      rope::forward_row<Geom, Features>(in, x[k], rstd, weights, is_key, angles, lanes,
+                                        exchange ? &partners : nullptr, store);  // shuffles
+    } else {
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+        Chunk<V> y;
+        Chunk<V> n{};
+        rope::forward_chunk<Geom, Features>(in, x[k], c, rstd, angles, lanes, y,
+                                            kKeyOffset ? &n : nullptr);
+        store(c, y, n);
       }
     }
   }

@@ -73,9 +73,12 @@ constexpr int backward_rows_per_group() {
 /// key offset included, fewer for fp32 factors and wider rows. C = 3 (D = 96 on 4 lanes) holds
 /// g, x (and g_next) and the 6 factor chunks of its one row at once: 6 blocks (80 registers)
 /// with bf16 factors, 5 (92) under key offset, 4 (107 and 118) with fp32 factors. The general
-/// layouts and the weighted kernels hold more per row (partners, weights, gradient sums): 4.
+/// layouts and the weighted kernels hold more (partners, weights, gradient sums): 4, and 2 for
+/// the weighted kernels of wider rows.
 template <class Geom, bool kKeyOffset, typename AngleT, class Features, bool kWeightGrad>
 constexpr int backward_min_blocks() {
+  // Wider rows of the weighted kernels hold 2 x C x 8 weights and as many gradient sums.
+  if constexpr (kWeightGrad && Geom::V * Geom::C > 8) return 2;
   if constexpr (Features::kGeneral || kWeightGrad || Geom::V != 8) return Geom::C >= 3 ? 3 : 4;
   constexpr int C = Geom::C;
   constexpr bool kWideFactors = sizeof(AngleT) == 4;
@@ -85,11 +88,12 @@ constexpr int backward_min_blocks() {
 }
 
 /// Branch-free row scalars (rope::backward_row) where they measured faster on the H200: key
-/// offset and 4 lanes x 3 chunks; the plain and paired kernels of one chunk per lane keep the
-/// branches (perf_notes.md).
+/// offset and 4 lanes x 3 chunks of the 16-byte kernels; the plain and paired kernels of one
+/// chunk per lane keep the branches (perf_notes.md). The narrow kernels keep them too: their
+/// widths reach the subnormal row sums where divide_by_width is not __fdiv_rn.
 template <class Geom, bool kKeyOffset>
 constexpr bool backward_branch_free() {
-  return kKeyOffset || Geom::C == 3;
+  return Geom::V == 8 && (kKeyOffset || Geom::C == 3);
 }
 
 /// One unit: loads, dx of its K rows, stores; with `weight_grad`, adds the rows' gw * n to it
@@ -98,6 +102,7 @@ template <class Geom, int K, bool kKeyOffset, typename AngleT, bool kFullWidth, 
 __device__ __forceinline__ void backward_unit(const BackwardArgs& p, int64_t unit, int lane,
                                               const rope::LaneChunks<Geom>& lanes,
                                               const rope::Partners<Geom>& partners,
+                                              const rope::LaneWeights<Geom>& weights,
                                               float (*weight_grad)[Geom::C][Geom::V]) {
   constexpr int V = Geom::V;
   constexpr int C = Geom::C;
@@ -163,11 +168,9 @@ __device__ __forceinline__ void backward_unit(const BackwardArgs& p, int64_t uni
     float dx[C][V];
     constexpr bool kBranchFree = backward_branch_free<Geom, kKeyOffset>();
     if constexpr (Features::kGeneral) {
-      rope::RowWeight<Geom> weight;
-      weight.load(in, is_key, lanes, /*partners=*/false);
       // Rows past the unit's heads add zeros to the sums (their loads were 0).
       rope::backward_row<Geom, Features, kBranchFree>(in, g[k], x[k], angles, g_next[k], lanes,
-                                                      exchange ? &partners : nullptr, &weight,
+                                                      exchange ? &partners : nullptr, &weights,
                                                       is_key, shift_row, t == 0, width,
                                                       weight_grad, dx);
     } else {
@@ -207,10 +210,12 @@ __global__ void __launch_bounds__(
   const rope::LaneChunks<Geom> lanes(lane, D, in.dims.rotary_dim);
   const rope::Partners<Geom> partners(lanes, lane, in.dims.rotary_dim,
                                       Features::kGeneral && in.dims.neox);
+  rope::LaneWeights<Geom> weights;  // the group's for every unit it takes
+  if constexpr (Features::kGeneral) weights.load(in, lanes);
 
   if constexpr (!kWeightGrad) {
     backward_unit<Geom, K, kKeyOffset, AngleT, kFullWidth, Features>(
-        p, int64_t(blockIdx.x) * kGroups + group, lane, lanes, partners, nullptr);
+        p, int64_t(blockIdx.x) * kGroups + group, lane, lanes, partners, weights, nullptr);
   } else {
     float sums[2][C][V];
 #pragma unroll
@@ -231,7 +236,7 @@ __global__ void __launch_bounds__(
     for (int64_t turn = 0; turn < turns; ++turn) {
       const int64_t unit = first + turn * kGroups + group;
       backward_unit<Geom, K, kKeyOffset, AngleT, kFullWidth, Features>(
-          p, unit < last ? unit : p.units, lane, lanes, partners, sums);
+          p, unit < last ? unit : p.units, lane, lanes, partners, weights, sums);
     }
     // The block's partial row: the groups' sums in group order.
     extern __shared__ float group_sums[];  // [kGroups][2][D]

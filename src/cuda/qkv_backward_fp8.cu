@@ -33,8 +33,8 @@
 //   its lane groups' sums in shared memory, in group order, and writes one partial row for
 //   weight_grad.hpp's fixed-order reduction.
 // - Rows of 4- or 2-byte chunks (rope_paths.hpp) take the same phases with narrower accesses; when
-//   T is not a multiple of 16 the rows of grad_t are not 16-byte aligned and the same blocks are
-//   written byte by byte.
+//   grad_t's rows are not 16-byte aligned (T not a multiple of 16, or an unaligned grad_t) the
+//   same blocks are written byte by byte.
 // Measured choices (tile size, register budgets, prefetches, eviction hints, branch-free rows):
 // perf_notes.md.
 #include <cuda_bf16.h>
@@ -78,6 +78,8 @@ struct Fp8Args {
   int v_dim;               ///< Dv in [1, 512]
   bool v_vectors;          ///< Dv a multiple of 8 and grad_v's rows 16-byte aligned
   bool code_pairs;         ///< grad_row's base and qkv_dim even: 2-byte code stores (chunks of 2)
+  bool t_blocks;           ///< grad_t's base 16-byte aligned and T a multiple of 16: 16-byte
+                           ///< blocks of 16 tokens (else byte stores)
   const float* grad_scale; ///< fp32 scalar in device memory
   uint8_t* grad_row;       ///< e4m3 [T, qkv_dim] row-major contiguous
   uint8_t* grad_t;         ///< e4m3 [qkv_dim, T] row-major contiguous
@@ -94,12 +96,13 @@ int jobs_per_tile(const RopeLayout& layout) {
 
 /// Register budget, as resident 256-thread CTAs per SM: 4 (<= 64 registers; 4 x 48 KB of tile fit
 /// the shared memory) with one chunk per lane and bf16 factors; fp32 factor chunks take 8 more
-/// registers (3: <= 80); wider rows get 2 (<= 128). The general layouts hold weights and partners
-/// besides (3, and 2 with the weight-gradient sums or wider rows).
+/// registers (3: <= 80); wider rows get 2 (<= 128). The general layouts hold their rows' weights
+/// through the token loop besides (2; 1 with the weight-gradient sums of wider rows).
 template <class Geom, typename AngleT, class Features, bool kWeightGrad>
 constexpr int fp8_min_blocks() {
-  if constexpr (kWeightGrad || Geom::V * Geom::C > 8) return 2;
-  if constexpr (Features::kGeneral || Geom::V != 8) return 3;
+  if constexpr (kWeightGrad && Geom::V * Geom::C > 8) return 1;
+  if constexpr (kWeightGrad || Geom::V * Geom::C > 8 || Features::kGeneral) return 2;
+  if constexpr (Geom::V != 8) return 3;
   if constexpr (Geom::C == 1) return sizeof(AngleT) == 2 ? 4 : 3;
   return 2;
 }
@@ -164,10 +167,11 @@ __device__ __forceinline__ uint32_t encode_e4m3_small(const E4m3Scaler& scale,
 }
 
 /// Branch-free QK rows (rope::backward_row) and the scale test hoisted out of the token loop,
-/// where it measured faster on the H200: 16-lane rows and key offset (perf_notes.md).
-template <int G, bool kKeyOffset>
+/// where it measured faster on the H200: 16-lane rows and key offset of the 16-byte kernels
+/// (perf_notes.md; the narrow kernels keep __fdiv_rn, see qk_norm_rope_backward.cu).
+template <class Geom, bool kKeyOffset>
 constexpr bool fp8_branch_free() {
-  return G == 16 || kKeyOffset;
+  return Geom::V == 8 && (Geom::G == 16 || kKeyOffset);
 }
 
 /// L2 prefetches of the token loop, where they measured faster (perf_notes.md): the next token
@@ -277,6 +281,8 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
   const bool exchange = rope::exchanges_partners<Features, V>(in);
   const rope::Partners<Geom> partners(lanes, lane, in.dims.rotary_dim,
                                       Features::kGeneral && in.dims.neox);
+  rope::LaneWeights<Geom> weights;  // the CTA's rows' kinds are fixed: loaded once
+  if constexpr (Features::kGeneral) weights.load(in, lanes);
   float sums[kWeightGrad ? 2 : 1][C][V];
 #pragma unroll
   for (int kind = 0; kind < (kWeightGrad ? 2 : 1); ++kind) {
@@ -316,17 +322,20 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
       struct RowLoads {
         Chunk<V> g[C], x[C], g_next[C];
       };
-      auto load_row = [&](const PartRows& part, RowLoads& r) {
+      // Under key offset (as many query as key heads) slot 0 is the head's query row and slot 1
+      // its key row, known at compile time.
+      auto load_row = [&](const int slot, const PartRows& part, RowLoads& r) {
+        const bool shifted_row = kKeyOffset && slot == 1;
         const uint16_t* g_row = part.g + t * part.g_step;
         const uint16_t* x_row = part.x + t * in.qk_stride_t;
         const bool row_ok = token_ok && part.present;
-        const bool next_ok = kKeyOffset && part.is_key && row_ok && t + 1 < in.tokens;
+        const bool next_ok = shifted_row && row_ok && t + 1 < in.tokens;
 #pragma unroll
         for (int c = 0; c < C; ++c) {
           const bool ok = row_ok && lanes.ok[c];
           // Key offset: grad_k rows are read again as the previous token's g_next (by the
           // neighbouring lane group, at about the same time): keep them in L1.
-          r.g[c] = kKeyOffset && part.is_key
+          r.g[c] = shifted_row
                        ? rope::load_chunk_if<rope::Load::kCached, V>(ok, g_row + lanes.d0[c])
                        : rope::load_chunk_if<rope::Load::kStreamEvictFirst, V>(ok, g_row + lanes.d0[c]);
           if constexpr (G == 16) {
@@ -344,16 +353,14 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
       auto emit_row = [&](const int slot, const PartRows& part, const RowLoads& r) {
         float dx[C][V];
         if constexpr (Features::kGeneral) {
-          rope::RowWeight<Geom> weight;
-          weight.load(in, part.is_key, lanes, /*partners=*/false);
           rope::backward_row<Geom, Features, kBranchFree>(
-              in, r.g, r.x, angles, r.g_next, lanes, exchange ? &partners : nullptr, &weight,
-              part.is_key, kKeyOffset && part.is_key, t == 0, width,
+              in, r.g, r.x, angles, r.g_next, lanes, exchange ? &partners : nullptr, &weights,
+              part.is_key, kKeyOffset && slot == 1, t == 0, width,
               kWeightGrad ? sums : nullptr, dx);
         } else {
           rope::backward_row<Geom, Features, kBranchFree>(
               in, r.g, r.x, angles, r.g_next, lanes, exchange ? &partners : nullptr, nullptr,
-              part.is_key, kKeyOffset && part.is_key, t == 0, width, nullptr, dx);
+              part.is_key, kKeyOffset && slot == 1, t == 0, width, nullptr, dx);
         }
         if (!(token_ok && part.present)) return;
         uint8_t* out_row = p.grad_row + t * p.qkv_dim + int64_t(part.h2) * D;
@@ -387,8 +394,8 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
       };
       if constexpr (C == 1) {
         RowLoads r0, r1;
-        load_row(part0, r0);
-        load_row(part1, r1);
+        load_row(0, part0, r0);
+        load_row(1, part1, r1);
         if (step + 1 < kTokensPerGroup) {
           part0.prefetch(p, t + kGroups, lanes);
           part1.prefetch(p, t + kGroups, lanes);
@@ -397,13 +404,13 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
         emit_row(1, part1, r1);
       } else {
         RowLoads r;
-        load_row(part0, r);
+        load_row(0, part0, r);
         if (step + 1 < kTokensPerGroup) {
           part0.prefetch(p, t + kGroups, lanes);
           part1.prefetch(p, t + kGroups, lanes);
         }
         emit_row(0, part0, r);
-        load_row(part1, r);
+        load_row(1, part1, r);
         emit_row(1, part1, r);
       }
     }
@@ -479,7 +486,7 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
   {
     const int feature_words = (job.features + 3) / 4;
     const int units = feature_words * kTokenBlocks;
-    const bool aligned = (in.tokens % kTokenBlock) == 0;
+    const bool aligned = p.t_blocks;
     // 16-byte chunks: the tile's parts start on multiples of 8 features, so a word never
     // straddles two parts and its 4 features are consecutive packed features.
     const bool whole_words = V == 8 && Dv % 4 == 0;
@@ -561,7 +568,7 @@ __global__ void __launch_bounds__(kFp8Threads,
     qkv_backward_fp8_kernel(const __grid_constant__ Fp8Args p) {
   const E4m3Scaler scale{*p.grad_scale};
   // The general layouts' kernels keep one copy of the tile code (compile time).
-  if constexpr (fp8_branch_free<Geom::G, kKeyOffset>() && !Features::kGeneral) {
+  if constexpr (fp8_branch_free<Geom, kKeyOffset>() && !Features::kGeneral) {
     if (scale.fast) {
       fp8_tile<Geom, kKeyOffset, AngleT, kFullWidth, Features, kWeightGrad, true,
                ScaleDivision::kFast>(p, scale);
@@ -571,7 +578,7 @@ __global__ void __launch_bounds__(kFp8Threads,
     }
   } else {
     fp8_tile<Geom, kKeyOffset, AngleT, kFullWidth, Features, kWeightGrad,
-             fp8_branch_free<Geom::G, kKeyOffset>(), ScaleDivision::kTestPerCall>(p, scale);
+             fp8_branch_free<Geom, kKeyOffset>(), ScaleDivision::kTestPerCall>(p, scale);
   }
 }
 
@@ -679,6 +686,7 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
       .v_dim = int(v_dim),
       .v_vectors = rope::fp8_v_vectors(params, width),
       .code_pairs = reinterpret_cast<uintptr_t>(params.grad_row.data) % 2 == 0 && features % 2 == 0,
+      .t_blocks = reinterpret_cast<uintptr_t>(params.grad_t.data) % 16 == 0 && tokens % 16 == 0,
       .grad_scale = static_cast<const float*>(params.grad_scale.data),
       .grad_row = static_cast<uint8_t*>(params.grad_row.data),
       .grad_t = static_cast<uint8_t*>(params.grad_t.data),

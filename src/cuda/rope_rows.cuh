@@ -4,7 +4,7 @@
 // A lane holds chunk slots c = 0..C-1 of a row (elements d0[c] .. d0[c] + V - 1). What a row needs
 // besides its own elements:
 // - its token's angles (TokenAngles): factor tables, or the cos/sin cache row at positions[t];
-// - its weight (RowWeight): w + offset per lane, 1 without one;
+// - its weight (LaneWeights): w + offset per lane, 1 without one;
 // - the elements of its rotary partners. Interleaved pairs (d, d ^ 1) sit in one chunk when
 //   V >= 2. A NeoX partner (d +- r/2) sits in another chunk, usually another lane's: the lane
 //   group exchanges it with shuffles (Partners). With V = 8 (r a multiple of 16) a chunk's
@@ -129,6 +129,31 @@ struct Partners {
     }
     return out;
   }
+
+  /// The partners' fp32 values of chunk slot c (from `v`, the lane group's values per chunk slot);
+  /// every lane of the warp must call it.
+  __device__ __forceinline__ void values_of(const float (&v)[C][V], int c, float (&out)[V]) const {
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      const int source_lane = lane[c][V == 8 ? 0 : e];
+      const int source_slot = slot[c][V == 8 ? 0 : e];
+      float value = 0.0f;
+#pragma unroll
+      for (int s = 0; s < C; ++s) {
+        if constexpr (V == 8) {
+          const float got = __shfl_sync(0xffffffffu, v[s][e], source_lane, G);
+          value = s == source_slot ? got : value;
+        } else {
+#pragma unroll
+          for (int q = 0; q < V; ++q) {
+            const float got = __shfl_sync(0xffffffffu, v[s][q], source_lane, G);
+            value = s == source_slot && q == pos[c][e] ? got : value;
+          }
+        }
+      }
+      out[e] = value;
+    }
+  }
 };
 
 /// True when the kernel must fetch partners from other chunks: NeoX lanes, or V = 1.
@@ -246,8 +271,10 @@ struct TokenAngles {
           const int d = d0 + e;
           const bool rotary = valid && d < r;
           const int i = qkvfuse::rope::frequency(d, r, neox);
-          const float cos_i = rotary && inside ? load_value(cos, i) : nan;
-          const float sin_i = rotary && inside ? load_value(sin, i) : nan;
+          // NaN only in the rotary lanes of a token whose position is outside the cache: masked
+          // lanes and tokens must stay 0 (they still feed the weight-gradient sums, times 0).
+          const float cos_i = rotary ? (inside ? load_value(cos, i) : nan) : 0.0f;
+          const float sin_i = rotary ? (inside ? load_value(sin, i) : nan) : 0.0f;
           const bool leads = qkvfuse::rope::leads_pair(d, r, neox);
           f1v[c][e] = cos_i;
           f2v[c][e] = leads ? -sin_i : sin_i;
@@ -294,76 +321,62 @@ struct TokenAngles {
 };
 
 // ------------------------------------------------------------------------------------------------
-// Norm weights of a row
+// Norm weights
 // ------------------------------------------------------------------------------------------------
 
-/// w + offset at the lane's elements and at their partners (NeoX), as fp32; 1 without a weight.
+/// w + offset at the lane's elements, for query rows ([0]) and key rows ([1]), as fp32; 1 where a
+/// kind has no weight. Loaded once per work unit (or CTA), with the unit's other loads, so that
+/// no row waits on a weight load of its own.
 template <class Geom>
-struct RowWeight {
+struct LaneWeights {
   static constexpr int V = Geom::V;
   static constexpr int C = Geom::C;
-  float own[C][V];
-  float partner[C][V];
+  float w[2][C][V];
 
-  /// `partners`: also the weights at the partner lanes (NeoX, or V = 1).
-  __device__ __forceinline__ void load(const RopeInputs& in, bool is_key,
-                                       const LaneChunks<Geom>& lanes, bool partners) {
-    const void* w = is_key ? in.weights.k : in.weights.q;
-    const bool fp32 = is_key ? in.weights.k_fp32 : in.weights.q_fp32;
-    const float offset = in.weights.offset;
-    const int r = in.dims.rotary_dim;
+  __device__ __forceinline__ void load(const RopeInputs& in, const LaneChunks<Geom>& lanes) {
 #pragma unroll
-    for (int c = 0; c < C; ++c) {
+    for (int kind = 0; kind < 2; ++kind) {
+      const void* weight = kind ? in.weights.k : in.weights.q;
+      const bool fp32 = kind ? in.weights.k_fp32 : in.weights.q_fp32;
 #pragma unroll
-      for (int e = 0; e < V; ++e) {
-        own[c][e] = 1.0f;
-        partner[c][e] = 1.0f;
-      }
-      if (w == nullptr || !lanes.ok[c]) continue;
-      const int d0 = lanes.d0[c];
-      if constexpr (V == 8) {
-        float values[8];
-        load8(w, fp32, d0, values);
+      for (int c = 0; c < C; ++c) {
+        float values[V];
+        if constexpr (V == 8) {
+          if (fp32) {
+            Values<float, 8> v;
+            v.load(static_cast<const float*>(weight) + lanes.d0[c], weight && lanes.ok[c]);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) own[c][e] = effective(values[e], offset);
-        if (partners && lanes.rot_end[c] > 0) {
-          load8(w, fp32, d0 < r / 2 ? d0 + r / 2 : d0 - r / 2, values);
+            for (int e = 0; e < 8; ++e) values[e] = v[e];
+          } else {
+            Values<uint16_t, 8> v;
+            v.load(static_cast<const uint16_t*>(weight) + lanes.d0[c], weight && lanes.ok[c]);
 #pragma unroll
-          for (int e = 0; e < 8; ++e) partner[c][e] = effective(values[e], offset);
+            for (int e = 0; e < 8; ++e) values[e] = v[e];
+          }
+        } else {
+#pragma unroll
+          for (int e = 0; e < V; ++e) {
+            const bool ok = weight && lanes.d0[c] + e < in.dims.head_dim;
+            values[e] = ok ? load_value(weight, lanes.d0[c] + e, fp32) : 0.0f;
+          }
         }
-      } else {
 #pragma unroll
         for (int e = 0; e < V; ++e) {
-          const int d = d0 + e;
-          own[c][e] = effective(load_value(w, d, fp32), offset);
-          if (partners && d < r) {
-            const int p = qkvfuse::rope::partner(d, r, in.dims.neox);
-            partner[c][e] = effective(load_value(w, p, fp32), offset);
-          }
+          w[kind][c][e] = weight == nullptr ? 1.0f : effective(values[e], in.weights.offset);
         }
       }
     }
+  }
+
+  /// The weight of a row of that kind (a select between two registers, not an indexed load).
+  __device__ __forceinline__ float at(bool is_key, int c, int i) const {
+    return is_key ? w[1][c][i] : w[0][c][i];
   }
 
  private:
   /// w + offset, or w itself for offset 0 (so that a weight of -0 keeps its sign, as the CPU).
   __device__ __forceinline__ static float effective(float w, float offset) {
     return offset == 0.0f ? w : __fadd_rn(w, offset);
-  }
-
-  __device__ __forceinline__ static void load8(const void* w, bool fp32, int d0,
-                                               float (&out)[8]) {
-    if (fp32) {
-      Values<float, 8> v;
-      v.load(static_cast<const float*>(w) + d0, true);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) out[e] = v[e];
-    } else {
-      Values<uint16_t, 8> v;
-      v.load(static_cast<const uint16_t*>(w) + d0, true);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) out[e] = v[e];
-    }
   }
 };
 
@@ -415,47 +428,76 @@ __device__ __forceinline__ float row_rstd(const Chunk<V> (&x)[C], const Width& w
   }
 }
 
-/// Forward of chunk slot c of a row (SPEC.md sections 1 and 8): y = the rotation of nw = n * w,
-/// n = x * rstd (x when the norm is off); lanes >= r pass through. `nw_out` (key offset)
-/// receives nw as bf16. One chunk at a time, so that a row's outputs need not all be live at once.
-/// Every lane of the warp must call it (the partner exchange shuffles).
+/// y[d] = f1[d] * nw[d] + f2[d] * nw[p(d)] for the rotary lanes (i < rot_end), nw[d] beyond:
+/// the one rotation every forward path computes, each operation rounded as the CPU rounds it.
+template <class Geom, class Features, typename AngleT>
+__device__ __forceinline__ float rotate_lane(const RopeInputs& in,
+                                            const TokenAngles<Geom, AngleT, Features>& angles,
+                                            int c, int i, float nw, float nw_partner,
+                                            int rot_end) {
+  const float rotated = __fadd_rn(__fmul_rn(angles.f1(in, c, i), nw),
+                                  __fmul_rn(angles.f2(in, c, i), nw_partner));
+  return i < rot_end ? rotated : nw;
+}
+
+/// Forward of chunk slot c of a row of the speedrun's layout (interleaved pairs inside the chunk,
+/// no weight): n = x * rstd, y = its rotation. One chunk at a time, so that a row's outputs need
+/// not all be live at once. `n_out` (key offset) receives n as bf16.
 template <class Geom, class Features, typename AngleT>
 __device__ __forceinline__ void forward_chunk(const RopeInputs& in,
                                               const Chunk<Geom::V> (&x)[Geom::C], int c,
-                                              float rstd, const RowWeight<Geom>* weight,
+                                              float rstd,
                                               const TokenAngles<Geom, AngleT, Features>& angles,
-                                              const LaneChunks<Geom>& lanes,
-                                              const Partners<Geom>* partners, Chunk<Geom::V>& y,
-                                              Chunk<Geom::V>* nw_out) {
+                                              const LaneChunks<Geom>& lanes, Chunk<Geom::V>& y,
+                                              Chunk<Geom::V>* n_out) {
   constexpr int V = Geom::V;
-  const bool normalize = !Features::kGeneral || in.normalize;
-  float nw[V];
+  static_assert(V >= 2 && !Features::kGeneral, "the speedrun's chunks hold their pairs");
+  float n[V];
 #pragma unroll
-  for (int i = 0; i < V; ++i) {
-    const float n = normalize ? __fmul_rn(x[c][i], rstd) : x[c][i];
-    nw[i] = weight != nullptr ? __fmul_rn(n, weight->own[c][i]) : n;
-  }
-  float np[V] = {};
-  if (partners != nullptr) {
-    const Chunk<V> xp = partners->of(x, c);
-#pragma unroll
-    for (int i = 0; i < V; ++i) {
-      const float n = normalize ? __fmul_rn(xp[i], rstd) : xp[i];
-      np[i] = weight != nullptr ? __fmul_rn(n, weight->partner[c][i]) : n;
-    }
-  } else if constexpr (V >= 2) {
-#pragma unroll
-    for (int i = 0; i < V; ++i) np[i] = nw[i ^ 1];
-  }
+  for (int i = 0; i < V; ++i) n[i] = __fmul_rn(x[c][i], rstd);
   float out[V];
 #pragma unroll
-  for (int i = 0; i < V; ++i) {
-    const float rotated = __fadd_rn(__fmul_rn(angles.f1(in, c, i), nw[i]),
-                                    __fmul_rn(angles.f2(in, c, i), np[i]));
-    out[i] = i < lanes.rot_end[c] ? rotated : nw[i];
-  }
+  for (int i = 0; i < V; ++i) out[i] = rotate_lane(in, angles, c, i, n[i], n[i ^ 1], lanes.rot_end[c]);
   y = to_bf16<V>(out);
-  if (nw_out != nullptr) *nw_out = to_bf16<V>(nw);
+  if (n_out != nullptr) *n_out = to_bf16<V>(n);
+}
+
+/// Forward of a whole row of a general layout: nw = n * w for every chunk first (n = x * rstd, or
+/// x without the norm), then per chunk the partners' nw (from the chunk, or shuffled from the
+/// lane group) and the rotation; store(c, y, nw) receives each chunk's outputs as bf16. Every
+/// lane of the warp must call it (shuffles).
+template <class Geom, class Features, typename AngleT, typename Store>
+__device__ __forceinline__ void forward_row(const RopeInputs& in,
+                                            const Chunk<Geom::V> (&x)[Geom::C], float rstd,
+                                            const LaneWeights<Geom>& weights, bool is_key,
+                                            const TokenAngles<Geom, AngleT, Features>& angles,
+                                            const LaneChunks<Geom>& lanes,
+                                            const Partners<Geom>* partners, Store&& store) {
+  constexpr int V = Geom::V;
+  constexpr int C = Geom::C;
+  float nw[C][V];
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      const float n = in.normalize ? __fmul_rn(x[c][i], rstd) : x[c][i];
+      nw[c][i] = __fmul_rn(n, weights.at(is_key, c, i));
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    float np[V] = {};
+    if (partners != nullptr) {
+      partners->values_of(nw, c, np);
+    } else if constexpr (V >= 2) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) np[i] = nw[c][i ^ 1];
+    }
+    float out[V];
+#pragma unroll
+    for (int i = 0; i < V; ++i) out[i] = rotate_lane(in, angles, c, i, nw[c][i], np[i], lanes.rot_end[c]);
+    store(c, to_bf16<V>(out), to_bf16<V>(nw[c]));
+  }
 }
 
 /// Backward of one row (SPEC.md sections 2 and 8):
@@ -469,7 +511,7 @@ template <class Geom, class Features, bool kBranchFree, typename AngleT, typenam
 __device__ __forceinline__ void backward_row(
     const RopeInputs& in, const Chunk<Geom::V> (&g)[Geom::C], const Chunk<Geom::V> (&x)[Geom::C],
     const TokenAngles<Geom, AngleT, Features>& angles, const Chunk<Geom::V> (&g_next)[Geom::C],
-    const LaneChunks<Geom>& lanes, const Partners<Geom>* partners, const RowWeight<Geom>* weight,
+    const LaneChunks<Geom>& lanes, const Partners<Geom>* partners, const LaneWeights<Geom>* weight,
     bool is_key, bool shift_row, bool first_token, const Width& width,
     float (*weight_grad)[Geom::C][Geom::V], float (&dx)[Geom::C][Geom::V]) {
   constexpr int G = Geom::G;
@@ -503,7 +545,7 @@ __device__ __forceinline__ void backward_row(
             weight_grad[0][c][i] = fmaf(gw, n, weight_grad[0][c][i]);
           }
         }
-        gw = __fmul_rn(gw, weight->own[c][i]);
+        gw = __fmul_rn(gw, weight->at(is_key, c, i));
       }
       dx[c][i] = gw;  // dn for now
       partial = fmaf(gw, n, partial);
