@@ -61,11 +61,11 @@ int64_t tokens_per_weight_block(int64_t heads2) {
 }
 
 /// Rows per lane group: each row needs g and x (two chunks per lane per chunk slot); one row for
-/// C >= 2 (D = 96 on 4 lanes x 3 chunks included).
+/// C >= 2 (D = 96 on 4 lanes x 3 chunks included); narrow chunks: 8 elements of rows per thread.
 template <class Geom>
 constexpr int backward_rows_per_group() {
   if constexpr (Geom::V == 8) return Geom::C == 1 ? 2 : 1;
-  return Geom::V * Geom::C >= 4 ? 1 : 4 / (Geom::V * Geom::C);
+  return Geom::V * Geom::C >= 8 ? 1 : 8 / (Geom::V * Geom::C);
 }
 
 /// Register budget as resident 128-thread blocks per SM, chosen so that ptxas spills nothing:
