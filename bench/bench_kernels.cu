@@ -41,6 +41,7 @@
 #include <cstdlib>
 #include <ctime>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -238,6 +239,10 @@ struct Shape {
   int64_t kv_heads = 0;          ///< 0: heads
   const char* model = nullptr;  ///< the general layouts' model name, or nullptr (speedrun)
   float weight_offset = 0.0f;
+  // The model cases' options (--variants turns them off one at a time).
+  bool cache = true;    ///< cos/sin cache at positions (else factor tables)
+  bool neox = true;     ///< NeoX lanes (else interleaved)
+  bool weights = true;  ///< both norm weights
 
   static constexpr int64_t kPositions = 8192;
   bool general() const { return model != nullptr; }
@@ -252,8 +257,9 @@ struct Shape {
   int64_t qk_row_stride() const { return mode == Mode::kPaired ? qk_features() : qkv_dim(); }
   /// Bytes of the angle source and the weights (see the file comment).
   double angle_bytes() const {
-    if (general()) return 2.0 * kPositions * head_dim + 8.0 * tokens + 2 * 2.0 * head_dim;
-    return 2 * 2.0 * tokens * factor_width();
+    const double weight_bytes = general() && weights ? 2 * 2.0 * head_dim : 0.0;
+    if (general() && cache) return 2.0 * kPositions * head_dim + 8.0 * tokens + weight_bytes;
+    return 2 * 2.0 * tokens * factor_width() + weight_bytes;
   }
 };
 
@@ -317,7 +323,7 @@ BufferSet make_set(const Shape& s) {
   const size_t v_elems = size_t(s.tokens * s.kv() * s.v_dim);
   b.qkv = allocate(2 * qk_elems);
   fill_bf16(b.qkv.get(), qk_elems, 1.0f);
-  if (s.general()) {
+  if (s.general() && s.cache) {
     const size_t cache_elems = size_t(Shape::kPositions * s.head_dim);
     b.cos_sin = allocate(2 * cache_elems);
     fill_bf16(b.cos_sin.get(), cache_elems, 0.5f);
@@ -331,7 +337,8 @@ BufferSet make_set(const Shape& s) {
     fill_bf16(b.k_weight.get(), size_t(s.head_dim), 1.0f);
     b.grad_q_weight = allocate(2 * size_t(s.head_dim));
     b.grad_k_weight = allocate(2 * size_t(s.head_dim));
-  } else {
+  }
+  if (!(s.general() && s.cache)) {
     const size_t factor_elems = size_t(s.tokens * s.factor_width());
     b.factor1 = allocate(2 * factor_elems);
     b.factor2 = allocate(2 * factor_elems);
@@ -382,15 +389,19 @@ Views views_of(const Shape& s, const BufferSet& b) {
   layout.paired = s.mode == Mode::kPaired;
   layout.key_offset = s.mode == Mode::kKeyOffset;
   if (s.general()) {
-    layout.rotary_style = RotaryStyle::kNeox;
+    layout.rotary_style = s.neox ? RotaryStyle::kNeox : RotaryStyle::kInterleaved;
     layout.eps = 1e-6f;
-    layout.weight_offset = s.weight_offset;
+    if (s.weights) {
+      layout.weight_offset = s.weight_offset;
+      layout.q_weight = make_view(b.q_weight.get(), bf16, kDevice, {s.head_dim});
+      layout.k_weight = make_view(b.k_weight.get(), bf16, kDevice, {s.head_dim});
+      v.grad_q_weight = make_view(b.grad_q_weight.get(), bf16, kDevice, {s.head_dim});
+      v.grad_k_weight = make_view(b.grad_k_weight.get(), bf16, kDevice, {s.head_dim});
+    }
+  }
+  if (s.general() && s.cache) {
     layout.cos_sin = make_view(b.cos_sin.get(), bf16, kDevice, {Shape::kPositions, s.head_dim});
     layout.positions = make_view(b.positions.get(), DType::kInt64, kDevice, {s.tokens});
-    layout.q_weight = make_view(b.q_weight.get(), bf16, kDevice, {s.head_dim});
-    layout.k_weight = make_view(b.k_weight.get(), bf16, kDevice, {s.head_dim});
-    v.grad_q_weight = make_view(b.grad_q_weight.get(), bf16, kDevice, {s.head_dim});
-    v.grad_k_weight = make_view(b.grad_k_weight.get(), bf16, kDevice, {s.head_dim});
   } else {
     layout.rotary_dim = layout.key_offset ? s.head_dim / 2 : s.head_dim;
     layout.factor1 = make_view(b.factor1.get(), bf16, kDevice, {s.tokens, s.factor_width()});
@@ -569,7 +580,21 @@ int run(int argc, char** argv) {
       {32768, 16, 256, 256, Mode::kPlain, 8, "Gemma3-12B", 1.0f},
       {32768, 16, 128, 128, Mode::kPlain, 8, "Qwen3-0.6B"},
   };
-  for (const Shape& shape : models) {
+  std::vector<Shape> cases(std::begin(models), std::end(models));
+  if (std::getenv("QKVFUSE_BENCH_VARIANTS") != nullptr) {
+    // Qwen3-8B with one option off at a time, to attribute the general layouts' cost.
+    Shape tables = models[0], interleaved = models[0], no_weights = models[0], seed = models[0];
+    tables.model = "Qwen3-8B/tables";
+    tables.cache = false;
+    interleaved.model = "Qwen3-8B/interleaved";
+    interleaved.neox = false;
+    no_weights.model = "Qwen3-8B/no-weights";
+    no_weights.weights = false;
+    seed.model = "Qwen3-8B/speedrun-layout";
+    seed.cache = seed.neox = seed.weights = false;
+    cases.insert(cases.end(), {tables, interleaved, no_weights, seed});
+  }
+  for (const Shape& shape : cases) {
     if (options.head_dim != 0 && shape.head_dim != options.head_dim) continue;
     try {
       bench_shape(shape, stream, iters, options.kernel);

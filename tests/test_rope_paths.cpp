@@ -184,8 +184,8 @@ TEST(RopePaths, Fp8BackwardAlsoNeedsAlignedOutputs) {
     c.v_dim = v_dim;
     c.qk_row_pad = (8 - c.qkv_dim() % 8) % 8;  // keep qk's rows 16-byte aligned
     EXPECT_EQ(chunk_width(c.forward()), 8) << "Dv = " << v_dim;
-    // qkv_dim no longer a multiple of 8: grad_row's rows are not 8-byte aligned.
-    if (c.qkv_dim() % 8 != 0) EXPECT_EQ(chunk_width(c.fp8()), 2) << "Dv = " << v_dim;
+    // Dv not a multiple of 8: the tile's V part does not start on whole 8-byte words.
+    EXPECT_EQ(chunk_width(c.fp8()), 2) << "Dv = " << v_dim;
   }
   for (const int64_t v_dim : {8, 64, 256, 264, 512}) {
     Call c;
@@ -199,7 +199,7 @@ TEST(RopePaths, Fp8BackwardAlsoNeedsAlignedOutputs) {
   Call transposed;
   transposed.grad_t_offset = 1;
   EXPECT_EQ(chunk_width(transposed.fp8()), 2);
-  Call v_width;  // Dv = 12: grad_v's rows are 24 bytes, read element by element
+  Call v_width;  // Dv = 12: pairs, and grad_v's rows read element by element
   v_width.v_dim = 12;
   v_width.qk_row_pad = (8 - v_width.qkv_dim() % 8) % 8;
   EXPECT_FALSE(cuda::rope::fp8_v_vectors(v_width.fp8(), chunk_width(v_width.fp8())));

@@ -92,7 +92,8 @@ __global__ void __launch_bounds__(kRowThreads, forward_min_blocks<Geom, AngleT, 
   const int heads2 = in.dims.q_heads + in.dims.kv_heads;
   const int D = rope::row_width<Geom, kFullWidth>(in.dims.head_dim);
   const auto width = rope::row_width_divisor<Geom, kFullWidth>(D);
-  const rope::LaneChunks<Geom> lanes(lane, D, in.dims.rotary_dim);
+  const rope::LaneChunks<Geom> lanes(lane, D, in.dims.rotary_dim,
+                                     !Features::kGeneral && !kKeyOffset);
   const bool exchange = rope::exchanges_partners<Features, V>(in);
   const rope::Partners<Geom> partners(lanes, lane, in.dims.rotary_dim,
                                       Features::kGeneral && in.dims.neox);
@@ -195,7 +196,7 @@ void qk_norm_rope(const QkNormRopeParams& params) {
                          .row_sets = 0,
                          .units = 0};
   const int chunk = rope::chunk_width(params);
-  const bool speedrun = chunk == 8 && rope::speedrun_layout(layout);
+  const bool speedrun = chunk == 8 && rope::speedrun_layout(layout, head_dim);
   const cudaStream_t stream = to_cuda(params.stream);
   // The speedrun's layout has a kernel per full width too (rope::has_full_width); the general
   // layouts compute with the run-time width (fewer instantiations to compile).

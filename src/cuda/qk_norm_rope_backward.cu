@@ -207,7 +207,8 @@ __global__ void __launch_bounds__(
   const int lane = int(threadIdx.x) % G;
   const int group = int(threadIdx.x) / G;
   const int D = rope::row_width<Geom, kFullWidth>(in.dims.head_dim);
-  const rope::LaneChunks<Geom> lanes(lane, D, in.dims.rotary_dim);
+  const rope::LaneChunks<Geom> lanes(lane, D, in.dims.rotary_dim,
+                                     !Features::kGeneral && !kKeyOffset);
   const rope::Partners<Geom> partners(lanes, lane, in.dims.rotary_dim,
                                       Features::kGeneral && in.dims.neox);
   rope::LaneWeights<Geom> weights;  // the group's for every unit it takes
@@ -321,7 +322,7 @@ void qk_norm_rope_backward(const QkNormRopeBackwardParams& params) {
                           .units = 0,
                           .tokens_per_block = 0};
   const int chunk = rope::chunk_width(params);
-  const bool speedrun = chunk == 8 && rope::speedrun_layout(layout);
+  const bool speedrun = chunk == 8 && rope::speedrun_layout(layout, head_dim);
   // The speedrun's layout has a kernel per full width too (rope::has_full_width); the general
   // layouts compute with the run-time width, and their narrow-chunk kernels (rows not 16-byte
   // aligned: rare) exist only in the weighted form, which writes no partial row when the layout

@@ -277,7 +277,8 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
 
   const int group = int(threadIdx.x) / G;
   const int lane = int(threadIdx.x) % G;
-  const rope::LaneChunks<Geom> lanes(lane, D, in.dims.rotary_dim);
+  const rope::LaneChunks<Geom> lanes(lane, D, in.dims.rotary_dim,
+                                     !Features::kGeneral && !kKeyOffset);
   const bool exchange = rope::exchanges_partners<Features, V>(in);
   const rope::Partners<Geom> partners(lanes, lane, in.dims.rotary_dim,
                                       Features::kGeneral && in.dims.neox);
@@ -487,9 +488,10 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
     const int feature_words = (job.features + 3) / 4;
     const int units = feature_words * kTokenBlocks;
     const bool aligned = p.t_blocks;
-    // 16-byte chunks: the tile's parts start on multiples of 8 features, so a word never
-    // straddles two parts and its 4 features are consecutive packed features.
-    const bool whole_words = V == 8 && Dv % 4 == 0;
+    // 16-byte chunks: the tile's parts start on multiples of 8 features (D and Dv multiples of
+    // 8, rope_paths.hpp), so a word never straddles two parts and its 4 features are
+    // consecutive packed features.
+    constexpr bool whole_words = V == 8;
 #pragma unroll 1
     for (int u = int(threadIdx.x); u < units; u += kFp8Threads) {
       const int token_block = u % kTokenBlocks;  // consecutive lanes: consecutive token blocks
@@ -696,7 +698,7 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
       .resident_blocks = 1,
       .partials = weighted ? workspace : nullptr,
   };
-  const bool speedrun = width == 8 && rope::speedrun_layout(layout);
+  const bool speedrun = width == 8 && rope::speedrun_layout(layout, head_dim);
   const int device = params.qk.device.index;
   // As the bf16 backward: full-width kernels for the speedrun's layout only, the narrow-chunk
   // kernels in the weighted form only (fewer instantiations to compile).

@@ -120,11 +120,12 @@ inline DType angle_dtype(const RopeLayout& layout) {
 }
 
 /// True when the layout is the speedrun's: factor tables, interleaved lanes, RMS-norm without
-/// weights (any heads, rotary width, paired or key offset). Its kernels are compiled without the
-/// general options' code (rope_common.cuh, Features).
-inline bool speedrun_layout(const RopeLayout& layout) {
+/// weights, every lane rotary unless under key offset (any heads, paired or not). Its kernels are
+/// compiled without the general options' code (rope_rows.cuh, Features).
+inline bool speedrun_layout(const RopeLayout& layout, int64_t head_dim) {
   return is_absent(layout.cos_sin) && layout.rotary_style == RotaryStyle::kInterleaved &&
-         layout.normalize && is_absent(layout.q_weight) && is_absent(layout.k_weight);
+         layout.normalize && is_absent(layout.q_weight) && is_absent(layout.k_weight) &&
+         (layout.key_offset || qkvfuse::rope::resolved_rotary_dim(layout, head_dim) == head_dim);
 }
 
 inline bool has_weights(const RopeLayout& layout) {

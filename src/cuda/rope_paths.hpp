@@ -68,16 +68,16 @@ inline int chunk_width(const QkNormRopeBackwardParams& p) {
 }
 
 /// The fused FP8 backward's 16-byte chunks also write 8-byte codes into grad_row's rows and
-/// 16-byte blocks of grad_t: both outputs 16-byte aligned and qkv_dim a multiple of 8. Its V rows
-/// are read as 16-byte vectors when Dv is a multiple of 8 and their rows aligned (fp8_v_vectors);
-/// the element-wise V loop takes the rest.
+/// 16-byte blocks of grad_t: both outputs 16-byte aligned and Dv a multiple of 8 (so qkv_dim is
+/// one, and the tile's parts start on whole words). Its V rows are read as 16-byte vectors when
+/// their rows are aligned too (fp8_v_vectors); the element-wise V loop takes the rest.
 inline int chunk_width(const QkvBackwardFp8Params& p) {
   const int chunk = chunk_width(p.layout, p.qk.sizes[2], {&p.qk, &p.grad_q, &p.grad_k});
   const auto aligned16 = [](const void* data) {
     return reinterpret_cast<uintptr_t>(data) % 16 == 0;
   };
   const bool outputs_aligned = aligned16(p.grad_row.data) && aligned16(p.grad_t.data) &&
-                               qkv_dim(p.layout, p.qk.sizes[2], p.grad_v.sizes[2]) % 8 == 0;
+                               p.grad_v.sizes[2] % 8 == 0;
   return chunk == 8 && !outputs_aligned ? 2 : chunk;
 }
 

@@ -54,12 +54,14 @@ struct LaneChunks {
   bool ok[C];
   int rot_end[C];  ///< elements [0, rot_end) of the chunk are rotary lanes; in [0, V]
 
-  __device__ __forceinline__ LaneChunks(int lane, int D, int r) {
+  /// `all_rotary` (a compile-time constant at every call: the speedrun's kernels without key
+  /// offset, which serve r = D only) lets the compiler drop the pass-through selects.
+  __device__ __forceinline__ LaneChunks(int lane, int D, int r, bool all_rotary = false) {
 #pragma unroll
     for (int c = 0; c < C; ++c) {
       d0[c] = V * (c * Geom::G + lane);
       ok[c] = d0[c] < D;
-      rot_end[c] = min(V, max(0, r - d0[c]));
+      rot_end[c] = all_rotary ? V : min(V, max(0, r - d0[c]));
     }
   }
 };
@@ -209,7 +211,7 @@ struct TokenAngles {
                     angle_offset;
 #pragma unroll
       for (int c = 0; c < C; ++c) {
-        const bool valid = token_ok && lanes.rot_end[c] > 0;
+        const bool valid = token_ok && lanes.ok[c] && lanes.rot_end[c] > 0;
         const int d0 = lanes.d0[c];
         if constexpr (kWords) {
           a[c].load(f1 + d0, valid);
@@ -249,7 +251,7 @@ struct TokenAngles {
 #pragma unroll
     for (int c = 0; c < C; ++c) {
       const int d0 = lanes.d0[c];
-      const bool valid = token_ok && lanes.rot_end[c] > 0;
+      const bool valid = token_ok && lanes.ok[c] && lanes.rot_end[c] > 0;
       if constexpr (kWords) {
         // NeoX: frequencies d0 .. d0+7 (or d0 - r/2 ..), 8 values; interleaved: d0/2 .. d0/2+3.
         const int first = neox ? (d0 < r / 2 ? d0 : d0 - r / 2) : d0 / 2;
