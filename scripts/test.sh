@@ -26,6 +26,7 @@ if [ "${QKVFUSE_SKIP_PYTHON:-0}" != 1 ]; then
   echo "== Python package + tests"
   python_outside -c 'import torch' 2>/dev/null || python3 -m pip install -q torch
   python3 -m pip install -q pytest scikit-build-core numpy
+  python3 -m pip install -q 'transformers==5.17.0'  # the [transformers] extra, as on the H200
   python_outside -c 'import os, torch
 print(f"torch {torch.__version__} at {os.path.dirname(torch.__file__)}")'
   CMAKE_BUILD_PARALLEL_LEVEL=$jobs python3 -m pip install -q --no-build-isolation --no-deps .

@@ -1,0 +1,601 @@
+"""Hugging Face transformers models through qkvfuse, with one call.
+
+    from qkvfuse.integrations.transformers import apply_qkvfuse
+    model = AutoModelForCausalLM.from_config(config)   # or from_pretrained(...)
+    apply_qkvfuse(model)              # q/k norm + rotary: one qkvfuse.qk_norm_rope per layer
+    apply_qkvfuse(model, fp8=True)    # and the q/k/v projections: qkvfuse.packed_fp8_qkv
+
+Supported (the attention modules' classes, matched exactly; SPEC.md section 8 has the math):
+
+| family | attention class | per-head norm | qkvfuse layout |
+| --- | --- | --- | --- |
+| Qwen3 | Qwen3Attention | RMS * w (Qwen3RMSNorm) | NeoX, GQA, q/k weights, eps of the norm |
+| Qwen3-MoE (attention only) | Qwen3MoeAttention | RMS * w (Qwen3MoeRMSNorm) | as Qwen3 |
+| Gemma 3 (text) | Gemma3Attention | RMS * (1 + w) (Gemma3RMSNorm) | as Qwen3, weight_offset 1 |
+| Llama | LlamaAttention | none | NeoX, GQA, normalize=False |
+| Mistral | MistralAttention | none | as Llama |
+
+A model with any other attention module (or none) is refused with UnsupportedModelError naming
+the model's class and the attention classes found. The multimodal Gemma3ForConditionalGeneration
+is refused for its vision tower's attention (SiglipAttention); its text model,
+model.model.language_model (a Gemma3TextModel), can be patched on its own.
+
+What changes. apply_qkvfuse replaces, on each attention module *instance*, the bound method
+`forward` (an instance attribute: the class, other models and other instances are untouched;
+remove_qkvfuse(model) deletes it again). The new forward computes q, k and v as below, then runs
+the rest of the library's forward as it is written there: the KV cache update (past_key_values,
+named cache in later 5.x: the class's own signature decides), the attention function the config
+selects (ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation), else the family's
+own eager_attention_forward), with the same dropout, scaling, sliding window and keyword
+arguments, and o_proj. No parameter, buffer or state-dict key is added, renamed or changed: a
+patched model saves and loads like an unpatched one, and load_state_dict / from_pretrained
+weights are used as they are.
+
+Rotary angles. The model's rotary embedding still runs (the decoder passes its
+position_embeddings = (cos, sin) [B or 1, S, D] to every attention layer, per layer type for
+Gemma 3's local/global layers). The patched forward turns them into qkvfuse's cos/sin cache
+[B*S, D] (cos of frequency i in column i, sin in column D/2 + i: HF's cos/sin are
+cat(freqs, freqs), so their first halves hold every frequency) read at positions 0..B*S-1 (or
+the sequence position when one [1, S, D] serves the whole batch). Everything the model's rotary
+embedding does is therefore honoured without restating it: position_ids (packed sequences,
+left-padded batches, generate's offsets past the KV cache), every rope type and its scaling
+(linear, dynamic NTK with its recomputed inv_freq, YaRN and LongRoPE with their
+attention_scaling, Llama 3), and Gemma 3's two thetas. The cache is built once per forward pass
+for each distinct (cos, sin) pair (a small [B*S, D] concatenation; the layers that share the pair
+reuse it) and the rotary width must be the full head width, as the families' own code requires.
+
+The Q/K layout. qk_norm_rope reads qk [T, Hq + Hkv, D] (query heads first) and HF keeps q_proj,
+k_proj and v_proj as three nn.Linear. The state dict must not change, so a packed weight cannot
+be stored; two ways remain, and the patched forward takes the cheaper per call:
+- one GEMM against the concatenated weight torch.cat([Wq; Wk; Wv]) (cast to the compute dtype
+  first, as autocast would): qk and v are then column views of one [T, F] output, with no copy of
+  the activations; the extra traffic is one copy of the (Hq + 2 Hkv) * D x C weight per forward.
+- three projections and torch.cat of the q and k outputs into [T, Hq + Hkv, D]: one copy of
+  T * (Hq + Hkv) * D activations.
+The first is cheaper when T * (Hq + Hkv) * D >= (Hq + 2 Hkv) * D * C, i.e. once T is about C or
+more: every training step (T = batch x sequence is thousands of tokens), while generate's decode
+steps (T = batch) take the second. Measured on the project's shared 2-core CPU (float32,
+C = 768, Hq = 12, Hkv = 4, D = 128, T = 2048, forward + backward of the projections and the cat,
+median of 7 runs, 3 interleaved rounds each): three projections + activation cat 787-844 ms,
+weight cat + one GEMM 542-784 ms, the one GEMM faster in every round. Projections that are not
+plain nn.Linear (e.g. PEFT's LoRA layers, quantized linears) are always called as modules, with
+the activation cat.
+
+FP8 (fp8=True). Each layer's q/k/v projection runs through qkvfuse.packed_fp8_qkv as
+examples/train_gpt.py runs it:
+- weights: an e4m3 copy of each layer's packed [Wq; Wk; Wv] with its current scale amax/448,
+  quantized for all layers of one shape in one qkvfuse.quantize_weight_bank call. It is refreshed
+  lazily, before the first forward that follows any change of those weights: each layer compares
+  its three weights' autograd version counters (which every in-place update bumps: optimizer
+  steps, load_state_dict, copy_) and data pointers (a .to() or an assigned state dict) with those
+  the cache was built from. So the usual loop needs no extra call: optimizer.step() changes the
+  weights, and the next forward re-quantizes every layer once (refresh_fp8_weights(model) does
+  it eagerly).
+- the activation: the attention's input x (bf16) is quantized once, to x_f8 [T, C] and its
+  transpose, shared by the Q, K and V columns of the one FP8 GEMM, with current scaling:
+  x_scale = max|x| / 448 (one extra read of x, no host synchronization). HF's input norm
+  multiplies by a learned weight, so the speedrun's fixed bound sqrt(C)/448 does not hold here.
+- the gradient: grad_scale = 4 * max(|grad q|, |grad k|, |grad v|) / 448 of this call, set by
+  tensor hooks on q, k and v before the op's backward reads it (current scaling: a fixed scale
+  lets small gradients round to zero in e4m3, docs/training/README.md).
+- the master weights receive their gradients in their own dtype (fp32 under autocast), and so do
+  the q/k norm weights (from the fused backward).
+FP8 needs bf16 activations (autocast to bfloat16 or a bf16 model), no q/k/v bias, and C and the
+packed width (Hq + 2 Hkv) * D multiples of 16 (cuBLASLt FP8), which apply_qkvfuse checks. A call
+whose token count T = batch x sequence is not a multiple of 16 (generate's decode steps, odd
+batches) runs the bf16 path for that call: same weights, no FP8 GEMM.
+
+Numerics. HF rounds to the activation dtype between steps (the normalized row before the weight,
+each product of the rotary); qkvfuse rounds once, so the patched bf16 model differs from the
+unpatched one by a few bf16 roundings of q and k per layer (SPEC.md section 8), and is the
+closer of the two to the exact value. On the CPU the patched path also runs float32 and float64
+models (equal to the unpatched model to that precision); on CUDA qkvfuse needs bf16 activations.
+
+torch.compile: the bf16 path traces into one graph (fullgraph=True works); the FP8 projection
+runs eagerly between compiled graphs (torch.compiler.disable: the cache's version checks and the
+per-call gradient hooks are Python), the rest of the layer compiles. Tested with the aot_eager
+backend on the CPU.
+
+Tested on the CPU (tests/python/test_transformers_integration.py): every family, GQA/MHA/MQA,
+packed sequences, rope scalings, generate, save/load, gradient checkpointing, compile; DDP through
+examples/train_hf.py (gloo on the CPU, NCCL on GPUs). Not covered: pickling a patched model
+object (its forward is a bound method: save the state dict, as save_pretrained does), FSDP, and
+tensor or pipeline parallel plans that shard q_proj/k_proj/v_proj.
+"""
+import inspect
+import sys
+import types
+import weakref
+from typing import List, NamedTuple, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import qkvfuse
+from qkvfuse._layout import DEFAULT_EPS
+
+try:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+except ImportError as error:  # pragma: no cover - exercised only without the optional dependency
+    raise ImportError(
+        "qkvfuse.integrations.transformers needs Hugging Face transformers (5.x): "
+        "pip install 'transformers>=5.17,<6', or install qkvfuse with the [transformers] extra"
+    ) from error
+
+__all__ = ["SUPPORTED", "UnsupportedModelError", "apply_qkvfuse", "attention_input",
+           "fp8_refresh_count", "refresh_fp8_weights", "remove_qkvfuse"]
+
+E4M3_MAX = 448.0
+# Headroom of the gradient scale over max |grad q, k, v|: the norm's backward can grow a row's
+# gradient beyond its input's (examples/train_gpt.py uses the same).
+GRAD_HEADROOM = 4.0
+# Never a zero scale: it would saturate every e4m3 code (docs/special_values.md).
+MIN_SCALE = 2.0**-100
+# cuBLASLt FP8 GEMMs need M, N and K multiples of 16 (include/qkvfuse/packed_qkv.hpp).
+FP8_MULTIPLE = 16
+
+
+class UnsupportedModelError(ValueError):
+    """apply_qkvfuse refused the model (its class and the reason are in the message)."""
+
+
+class _Family(NamedTuple):
+    name: str
+    module: str          # the modeling module that defines the classes
+    attention: str       # the attention class, matched exactly
+    norm: Optional[str]  # the per-head norm class of q_norm / k_norm, None: no QK norm
+    weight_offset: float  # 1.0: the norm multiplies by (1 + w)
+    sliding: Optional[str]  # how the library's forward passes sliding_window: "module",
+    #                         "config" (getattr(config, "sliding_window", None)) or None (not)
+
+
+_FAMILIES = (
+    _Family("Qwen3", "transformers.models.qwen3.modeling_qwen3", "Qwen3Attention",
+            "Qwen3RMSNorm", 0.0, "module"),
+    _Family("Qwen3-MoE", "transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeAttention",
+            "Qwen3MoeRMSNorm", 0.0, "module"),
+    _Family("Gemma 3", "transformers.models.gemma3.modeling_gemma3", "Gemma3Attention",
+            "Gemma3RMSNorm", 1.0, "module"),
+    _Family("Llama", "transformers.models.llama.modeling_llama", "LlamaAttention", None, 0.0,
+            None),
+    _Family("Mistral", "transformers.models.mistral.modeling_mistral", "MistralAttention", None,
+            0.0, "config"),
+)
+SUPPORTED = tuple(f"{f.name} ({f.attention})" for f in _FAMILIES)
+
+
+def _family_of(module: nn.Module) -> Optional[_Family]:
+    cls = type(module)
+    for family in _FAMILIES:
+        if cls.__name__ == family.attention and cls.__module__ == family.module:
+            return family
+    return None
+
+
+def _looks_like_attention(module: nn.Module) -> bool:
+    """Transformers names its attention classes XAttention, XSelfAttention, XFlashAttention2..."""
+    name = type(module).__name__
+    return name.endswith("Attention") or name.endswith("Attention2")
+
+
+# ---- the per-model state: the FP8 weight cache and the rotary caches of one forward -------------
+
+class _Fp8Weights:
+    """The e4m3 packed [Wq; Wk; Wv] of every patched layer (what qkvfuse.PackedWeightCache keeps,
+    for three row blocks per layer instead of two), rebuilt when the weights move and refreshed
+    when they change (see the module docstring)."""
+
+    def __init__(self, modules: List[nn.Module]):
+        self._modules = modules
+        self._layout = None   # per layer: (data pointer, device, dtype, shape) of each weight
+        self._seen = None     # per layer: the version counters the entries were quantized from
+        self._groups = []
+        self._entries = [None] * len(modules)
+        self.refreshes = 0    # how many times the cache was (re)quantized
+
+    def _weights(self, i):
+        m = self._modules[i]
+        return m.q_proj.weight, m.k_proj.weight, m.v_proj.weight
+
+    @staticmethod
+    def _versions(weights):
+        return tuple(w._version for w in weights) + tuple(w.data_ptr() for w in weights)
+
+    def get(self, i: int) -> qkvfuse.PackedWeight:
+        """Layer i's cached weight, refreshed first if any layer's weights changed since."""
+        if self._seen is None or self._versions(self._weights(i)) != self._seen[i]:
+            self.refresh()
+        return self._entries[i]
+
+    def _build(self, weights):
+        groups = {}
+        for i, (wq, wk, wv) in enumerate(weights):
+            key = (tuple(wq.shape), tuple(wk.shape), tuple(wv.shape), wq.device)
+            groups.setdefault(key, []).append(i)
+        self._groups = []
+        for (q_shape, k_shape, v_shape, device), indices in groups.items():
+            rows = (q_shape[0], k_shape[0], v_shape[0])
+            bank = torch.empty((len(indices), sum(rows), q_shape[1]), dtype=torch.bfloat16,
+                               device=device)
+            sources, targets = [], []
+            for b, i in enumerate(indices):
+                for part, source in zip(bank[b].split(rows), weights[i]):
+                    sources.append(source)
+                    targets.append(part)
+            self._groups.append((indices, bank, sources, targets))
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        weights = [self._weights(i) for i in range(len(self._modules))]
+        layout = [tuple((w.data_ptr(), w.device, w.dtype, tuple(w.shape)) for w in ws)
+                  for ws in weights]
+        if layout != self._layout:
+            self._build(weights)
+            self._layout = layout
+        for indices, bank, sources, targets in self._groups:
+            torch._foreach_copy_(targets, sources)
+            row, t, scale = qkvfuse.quantize_weight_bank(bank)
+            for b, i in enumerate(indices):
+                self._entries[i] = qkvfuse.PackedWeight(row[b], t[b], scale[b])
+        self._seen = [self._versions(ws) for ws in weights]
+        self.refreshes += 1
+
+
+class _ModelState:
+    """Shared by the patched layers of one model."""
+
+    def __init__(self, modules: List[nn.Module], fp8: bool):
+        self.modules = modules
+        self.fp8 = fp8
+        self.weights = _Fp8Weights(modules) if fp8 else None
+        self._rope = {}   # (id(cos), id(sin), B, S) -> (weakref cos, weakref sin, cos_sin, pos)
+        self._ones = {}   # device -> float32 1.0 (packed_fp8_qkv's qkv_scale)
+
+    def one(self, device) -> torch.Tensor:
+        one = self._ones.get(device)
+        if one is None:
+            one = self._ones[device] = torch.ones((), dtype=torch.float32, device=device)
+        return one
+
+    def rope(self, cos, sin, batch, seq, head_dim, accept):
+        """(cos_sin, positions) of this forward's (cos, sin), built once per pair."""
+        if torch.compiler.is_compiling():
+            return _rope_cache(cos, sin, batch, seq, head_dim, accept)
+        key = (id(cos), id(sin), batch, seq)
+        hit = self._rope.get(key)
+        if hit is not None and hit[0]() is cos and hit[1]() is sin and hit[2].dtype in accept:
+            return hit[2], hit[3]
+        cos_sin, positions = _rope_cache(cos, sin, batch, seq, head_dim, accept)
+        # Keep the entries whose (cos, sin) are still alive (usually: this forward's pairs).
+        self._rope = {k: v for k, v in self._rope.items()
+                      if v[0]() is not None and v[1]() is not None}
+        self._rope[key] = (weakref.ref(cos), weakref.ref(sin), cos_sin, positions)
+        return cos_sin, positions
+
+
+def _rope_cache(cos, sin, batch, seq, head_dim, accept):
+    """qkvfuse's cos/sin cache [rows, D] and positions [B*S] from HF's cos, sin [B or 1, S, D]."""
+    if cos.shape[-1] != head_dim or sin.shape != cos.shape:
+        raise ValueError(
+            f"qkvfuse: position_embeddings: expected cos and sin of width head_dim = {head_dim} "
+            f"(full rotary, as the family's apply_rotary_pos_emb needs), got {tuple(cos.shape)} "
+            f"and {tuple(sin.shape)}")
+    half = head_dim // 2
+    cos_sin = torch.cat((cos[..., :half], sin[..., :half]), dim=-1).reshape(-1, head_dim)
+    if cos_sin.dtype not in accept:
+        cos_sin = cos_sin.float()
+    tokens = batch * seq
+    positions = torch.arange(tokens, dtype=torch.int32, device=cos.device)
+    if cos_sin.shape[0] == seq and batch > 1:
+        positions = positions % seq  # one [1, S, D] for the whole batch
+    elif cos_sin.shape[0] != tokens:
+        raise ValueError(
+            f"qkvfuse: position_embeddings: expected cos of shape [B or 1, S, D] for hidden "
+            f"states [B = {batch}, S = {seq}, C], got {tuple(cos.shape)}")
+    return cos_sin, positions
+
+
+# ---- one layer -----------------------------------------------------------------------------------
+
+class _Layer:
+    """What the patched forward of one attention module needs (set by apply_qkvfuse)."""
+
+    def __init__(self, module, family, state, index, fp8):
+        self.family = family
+        self.state = state
+        self.index = index
+        self.fp8 = fp8
+        config = module.config
+        self.q_heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = module.head_dim
+        self.normalize = family.norm is not None
+        self.eps = _norm_eps(module.q_norm) if self.normalize else DEFAULT_EPS
+        self.eager = sys.modules[type(module).__module__].eager_attention_forward
+        # transformers >= 5.2x names the KV cache `cache` (past_key_values before) and hands the
+        # call's keyword arguments to its update: the patched forward does what the class does.
+        self.cache_kwargs = "cache" in inspect.signature(type(module).forward).parameters
+        projections = (module.q_proj, module.k_proj, module.v_proj)
+        self.plain = all(type(p) is nn.Linear for p in projections)
+        self.bias = self.plain and any(p.bias is not None for p in projections)
+
+    @property
+    def qk_features(self):
+        return (self.q_heads + self.kv_heads) * self.head_dim
+
+    @property
+    def features(self):
+        return (self.q_heads + 2 * self.kv_heads) * self.head_dim
+
+
+def _norm_eps(norm):
+    eps = getattr(norm, "variance_epsilon", None)
+    return float(norm.eps if eps is None else eps)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+def attention_input(module: nn.Module, hidden_states: torch.Tensor, position_embeddings):
+    """The patched part of a patched attention module alone: (query, key, value) states
+    [B, H, S, D] from its input hidden_states [B, S, C] and the decoder's position_embeddings,
+    exactly as its patched forward computes them (for profiling and tests)."""
+    layer = module._qkvfuse
+    if position_embeddings is None:
+        raise ValueError(f"qkvfuse: {type(module).__name__}.forward: position_embeddings "
+                         f"(cos, sin) are required")
+    if hidden_states.dim() != 3:
+        raise ValueError(f"qkvfuse: {type(module).__name__}: expected hidden_states [B, S, C], "
+                         f"got {tuple(hidden_states.shape)}")
+    batch, seq, channels = hidden_states.shape
+    tokens = batch * seq
+    dtype = _compute_dtype(hidden_states)
+    device = hidden_states.device
+    if dtype not in (torch.bfloat16, torch.float32, torch.float64) or (
+            device.type != "cpu" and dtype != torch.bfloat16):
+        raise TypeError(
+            f"qkvfuse: {type(module).__name__}: the attention runs in {dtype} on "
+            f"{device.type}; qkvfuse needs bfloat16 activations (load the model in bfloat16 or "
+            f"run it under torch.autocast(dtype=torch.bfloat16)); float32 and float64 run on the "
+            f"CPU only")
+    fp8 = layer.fp8 and tokens % FP8_MULTIPLE == 0 and tokens > 0
+    if fp8 and dtype != torch.bfloat16:
+        raise TypeError(f"qkvfuse: {type(module).__name__}: fp8=True needs bfloat16 activations "
+                        f"(autocast to bfloat16 or a bf16 model), got {dtype}")
+    # The cos/sin cache: bf16 or float32 (the CPU also takes qk's own dtype).
+    accept = (torch.bfloat16, torch.float32) + ((dtype,) if device.type == "cpu" else ())
+    cos, sin = position_embeddings
+    cos_sin, positions = layer.state.rope(cos, sin, batch, seq, layer.head_dim, accept)
+    norms = dict(num_kv_heads=layer.kv_heads, rotary_style="neox", normalize=layer.normalize,
+                 cos_sin=cos_sin, positions=positions)
+    if layer.normalize:
+        norms.update(q_weight=module.q_norm.weight, k_weight=module.k_norm.weight,
+                     weight_offset=layer.family.weight_offset, eps=layer.eps)
+    x = hidden_states.reshape(tokens, channels)
+    if fp8:
+        q, k, v = _fp8_projection(module, layer, x, norms)
+    else:
+        qk, v = _bf16_projection(module, layer, x.to(dtype), dtype)
+        q, k = qkvfuse.qk_norm_rope(qk, num_heads=layer.q_heads, **norms)
+    return tuple(t.view(batch, seq, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
+
+
+def _bf16_projection(module, layer, x, dtype):
+    """(qk [T, Hq + Hkv, D], v [T, Hkv, D]) in `dtype`: one GEMM against the concatenated
+    weight, or three projections and a cat of q and k, whichever copies less (module docstring)."""
+    tokens = x.shape[0]
+    d = layer.head_dim
+    heads = layer.q_heads + layer.kv_heads
+    if layer.plain and tokens * layer.qk_features >= layer.features * x.shape[1]:
+        projections = (module.q_proj, module.k_proj, module.v_proj)
+        weight = torch.cat([p.weight.to(dtype) for p in projections])
+        bias = torch.cat([p.bias.to(dtype) for p in projections]) if layer.bias else None
+        qkv = F.linear(x, weight, bias)
+        return (qkv[:, :layer.qk_features].view(tokens, heads, d),
+                qkv[:, layer.qk_features:].view(tokens, layer.kv_heads, d))
+    q = module.q_proj(x).to(dtype).view(tokens, layer.q_heads, d)
+    k = module.k_proj(x).to(dtype).view(tokens, layer.kv_heads, d)
+    v = module.v_proj(x).to(dtype).view(tokens, layer.kv_heads, d)
+    return torch.cat((q, k), dim=1), v
+
+
+@torch.compiler.disable
+def _fp8_projection(module, layer, x, norms):
+    """(q, k, v) through packed_fp8_qkv, with current scaling of x and of the gradient. Runs
+    eagerly under torch.compile (a graph break): the cache's version checks and the per-call
+    gradient hooks are Python."""
+    bf16 = torch.bfloat16
+    x = x.to(bf16)
+    detached = x.detach()
+    # Outside autocast, whose CUDA policy would reduce linalg_vector_norm in float32 (a cast).
+    with torch.autocast(x.device.type, enabled=False):
+        amax = torch.linalg.vector_norm(detached, float("inf")).float()
+    x_scale = torch.clamp_min(amax, MIN_SCALE) / E4M3_MAX
+    x_f8, x_f8_t = qkvfuse.quantize_dual_layout(detached, x_scale)
+    cached = layer.state.weights.get(layer.index)
+    qk_weight = torch.cat((module.q_proj.weight.to(bf16), module.k_proj.weight.to(bf16)))
+    v_weight = module.v_proj.weight.to(bf16)
+    # This call's gradient amax and scale, in one allocation (16-byte aligned scalars). The
+    # hooks set the scale before the op's backward reads it: they run when the gradients of
+    # q, k and v arrive, and the backward needs those first.
+    scales = torch.zeros((2, 4), dtype=torch.float32, device=x.device)
+    grad_amax, grad_scale = scales[0, 0], scales[1, 0]
+    q, k, v = qkvfuse.packed_fp8_qkv(
+        x, qk_weight, v_weight, cached.weight_f8, cached.weight_f8_t, cached.weight_scale,
+        layer.state.one(x.device), x_scale, grad_scale, None, None, layer.q_heads, False, False,
+        None, x_f8, x_f8_t, **norms)
+    if q.requires_grad:
+        # Per call (not per module) scale tensors: correct with gradient accumulation,
+        # checkpointing or several forwards before one backward.
+        hook = _grad_scale_hook(grad_amax, grad_scale)
+        for out in (q, k, v):
+            out.register_hook(hook)
+    return q, k, v
+
+
+def _grad_scale_hook(grad_amax, grad_scale):
+    @torch.no_grad()
+    def hook(grad):
+        amax = torch.linalg.vector_norm(grad.detach(), float("inf")).float()
+        torch.maximum(grad_amax, amax, out=grad_amax)
+        torch.clamp_min(grad_amax * (GRAD_HEADROOM / E4M3_MAX), MIN_SCALE, out=grad_scale)
+    return hook
+
+
+def _patched_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
+                     past_key_values=None, **kwargs):
+    """The family's attention forward with q, k, v from attention_input; the rest as written in
+    transformers (the Qwen3/Gemma3/Llama/Mistral forwards differ only in sliding_window). The KV
+    cache arrives as past_key_values (transformers 5.17) or cache (later 5.x)."""
+    layer = self._qkvfuse
+    cache = kwargs.pop("cache", None) if past_key_values is None else past_key_values
+    input_shape = hidden_states.shape[:-1]
+    query_states, key_states, value_states = attention_input(self, hidden_states,
+                                                             position_embeddings)
+
+    if cache is not None:
+        if layer.cache_kwargs:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx,
+                                                    kwargs=kwargs)
+        else:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
+
+    attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                                layer.eager)
+    if layer.family.sliding == "module":
+        kwargs["sliding_window"] = self.sliding_window
+    elif layer.family.sliding == "config":
+        kwargs["sliding_window"] = getattr(self.config, "sliding_window", None)
+    attn_output, attn_weights = attention_interface(
+        self,
+        query_states,
+        key_states,
+        value_states,
+        attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+        **kwargs,
+    )
+
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    attn_output = self.o_proj(attn_output)
+    return attn_output, attn_weights
+
+
+# ---- the public calls ----------------------------------------------------------------------------
+
+def apply_qkvfuse(model: nn.Module, fp8: bool = False) -> nn.Module:
+    """Patches every attention module of `model` (a transformers model of a supported family,
+    e.g. Qwen3ForCausalLM, or any module containing their attention modules) in place, and
+    returns it. fp8=False: projections in the model's (or autocast's) dtype, then one
+    qk_norm_rope per layer; fp8=True: one packed_fp8_qkv per layer (module docstring). Calling it
+    again re-patches with the new setting. Raises UnsupportedModelError, naming the model's class,
+    for a model with no supported attention module or with any other attention module."""
+    if getattr(model, "_qkvfuse_state", None) is not None:
+        remove_qkvfuse(model)
+    found, unsupported = [], []
+    for name, module in model.named_modules():
+        family = _family_of(module)
+        if family is not None:
+            found.append((name, module, family))
+        elif _looks_like_attention(module):
+            unsupported.append(f"{name or '<root>'}: {type(module).__name__}")
+    model_name = type(model).__name__
+    if unsupported or not found:
+        what = (f"its attention modules {', '.join(unsupported[:4])}"
+                f"{' ...' if len(unsupported) > 4 else ''} are not supported" if unsupported
+                else "it has no attention module qkvfuse supports")
+        raise UnsupportedModelError(
+            f"qkvfuse.apply_qkvfuse: {model_name} is not supported: {what}. Supported attention "
+            f"classes: {', '.join(SUPPORTED)}")
+    for name, module, family in found:
+        _check_module(model_name, name, module, family, fp8)
+    modules = [module for _, module, _ in found]
+    state = _ModelState(modules, fp8)
+    for index, (_, module, family) in enumerate(found):
+        module._qkvfuse = _Layer(module, family, state, index, fp8)
+        module.forward = types.MethodType(_patched_forward, module)
+    model._qkvfuse_state = state
+    return model
+
+
+def remove_qkvfuse(model: nn.Module) -> nn.Module:
+    """Undoes apply_qkvfuse: every patched attention module runs its class's forward again."""
+    for module in model.modules():
+        if "_qkvfuse" in module.__dict__:
+            del module.__dict__["_qkvfuse"]
+            module.__dict__.pop("forward", None)
+    model.__dict__.pop("_qkvfuse_state", None)
+    return model
+
+
+def refresh_fp8_weights(model: nn.Module) -> int:
+    """Re-quantizes the FP8 weight cache of a model patched with fp8=True now (the patched
+    forward does it by itself after any change of the q/k/v weights). Returns how many times the
+    cache has been quantized, this time included."""
+    state = _state(model)
+    if state.weights is None:
+        raise ValueError("qkvfuse.refresh_fp8_weights: the model was patched with fp8=False")
+    state.weights.refresh()
+    return state.weights.refreshes
+
+
+def fp8_refresh_count(model: nn.Module) -> int:
+    """How many times the FP8 weight cache of `model` has been quantized (0 before the first
+    forward): e.g. to check that it follows the optimizer steps."""
+    state = _state(model)
+    return 0 if state.weights is None else state.weights.refreshes
+
+
+def _state(model):
+    state = getattr(model, "_qkvfuse_state", None)
+    if state is None:
+        raise ValueError(f"qkvfuse: {type(model).__name__} is not patched (apply_qkvfuse)")
+    return state
+
+
+def _check_module(model_name, name, module, family, fp8):
+    where = f"qkvfuse.apply_qkvfuse: {model_name}: {name} ({type(module).__name__})"
+    config = module.config
+    q_heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, module.head_dim
+    if d % 2 or not 2 <= d <= 256:
+        raise UnsupportedModelError(f"{where}: head_dim {d}: qkvfuse needs an even head width "
+                                    f"from 2 to 256")
+    if q_heads % kv_heads:
+        raise UnsupportedModelError(f"{where}: {kv_heads} key/value heads do not divide "
+                                    f"{q_heads} query heads")
+    for proj, heads in (("q_proj", q_heads), ("k_proj", kv_heads), ("v_proj", kv_heads)):
+        p = getattr(module, proj)
+        out = getattr(p, "out_features", None)
+        if out is not None and out != heads * d:
+            raise UnsupportedModelError(f"{where}: {proj} has {out} outputs, expected "
+                                        f"{heads} heads x {d}")
+    if family.norm is not None:
+        for norm in ("q_norm", "k_norm"):
+            cls = type(getattr(module, norm, None)).__name__
+            if cls != family.norm:
+                raise UnsupportedModelError(f"{where}: {norm} is {cls}, expected the family's "
+                                            f"{family.norm} (another patch applied first?)")
+    if "forward" in module.__dict__:
+        raise UnsupportedModelError(f"{where}: its forward is already replaced on the instance "
+                                    f"by something else")
+    if fp8:
+        projections = (module.q_proj, module.k_proj, module.v_proj)
+        if not all(type(p) is nn.Linear for p in projections):
+            kinds = ", ".join(type(p).__name__ for p in projections)
+            raise UnsupportedModelError(f"{where}: fp8=True needs q_proj, k_proj and v_proj to be "
+                                        f"plain nn.Linear, got {kinds}")
+        if any(p.bias is not None for p in projections):
+            raise UnsupportedModelError(f"{where}: fp8=True: the packed FP8 op has no q/k/v bias "
+                                        f"(attention_bias=True); use fp8=False")
+        channels = module.q_proj.in_features
+        packed = (q_heads + 2 * kv_heads) * d
+        if channels % FP8_MULTIPLE or packed % FP8_MULTIPLE:
+            raise UnsupportedModelError(
+                f"{where}: fp8=True needs hidden_size ({channels}) and the packed q/k/v width "
+                f"(Hq + 2 Hkv) * D = {packed} to be multiples of {FP8_MULTIPLE} (cuBLASLt FP8)")
