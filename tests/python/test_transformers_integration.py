@@ -31,6 +31,7 @@ transformers = pytest.importorskip(
     "transformers",
     reason="Hugging Face transformers is not installed (pip install .[transformers])")
 
+from conftest import requires_cuda  # noqa: E402
 from qkvfuse.integrations.transformers import (  # noqa: E402
     UnsupportedModelError,
     apply_qkvfuse,
@@ -304,6 +305,28 @@ def test_fp8_within_stated_tolerance(family, kind):
     fp8_model = patched(model, fp8=True, dtype=BF16)
     assert_within_fp8(run(fp8_model, ids, positions), exact)
     assert fp8_refresh_count(fp8_model) == 1
+
+
+@requires_cuda
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "llama"])
+def test_cuda_against_float64(family, fp8):
+    """On the GPU (the CUDA kernels, cuBLASLt's FP8 GEMMs with fast accumulation): the same
+    bounds against the float64 model (on the CPU) as the CPU tests, packed sequences, T = 48."""
+    model = build(family)
+    ids, positions = batch("packed")
+    exact = run(model, ids, positions)
+
+    def on_cuda(m):
+        logits, loss, grads = run(m.cuda(), ids.cuda(), positions.cuda())
+        return logits.cpu(), loss.cpu(), {name: g.cpu() for name, g in grads.items()}
+
+    unpatched = on_cuda(cast(copy.deepcopy(model), BF16))
+    mine = on_cuda(patched(model, fp8=fp8, dtype=BF16))
+    if fp8:
+        assert_within_fp8(mine, exact)
+    else:
+        assert_within_bf16(mine, unpatched, exact)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
