@@ -1,7 +1,7 @@
 """Same-run A/B of two builds of qkvfuse_bench_kernels: the rows both builds measured, each the
 best (lowest) median over the rounds, and the ratio old / new (> 1: the new build is faster).
 
-  python bench/ab_kernels.py --old old_1.csv old_2.csv --new new_1.csv new_2.csv [--out ab.md]
+  python bench/ab_kernels.py --old CSV [CSV ...] --new CSV [CSV ...] [--out PATH]
 
 The rounds are meant to be interleaved (old, new, old, new) in one device session, so that clock
 and power drift reach both builds alike; the best round per build counts.

@@ -272,10 +272,10 @@ PackedDims check_backward_args(const Checker& check, const PackedQkvBackwardPara
                  {p.grad_scale, "grad_scale"},
                  {p.grad_qkv_scale, "grad_qkv_scale"}},
                 device);
-  // The norm weights' gradients and their workspace under the packed op's own names (the
-  // qkv_backward_fp8 step calls the workspace `workspace`).
-  validate::RopeShape shape{};
-  shape.head_dim = dims.head_dim;
+  // The layout's tensors, then the norm weights' gradients and their workspace under the packed
+  // op's own names (the qkv_backward_fp8 step calls the workspace `workspace`).
+  const validate::RopeShape shape =
+      validate::rope_inputs(check, p.qk, p.layout, device, /*wide_qk_on_cpu=*/false);
   validate::rope_weight_grads(check, p.layout, shape, {p.grad_q_weight, "grad_q_weight", true},
                               {p.grad_k_weight, "grad_k_weight", true},
                               {p.rope_workspace, "rope_workspace", true},

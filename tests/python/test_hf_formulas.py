@@ -2,13 +2,13 @@
 
 The formulas are restated here from transformers' source (checked against transformers 5.24;
 4.5x has the same code):
-- src/transformers/models/qwen3/modeling_qwen3.py: Qwen3RMSNorm.forward (variance in float32,
-  x * rsqrt(variance + eps), cast back to the input dtype, then weight * that), the rotary
-  embedding Qwen3RotaryEmbedding (inv_freq = 1 / base ** (arange(0, D, 2) / D) in float32,
+- transformers:src/transformers/models/qwen3/modeling_qwen3.py: Qwen3RMSNorm.forward (variance
+  in float32, x * rsqrt(variance + eps), cast back to the input dtype, then weight * that), the
+  rotary embedding Qwen3RotaryEmbedding (inv_freq = 1 / base ** (arange(0, D, 2) / D) in float32,
   freqs = positions * inv_freq, emb = cat(freqs, freqs), cos/sin [T, D] cast to the input dtype),
   rotate_half and apply_rotary_pos_emb (q * cos + rotate_half(q) * sin);
-- src/transformers/models/gemma3/modeling_gemma3.py: Gemma3RMSNorm.forward (x * rsqrt(...) in
-  float32, times (1 + w) in float32, then cast), with the same rotary functions.
+- transformers:src/transformers/models/gemma3/modeling_gemma3.py: Gemma3RMSNorm.forward
+  (x * rsqrt(...) in float32, times (1 + w) in float32, then cast), with the same rotary functions.
 When transformers is importable, its real functions are called too and must equal the
 restatements bit for bit.
 
