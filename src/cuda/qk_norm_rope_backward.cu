@@ -239,26 +239,9 @@ __global__ void __launch_bounds__(
       backward_unit<Geom, K, kKeyOffset, AngleT, kFullWidth, Features>(
           p, unit < last ? unit : p.units, lane, lanes, partners, weights, sums);
     }
-    // The block's partial row: the groups' sums in group order.
     extern __shared__ float group_sums[];  // [kGroups][2][D]
-#pragma unroll
-    for (int kind = 0; kind < 2; ++kind) {
-#pragma unroll
-      for (int c = 0; c < C; ++c) {
-#pragma unroll
-        for (int i = 0; i < V; ++i) {
-          if (lanes.ok[c]) group_sums[(group * 2 + kind) * D + lanes.d0[c] + i] = sums[kind][c][i];
-        }
-      }
-    }
-    __syncthreads();
-    if (p.partials == nullptr) return;  // a layout without weights on the weighted kernel
-    float* partial = p.partials + int64_t(blockIdx.x) * 2 * D;
-    for (int column = int(threadIdx.x); column < 2 * D; column += kRowThreads) {
-      float total = 0.0f;
-      for (int g = 0; g < kGroups; ++g) total = __fadd_rn(total, group_sums[g * 2 * D + column]);
-      partial[column] = total;
-    }
+    rope::write_partial_row<Geom, kGroups, kRowThreads>(sums, lanes, group, D, group_sums,
+                                                        p.partials);
   }
 }
 

@@ -541,25 +541,8 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
   // ---- The weight gradients: this CTA's partial row --------------------------------------------
   if constexpr (kWeightGrad) {
     __syncthreads();  // the tile's bytes are read: its memory holds the groups' sums now
-    float* group_sums = reinterpret_cast<float*>(tile);  // [kGroups][2][D]
-#pragma unroll
-    for (int kind = 0; kind < 2; ++kind) {
-#pragma unroll
-      for (int c = 0; c < C; ++c) {
-#pragma unroll
-        for (int i = 0; i < V; ++i) {
-          if (lanes.ok[c]) group_sums[(group * 2 + kind) * D + lanes.d0[c] + i] = sums[kind][c][i];
-        }
-      }
-    }
-    __syncthreads();
-    if (p.partials == nullptr) return;  // a layout without weights on the weighted kernel
-    float* partial = p.partials + int64_t(blockIdx.x) * 2 * D;
-    for (int column = int(threadIdx.x); column < 2 * D; column += kFp8Threads) {
-      float total = 0.0f;
-      for (int g = 0; g < kGroups; ++g) total = __fadd_rn(total, group_sums[g * 2 * D + column]);
-      partial[column] = total;
-    }
+    rope::write_partial_row<Geom, kGroups, kFp8Threads>(
+        sums, lanes, group, D, reinterpret_cast<float*>(tile), p.partials);
   }
 }
 

@@ -571,4 +571,33 @@ __device__ __forceinline__ void backward_row(
   }
 }
 
+/// The block's partial row of the norm weights' gradients (weight_grad.hpp): each lane group
+/// writes its sums [2][C][V] to group_sums [kGroups][2][D] in shared memory, then the block adds
+/// the groups in group order (fixed, so the bits do not depend on scheduling) into
+/// partials[blockIdx.x]. partials == nullptr (a layout without weights on the weighted kernel)
+/// writes nothing. Every thread of the block must call it (barrier).
+template <class Geom, int kGroups, int kThreads>
+__device__ __forceinline__ void write_partial_row(const float (&sums)[2][Geom::C][Geom::V],
+                                                  const LaneChunks<Geom>& lanes, int group, int D,
+                                                  float* group_sums, float* partials) {
+#pragma unroll
+  for (int kind = 0; kind < 2; ++kind) {
+#pragma unroll
+    for (int c = 0; c < Geom::C; ++c) {
+#pragma unroll
+      for (int i = 0; i < Geom::V; ++i) {
+        if (lanes.ok[c]) group_sums[(group * 2 + kind) * D + lanes.d0[c] + i] = sums[kind][c][i];
+      }
+    }
+  }
+  __syncthreads();
+  if (partials == nullptr) return;
+  float* partial = partials + int64_t(blockIdx.x) * 2 * D;
+  for (int column = int(threadIdx.x); column < 2 * D; column += kThreads) {
+    float total = 0.0f;
+    for (int g = 0; g < kGroups; ++g) total = __fadd_rn(total, group_sums[g * 2 * D + column]);
+    partial[column] = total;
+  }
+}
+
 }  // namespace qkvfuse::cuda::rope
