@@ -6,6 +6,7 @@
 //   cutlass             cutlass_fp8_gemm: the fused kernel's main loop, stock TMA epilogue
 //   fused               fused_qkv_gemm -> q, k, v
 //   fused+qk            the same, also writing the raw qk for the backward
+//   fused alongM, N/sw2, N/sw4   the fused GEMM with other tile orders of the persistent scheduler
 //
 //   qkvfuse_bench_fused_qkv_gemm [--csv PATH] [--tokens T] [--iters N]
 //
@@ -87,6 +88,10 @@ void bench_shape(int64_t tokens, int64_t head_dim, cudaStream_t stream, int iter
       {"cutlass", [&](const Problem& p) { p.gemm_cutlass(stream); }, "ping-pong 128x128x128, TMA epilogue"},
       {"fused", [&](const Problem& p) { p.fused(stream, false); }, "GEMM + norm + rotary -> q, k, v"},
       {"fused+qk", [&](const Problem& p) { p.fused(stream, true); }, "also writes the raw qk"},
+      // The scheduler's tile order (no recompile): which CTAs share A rows and factor rows in L2.
+      {"fused alongM", [&](const Problem& p) { p.fused(stream, false, 1, 1); }, "raster along M"},
+      {"fused N/sw2", [&](const Problem& p) { p.fused(stream, false, 2, 2); }, "raster along N, swizzle 2"},
+      {"fused N/sw4", [&](const Problem& p) { p.fused(stream, false, 2, 4); }, "raster along N, swizzle 4"},
   };
   double baseline = NAN;
   for (const Variant& variant : variants) {

@@ -107,7 +107,8 @@ FusedQkvKernelArgs validate_and_translate(const FusedQkvGemmParams& p, Device& d
   check.ndim(p.v, "v", 3);
   const int64_t v_dim = p.v.sizes[2];
   check.shape(p.v, "v", {tokens, kv_heads, Dim::any("Dv")}, "([T, Hkv, Dv])");
-  QKVF_CHECK(v_dim >= 2 && v_dim % 2 == 0, kOp, ": v: expected Dv even, got ", v_dim);
+  QKVF_CHECK(v_dim >= 8 && v_dim % 8 == 0, kOp,
+             ": v: expected Dv a multiple of 8 (16-byte chunks of one head), got ", v_dim);
   for (const Arg& out : {outputs[0], outputs[1], outputs[2]}) {
     check.last_dim_contiguous(out.view, out.name);
     check.aligned(out.view, out.name, device);
@@ -152,6 +153,9 @@ FusedQkvKernelArgs validate_and_translate(const FusedQkvGemmParams& p, Device& d
     check.aligned(factor.view, factor.name, device);
   }
   check.no_overlap(outputs, inputs);
+  QKVF_CHECK(p.raster >= 0 && p.raster <= 2, kOp, ": raster must be 0, 1 or 2, got ", p.raster);
+  QKVF_CHECK(p.swizzle == 1 || p.swizzle == 2 || p.swizzle == 4 || p.swizzle == 8, kOp,
+             ": swizzle must be 1, 2, 4 or 8, got ", p.swizzle);
   QKVF_CHECK(tokens <= kInt32Max && 2 * tokens <= kInt32Max && n <= kInt32Max, kOp,
              ": T and N must fit in int32, got T = ", tokens, ", N = ", n);
 
@@ -165,6 +169,8 @@ FusedQkvKernelArgs validate_and_translate(const FusedQkvGemmParams& p, Device& d
   args.n = int(n);
   args.k = int(channels);
   args.device = device.index;
+  args.raster = p.raster;
+  args.swizzle = p.swizzle;
   FusedQkvEpilogueArgs& e = args.epilogue;
   e.scale_a = static_cast<const float*>(p.scale_a.data);
   e.scale_b = static_cast<const float*>(p.scale_b.data);

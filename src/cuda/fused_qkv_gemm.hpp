@@ -38,16 +38,18 @@ void cutlass_fp8_gemm(const Fp8GemmParams& params);
 ///   scale_a, scale_b   fp32 device scalars ([] or [1]): x_scale and weight_scale
 ///   alpha      optional fp32 device scalar (qkv_scale); absent = 1
 ///   factor1, factor2   [T, D] ([T, 2D] when paired), bf16 or fp32, one dtype, last dim
-///              contiguous, row stride even: the interleaved rotary's cos and sign-flipped sin
-///   q          bf16 [T, Hq, D] ([2T, Hq/2, D] when paired), last dim contiguous, strides even
+///              contiguous: the interleaved rotary's cos and sign-flipped sin
+///   q          bf16 [T, Hq, D] ([2T, Hq/2, D] when paired), last dim contiguous
 ///   k          bf16 [T, Hkv, D] ([2T, Hkv/2, D] when paired), likewise
-///   v          bf16 [T, Hkv, Dv], last dim contiguous, strides even
-///   qk         optional bf16 [T, Hq+Hkv, D] with head stride D (a [T, (Hq+Hkv)*D] matrix of row
-///              stride >= (Hq+Hkv)*D, even): the pre-norm GEMM output of the Q/K columns, rounded
+///   v          bf16 [T, Hkv, Dv], last dim contiguous
+///   qk         optional bf16 [T, Hq+Hkv, D] with head stride D (a [T, (Hq+Hkv)*D] matrix with a
+///              row stride >= (Hq+Hkv)*D): the pre-norm GEMM output of the Q/K columns, rounded
 ///              to bf16, which is what qk_norm_rope_backward / qkv_backward_fp8 read
+/// The epilogue reads and writes 16-byte chunks: every pointer 16-byte aligned and every stride but
+/// the last a multiple of 16 bytes (the library's CUDA row alignment, validate.hpp).
 ///
-/// Supported here: D = 128 and D = 64 (the CTA tile is 128 columns: one head, or two), any Dv
-/// (even), Hq a multiple of Hkv (GQA; paired and key offset need Hq = Hkv), (Hq+Hkv)*D a multiple
+/// Supported here: D = 128 and D = 64 (the CTA tile is 128 columns: one head, or two), Dv a
+/// multiple of 8, Hq a multiple of Hkv (GQA; paired and key offset need Hq = Hkv), (Hq+Hkv)*D a multiple
 /// of 128 (no tile holds both Q/K and V columns), C a multiple of 16, any T >= 1. Rotary:
 /// interleaved (partner d ^ 1) with any rotary_dim for key offset; NeoX (partner d +- D/2, with
 /// factor tables that carry the signs, SPEC.md section 8) with rotary_dim = D only.
@@ -68,6 +70,12 @@ struct FusedQkvGemmParams {
   int64_t kv_heads = 0; ///< Hkv; 0 means Hq (multi-head attention)
   bool neox = false;    ///< half-split rotary (SPEC.md 8): partner of d is d +- D/2
   float eps = 0.0f;     ///< RMS-norm epsilon; 0 means kRmsNormEps (2^-23, SPEC.md 1)
+  /// The persistent scheduler's tile order, a tuning knob (the benchmark sweeps it): raster 0 is
+  /// CUTLASS's heuristic (along N when there are more M tiles than N tiles, as at the op's
+  /// shape), 1 along M, 2 along N; swizzle 1, 2, 4 or 8 (tiles of that many rows or columns
+  /// walked together). Neither changes the results.
+  int raster = 0;
+  int swizzle = 1;
   Stream stream = nullptr;
 };
 

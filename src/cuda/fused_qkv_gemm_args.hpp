@@ -64,6 +64,8 @@ struct FusedQkvKernelArgs {
   int k = 0;                ///< C, multiple of 16
   int device = 0;           ///< CUDA ordinal (current during the launch)
   int sm_count = 0;         ///< multiprocessors: the persistent grid
+  int raster = 0;           ///< scheduler tile order: 0 heuristic, 1 along M, 2 along N
+  int swizzle = 1;          ///< scheduler swizzle: 1, 2, 4 or 8
   FusedQkvEpilogueArgs epilogue;
 };
 

@@ -43,6 +43,11 @@ void launch_fused_qkv_gemm(const FusedQkvKernelArgs& args, Stream stream) {
   arguments.epilogue.args = args.epilogue;
   arguments.hw_info.device_id = args.device;
   arguments.hw_info.sm_count = args.sm_count;
+  using RasterOrder = cutlass::gemm::kernel::detail::RasterOrderOptions;
+  arguments.scheduler.raster_order = args.raster == 1   ? RasterOrder::AlongM
+                                     : args.raster == 2 ? RasterOrder::AlongN
+                                                        : RasterOrder::Heuristic;
+  arguments.scheduler.max_swizzle_size = args.swizzle;
   sm90::launch<Kernel>(arguments, to_cuda(stream), "fused_qkv_gemm");
 }
 

@@ -22,6 +22,8 @@
 //
 // Exit status 0 when every check passes; prints one line per case.
 #include <algorithm>
+#include <array>
+#include <type_traits>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -56,6 +58,33 @@ constexpr int kTileM = 128;
 constexpr int kTileN = 128;
 constexpr int kThreads = 128;  // one consumer warpgroup
 constexpr uint16_t kPoison = 0xffffu;  // a bf16 NaN no correct output produces
+
+// ---- the quad transpose across threads -------------------------------------------------------
+
+/// quad_transpose (fused_qkv_epilogue.cuh) for all 128 threads at once: the same send / receive
+/// select logic, the shuffles replaced by reading the partner thread's sent words.
+template <class Math>
+void quad_transpose_all(std::vector<typename Math::Fragment>& frags) {
+  auto stage = [&](auto xor_tag) {
+    constexpr int kXor = decltype(xor_tag)::value;
+    for (int r = 0; r < Math::kRows; ++r) {
+      for (int b = 0; b < Math::kBlocks; ++b) {
+        std::vector<std::array<uint32_t, 2>> sent(frags.size());
+        for (size_t i = 0; i < frags.size(); ++i) {
+          uint32_t out[2];
+          qc::fused::transpose_send<kXor>(&frags[i].x[r][4 * b], frags[i].lane(), out);
+          sent[i] = {out[0], out[1]};
+        }
+        for (size_t i = 0; i < frags.size(); ++i) {
+          const uint32_t in[2] = {sent[i ^ kXor][0], sent[i ^ kXor][1]};
+          qc::fused::transpose_receive<kXor>(&frags[i].x[r][4 * b], frags[i].lane(), in);
+        }
+      }
+    }
+  };
+  stage(std::integral_constant<int, 2>{});
+  stage(std::integral_constant<int, 1>{});
+}
 
 // ---- 1. the accumulator layout ------------------------------------------------------------------
 
@@ -113,8 +142,36 @@ void check_layout() {
       }
     }
   }
-  std::printf("layout D=%d: %d threads x %d rows x %d column pairs checked\n", kHeadDim, kThreads,
-              Math::kRows, Math::kGroups);
+  // After the quad transpose, word (r, 4b + w) of thread q holds columns 8(4b + q) + 2w, + 1 of
+  // the same row: run the transpose on words that encode their own column.
+  std::vector<typename Math::Fragment> frags(kThreads);
+  for (int i = 0; i < kThreads; ++i) {
+    auto acc = partition_fragment_C(mma, Shape<Int<kTileM>, Int<kTileN>>{});
+    Tensor coords = mma.get_thread_slice(i).partition_C(
+        make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
+    // fill_fragment computes bf16(acc * 1): small integers are exact in bf16 (<= 256).
+    for (int e = 0; e < int(size(acc)); ++e) acc(e) = float(get<1>(coords(e)) + 1);
+    qc::fused::fill_fragment<Math, kTileM>(frags[size_t(i)], acc, mma, i, 1.0f);
+  }
+  const std::vector<typename Math::Fragment> before = frags;
+  quad_transpose_all<Math>(frags);
+  for (int i = 0; i < kThreads; ++i) {
+    const auto& f = frags[size_t(i)];
+    EXPECT(f.lane() == i % 4, "thread %d lane %d", i, f.lane());
+    for (int r = 0; r < Math::kRows; ++r) {
+      EXPECT(f.rows[r] == before[size_t(i)].rows[r], "thread %d row %d moved", i, r);
+      for (int b = 0; b < Math::kBlocks; ++b) {
+        for (int w = 0; w < 4; ++w) {
+          const int col = f.chunk_col(b) + 2 * w;
+          const uint32_t want = qc::fused::pack_bf16x2(float(col + 1), float(col + 2));
+          EXPECT(f.x[r][4 * b + w] == want, "thread %d row %d block %d word %d: got %08x, want %08x",
+                 i, r, b, w, f.x[r][4 * b + w], want);
+        }
+      }
+    }
+  }
+  std::printf("layout D=%d: %d threads x %d rows x %d column pairs, and the quad transpose, checked\n",
+              kHeadDim, kThreads, Math::kRows, Math::kGroups);
 }
 
 // ---- 2. whole tiles ----------------------------------------------------------------------------
@@ -234,7 +291,7 @@ void run_tile(const FusedQkvEpilogueArgs& a, const HostProblem& p, int m_tile, i
   using namespace cute;
   using Kernel = qc::fused::FusedQkvKernel<kHeadDim>;
   using Math = typename qc::fused::FusedQkvEpilogue<qc::fused::TileShape, kHeadDim>::Math;
-  using Word = typename qc::fused::FactorPair<FactorT>::Word;
+  using Group = qc::fused::FactorGroup<FactorT>;
   constexpr int kBatch = Math::template kFactorBatch<FactorT>;
   typename Kernel::Mainloop::TiledMma mma;
   const int m0 = m_tile * kTileM;
@@ -254,23 +311,23 @@ void run_tile(const FusedQkvEpilogueArgs& a, const HostProblem& p, int m_tile, i
     }
     qc::fused::fill_fragment<Math, kTileM>(frags[size_t(i)], acc, mma, i, scale);
   }
+  quad_transpose_all<Math>(frags);
   if (n0 >= (a.q_heads + a.kv_heads) * kHeadDim) {
     for (int i = 0; i < kThreads; ++i) Math::store_v(a, m0, n0, frags[size_t(i)]);
     return;
   }
-  std::vector<Word> f1(size_t(kThreads * kBatch * Math::kGroups));
-  std::vector<Word> f2(f1.size());
-  using Batch = Word[kBatch][Math::kGroups];
-  auto batch = [&](std::vector<Word>& w, int i) -> Batch& {
-    return *reinterpret_cast<Batch*>(w.data() + size_t(i) * kBatch * Math::kGroups);
+  struct Factors {
+    Group f1[kBatch][Math::kBlocks];
+    Group f2[kBatch][Math::kBlocks];
   };
+  std::vector<Factors> factors(kThreads);
   struct SumsBox {
     typename Math::Sums s;
   };
   std::vector<SumsBox> partial(kThreads), sums(kThreads);
   for (int i = 0; i < kThreads; ++i) {
-    Math::template load_factors<FactorT, kBatch>(a, m0, n0, frags[size_t(i)], 0, batch(f1, i),
-                                                 batch(f2, i));
+    Math::template load_factors<FactorT, kBatch>(a, m0, n0, frags[size_t(i)], 0,
+                                                 factors[size_t(i)].f1, factors[size_t(i)].f2);
     Math::store_raw_qk(a, m0, n0, frags[size_t(i)]);
     Math::row_sums(frags[size_t(i)], partial[size_t(i)].s);
   }
@@ -287,7 +344,7 @@ void run_tile(const FusedQkvEpilogueArgs& a, const HostProblem& p, int m_tile, i
   }
   for (int i = 0; i < kThreads; ++i) {
     Math::template store_qk_batches<FactorT, kBatch>(a, m0, n0, frags[size_t(i)], sums[size_t(i)].s,
-                                                     batch(f1, i), batch(f2, i));
+                                                     factors[size_t(i)].f1, factors[size_t(i)].f2);
   }
 }
 
@@ -362,7 +419,7 @@ void check_case(const Case& c, uint32_t seed) {
   EXPECT(vs.max_ulps == 0 && raws.max_ulps == 0, "%s: v or qk not bit-exact (%lld, %lld ulps)",
          c.name, (long long)vs.max_ulps, (long long)raws.max_ulps);
   std::printf("%-40s q %.5f / k %.5f bit-exact, %lld / %lld beyond 1 ulp (largest |diff| "
-              "%.6f); v%s exact; %lld unwritten\n",
+              "%.3g); v%s exact; %lld unwritten\n",
               c.name, qs.exact_fraction(), ks.exact_fraction(), (long long)(qs.count - qs.within1),
               (long long)(ks.count - ks.within1), std::max(qs.max_abs_beyond1, ks.max_abs_beyond1),
               c.raw_qk ? ", qk" : "", (long long)unwritten);

@@ -205,7 +205,7 @@ struct Problem {
     rope_from(qk, spec.shape.qk_cols(), q_ref, k_ref, stream);
   }
 
-  void fused(cudaStream_t stream, bool raw_qk) const {
+  void fused(cudaStream_t stream, bool raw_qk, int raster = 0, int swizzle = 1) const {
     const QkvShape& sh = spec.shape;
     const int64_t T = sh.tokens, D = sh.head_dim;
     cuda::FusedQkvGemmParams p;
@@ -226,6 +226,8 @@ struct Problem {
     p.layout.key_offset = sh.key_offset;
     p.kv_heads = sh.kv_heads;
     p.neox = sh.neox;
+    p.raster = raster;
+    p.swizzle = swizzle;
     p.stream = stream;
     cuda::fused_qkv_gemm(p);
   }
