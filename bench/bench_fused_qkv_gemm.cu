@@ -132,7 +132,7 @@ int run(int argc, char** argv) {
               "note");
   cudaStream_t stream;
   BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  for (int64_t d : {128, 64}) {
+  for (int64_t d : {128, 96, 64}) {
     bench_shape(options.tokens, d, stream, options.iters, size_t(prop.l2CacheSize));
   }
   BENCH_CUDA(cudaStreamDestroy(stream));

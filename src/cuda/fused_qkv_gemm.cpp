@@ -22,7 +22,6 @@ namespace qkvfuse::cuda {
 namespace {
 
 constexpr const char* kOp = "fused_qkv_gemm";
-constexpr int64_t kTileN = 128;  // the CTA tile's columns (fused_qkv_gemm_kernel.cuh)
 constexpr int64_t kInt32Max = (int64_t(1) << 31) - 1;
 
 [[noreturn, maybe_unused]] void throw_without_cutlass(const char* op) {
@@ -67,8 +66,10 @@ FusedQkvKernelArgs validate_and_translate(const FusedQkvGemmParams& p, Device& d
   check.dtype(p.q, "q", DType::kBFloat16);
   check.ndim(p.q, "q", 3);
   const int64_t head_dim = p.q.sizes[2];
-  QKVF_CHECK(head_dim == 64 || head_dim == 128, kOp, ": no fused kernel for head width D = ",
-             head_dim, "; built: D = 64 and 128 (a 128-column tile holds whole heads)");
+  QKVF_CHECK(head_dim == 64 || head_dim == 96 || head_dim == 128, kOp,
+             ": no fused kernel for head width D = ", head_dim,
+             "; built: D = 64, 96 and 128 (a CTA tile holds whole heads)");
+  const int64_t tile_n = fused_tile_n(int(head_dim));
   if (layout.paired) {
     QKVF_CHECK(q_heads == kv_heads && q_heads % 2 == 0, kOp,
                ": paired needs Hq = Hkv and even, got Hq = ", q_heads, ", Hkv = ", kv_heads);
@@ -82,6 +83,9 @@ FusedQkvKernelArgs validate_and_translate(const FusedQkvGemmParams& p, Device& d
                layout.rotary_dim);
   }
   if (p.neox) {
+    // The NeoX partner (d +- D/2) must be whole 32-column blocks away (fused_qkv_epilogue.cuh).
+    QKVF_CHECK(head_dim % 64 == 0, kOp, ": neox is built for D a multiple of 64, got D = ",
+               head_dim);
     QKVF_CHECK(layout.rotary_dim == head_dim && !layout.key_offset, kOp,
                ": neox is built for a rotary width of D only (rotary_dim = D, no key_offset), got "
                "rotary_dim = ", layout.rotary_dim, ", key_offset = ", layout.key_offset);
@@ -90,8 +94,8 @@ FusedQkvKernelArgs validate_and_translate(const FusedQkvGemmParams& p, Device& d
   // reciprocal_sqrt_rn's exact range (fused_qkv_epilogue.cuh, rms_rstd).
   QKVF_CHECK(std::isfinite(eps) && eps >= 0x1p-100f, kOp,
              ": expected eps finite and >= 2^-100, got ", eps);
-  QKVF_CHECK((q_heads + kv_heads) * head_dim % kTileN == 0, kOp,
-             ": expected (Hq + Hkv) * D a multiple of ", kTileN,
+  QKVF_CHECK((q_heads + kv_heads) * head_dim % tile_n == 0, kOp,
+             ": expected (Hq + Hkv) * D a multiple of ", tile_n,
              " (no CTA tile may hold both Q/K and V columns), got (", q_heads, " + ", kv_heads,
              ") * ", head_dim);
 
@@ -216,6 +220,7 @@ void fused_qkv_gemm(const FusedQkvGemmParams& params) {
   args.sm_count = multiprocessor_count();
   switch (args.epilogue.head_dim) {
     case 128: launch_fused_qkv_gemm<128>(args, params.stream); break;
+    case 96: launch_fused_qkv_gemm<96>(args, params.stream); break;
     case 64: launch_fused_qkv_gemm<64>(args, params.stream); break;
     default: QKVF_FAIL(kOp, ": no kernel for head width D = ", args.epilogue.head_dim);
   }

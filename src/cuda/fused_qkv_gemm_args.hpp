@@ -69,6 +69,9 @@ struct FusedQkvKernelArgs {
   FusedQkvEpilogueArgs epilogue;
 };
 
+/// The CTA tile's columns for head width D: 96 for D = 96, else 128 (fused_qkv_gemm_kernel.cuh).
+inline constexpr int fused_tile_n(int head_dim) { return head_dim == 96 ? 96 : 128; }
+
 /// Launches the fused GEMM for head width kHeadDim (defined in fused_qkv_gemm_d<D>.cu, one
 /// instantiation per file so that they compile in parallel).
 template <int kHeadDim>

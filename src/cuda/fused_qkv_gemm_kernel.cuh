@@ -2,10 +2,11 @@
 // (cutlass_sm90_gemm.cuh) with the norm + rotary epilogue (fused_qkv_epilogue.cuh), and its
 // launcher. Internal; each fused_qkv_gemm_d<D>.cu instantiates one head width.
 //
-// Tile: 128 x 128 x 128. N = 128 holds one head at D = 128 and two at D = 64, so a row's sum over
-// a head stays inside the quad that holds the row. D = 96 would need N = 96 or 192 (one or two
-// heads): another main loop instantiation (and at N = 192, 192 accumulators per thread, too many
-// for a ping-pong consumer): not built yet.
+// Tile: 128 x N x 128 with N a whole number of heads, so that a row's sum over a head stays inside
+// the quad that holds the row: N = 128 for D = 128 (one head) and D = 64 (two), N = 96 for D = 96
+// (one head; two would be N = 192, 192 fp32 accumulators per thread, too many next to the
+// epilogue's registers in a ping-pong consumer). V columns take the same tiles (the last one
+// partial when Hkv*Dv is not a multiple of N).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -18,10 +19,11 @@
 namespace qkvfuse::cuda {
 namespace fused {
 
-using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
-
 template <int kHeadDim>
 struct FusedQkvKernel {
+  static constexpr int kTileN = fused_tile_n(kHeadDim);
+  static_assert(kTileN % kHeadDim == 0, "a CTA tile holds whole heads");
+  using TileShape = cute::Shape<cute::_128, cute::Int<kTileN>, cute::_128>;
   using Epilogue = FusedQkvCollectiveEpilogue<TileShape, kHeadDim>;
   // A register epilogue: the whole shared memory goes to the main loop's stages.
   using Mainloop = sm90::Mainloop<TileShape, 0>;

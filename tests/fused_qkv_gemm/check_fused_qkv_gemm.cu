@@ -15,7 +15,7 @@
 //             within 1 bf16 step, the rest explained by the two lines above;
 //   rerun     a second fused run gives the same bits (determinism).
 // --quick runs the small problems only (CTest); the default adds the speedrun's shapes
-// (T = 49152, C = 768, H = 6, D = 128 and 64, Dv = 128).
+// (T = 49152, C = 768, H = 6, D = 128, 96 and 64, Dv = 128).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -227,6 +227,8 @@ int main(int argc, char** argv) {
   add(make_shape(1000, 6, 6, 128, 128));
   add(make_shape(777, 6, 6, 128, 128), /*fp32=*/true, 256);
   add(make_shape(1300, 6, 6, 64, 128));
+  add(make_shape(1200, 6, 6, 96, 128));
+  add(make_shape(500, 4, 2, 96, 64));  // GQA at D = 96, a partial last V tile
   {
     QkvShape s = make_shape(1100, 6, 6, 128, 128);
     s.key_offset = true;
@@ -236,6 +238,10 @@ int main(int argc, char** argv) {
     s64.key_offset = true;
     s64.rotary_dim = 32;
     add(s64, true);
+    QkvShape s96 = make_shape(1000, 6, 6, 96, 128);
+    s96.key_offset = true;
+    s96.rotary_dim = 48;
+    add(s96);
   }
   {
     QkvShape s = make_shape(640, 6, 6, 128, 128);
@@ -250,6 +256,7 @@ int main(int argc, char** argv) {
   }
   if (!quick) {
     add(make_shape(49152, 6, 6, 128, 128));  // the speedrun's D = 128 layer
+    add(make_shape(49152, 6, 6, 96, 128));   // D = 96
     add(make_shape(49152, 6, 6, 64, 128));   // D = 64
     QkvShape s = make_shape(49152, 6, 6, 128, 128);
     s.key_offset = true;

@@ -55,7 +55,6 @@ int g_failures = 0;
   } while (0)
 
 constexpr int kTileM = 128;
-constexpr int kTileN = 128;
 constexpr int kThreads = 128;  // one consumer warpgroup
 constexpr uint16_t kPoison = 0xffffu;  // a bf16 NaN no correct output produces
 
@@ -93,15 +92,16 @@ void check_layout() {
   using namespace cute;
   using Kernel = qc::fused::FusedQkvKernel<kHeadDim>;
   using TiledMma = typename Kernel::Mainloop::TiledMma;
-  using Math = typename qc::fused::FusedQkvEpilogue<qc::fused::TileShape, kHeadDim>::Math;
+  using Math = typename qc::fused::FusedQkvEpilogue<typename qc::fused::FusedQkvKernel<kHeadDim>::TileShape, kHeadDim>::Math;
   TiledMma mma;
   EXPECT(int(size(mma)) == kThreads, "TiledMma threads %d", int(size(mma)));
+  constexpr int kTileN = Math::kTileN;
   std::vector<int> owner(size_t(kTileM * kTileN), -1);
   std::vector<int> row_of_thread(size_t(kThreads * Math::kRows));
   for (int i = 0; i < kThreads; ++i) {
-    auto acc = partition_fragment_C(mma, Shape<Int<kTileM>, Int<kTileN>>{});
+    auto acc = partition_fragment_C(mma, Shape<Int<kTileM>, Int<Math::kTileN>>{});
     Tensor coords = mma.get_thread_slice(i).partition_C(
-        make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
+        make_identity_tensor(Shape<Int<kTileM>, Int<Math::kTileN>>{}));
     EXPECT(size(acc) == size(coords), "fragment %d vs coords %d", int(size(acc)), int(size(coords)));
     EXPECT(int(size(acc)) == Math::kRows * Math::kGroups * 2, "thread %d holds %d values", i,
            int(size(acc)));
@@ -146,9 +146,9 @@ void check_layout() {
   // the same row: run the transpose on words that encode their own column.
   std::vector<typename Math::Fragment> frags(kThreads);
   for (int i = 0; i < kThreads; ++i) {
-    auto acc = partition_fragment_C(mma, Shape<Int<kTileM>, Int<kTileN>>{});
+    auto acc = partition_fragment_C(mma, Shape<Int<kTileM>, Int<Math::kTileN>>{});
     Tensor coords = mma.get_thread_slice(i).partition_C(
-        make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
+        make_identity_tensor(Shape<Int<kTileM>, Int<Math::kTileN>>{}));
     // fill_fragment computes bf16(acc * 1): small integers are exact in bf16 (<= 256).
     for (int e = 0; e < int(size(acc)); ++e) acc(e) = float(get<1>(coords(e)) + 1);
     qc::fused::fill_fragment<Math, kTileM>(frags[size_t(i)], acc, mma, i, 1.0f);
@@ -290,20 +290,20 @@ template <int kHeadDim, typename FactorT>
 void run_tile(const FusedQkvEpilogueArgs& a, const HostProblem& p, int m_tile, int n_tile) {
   using namespace cute;
   using Kernel = qc::fused::FusedQkvKernel<kHeadDim>;
-  using Math = typename qc::fused::FusedQkvEpilogue<qc::fused::TileShape, kHeadDim>::Math;
+  using Math = typename qc::fused::FusedQkvEpilogue<typename qc::fused::FusedQkvKernel<kHeadDim>::TileShape, kHeadDim>::Math;
   using Group = qc::fused::FactorGroup<FactorT>;
   constexpr int kBatch = Math::template kFactorBatch<FactorT>;
   typename Kernel::Mainloop::TiledMma mma;
   const int m0 = m_tile * kTileM;
-  const int n0 = n_tile * kTileN;
+  const int n0 = n_tile * Math::kTileN;
   const int64_t n = p.s.n();
   const float scale = Math::output_scale(a);
 
   std::vector<typename Math::Fragment> frags(kThreads);
   for (int i = 0; i < kThreads; ++i) {
-    auto acc = partition_fragment_C(mma, Shape<Int<kTileM>, Int<kTileN>>{});
+    auto acc = partition_fragment_C(mma, Shape<Int<kTileM>, Int<Math::kTileN>>{});
     Tensor coords = mma.get_thread_slice(i).partition_C(
-        make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
+        make_identity_tensor(Shape<Int<kTileM>, Int<Math::kTileN>>{}));
     for (int e = 0; e < int(size(acc)); ++e) {
       const int m = get<0>(coords(e));
       const int col = get<1>(coords(e));
@@ -351,7 +351,8 @@ void run_tile(const FusedQkvEpilogueArgs& a, const HostProblem& p, int m_tile, i
 template <int kHeadDim>
 void run_problem(const Case& c, const FusedQkvEpilogueArgs& a, const HostProblem& p) {
   const int m_tiles = int(p.m_pad / kTileM);
-  const int n_tiles = int((p.s.n() + kTileN - 1) / kTileN);
+  const int tile_n = qc::fused_tile_n(kHeadDim);
+  const int n_tiles = int((p.s.n() + tile_n - 1) / tile_n);
   for (int mt = 0; mt < m_tiles; ++mt) {
     for (int nt = 0; nt < n_tiles; ++nt) {
       if (c.fp32_factors) {
@@ -369,6 +370,7 @@ void check_case(const Case& c, uint32_t seed) {
   const FusedQkvEpilogueArgs a = make_args(c, p);
   switch (c.shape.head_dim) {
     case 128: run_problem<128>(c, a, p); break;
+    case 96: run_problem<96>(c, a, p); break;
     case 64: run_problem<64>(c, a, p); break;
     default: EXPECT(false, "no head width %d", int(c.shape.head_dim)); return;
   }
@@ -478,6 +480,7 @@ QkvShape shape(int64_t tokens, int64_t hq, int64_t hkv, int64_t d, int64_t dv) {
 
 int main() {
   check_layout<128>();
+  check_layout<96>();
   check_layout<64>();
 
   std::vector<Case> cases;
@@ -485,6 +488,9 @@ int main() {
   cases.push_back({"D128 H6 plain fp32 factors", shape(256, 6, 6, 128, 128), true, false});
   cases.push_back({"D128 H6 T=300 (ragged last tile)", shape(300, 6, 6, 128, 128), false, true});
   cases.push_back({"D64 H6 plain, qk", shape(200, 6, 6, 64, 128), false, true});
+  cases.push_back({"D96 H6 plain, qk", shape(200, 6, 6, 96, 128), false, true});
+  cases.push_back({"D96 H6 fp32 factors, T=129", shape(129, 6, 6, 96, 128), true, false});
+  cases.push_back({"D96 GQA Hq=4 Hkv=2 Dv=64", shape(150, 4, 2, 96, 64), false, true});
   cases.push_back({"D64 H6 fp32 factors", shape(130, 6, 6, 64, 128), true, false});
   {
     QkvShape s = shape(300, 6, 6, 128, 128);
@@ -497,6 +503,12 @@ int main() {
     s64.key_offset = true;
     s64.rotary_dim = 32;
     cases.push_back({"D64 key offset r=32", s64, false, false});
+    QkvShape s96 = shape(260, 6, 6, 96, 128);
+    s96.key_offset = true;
+    s96.rotary_dim = 48;
+    cases.push_back({"D96 key offset r=48", s96, false, true});
+    s96.rotary_dim = 44;
+    cases.push_back({"D96 key offset r=44 fp32", s96, true, false});
   }
   {
     QkvShape s = shape(200, 6, 6, 128, 128);
@@ -505,6 +517,9 @@ int main() {
     QkvShape s64 = shape(140, 6, 6, 64, 128);
     s64.paired = true;
     cases.push_back({"D64 paired fp32", s64, true, false});
+    QkvShape s96 = shape(140, 6, 6, 96, 128);
+    s96.paired = true;
+    cases.push_back({"D96 paired", s96, false, false});
   }
   cases.push_back({"D128 GQA Hq=8 Hkv=2 Dv=128", shape(200, 8, 2, 128, 128), false, true});
   cases.push_back({"D64 GQA Hq=6 Hkv=2 Dv=96", shape(150, 6, 2, 64, 96), false, true});
@@ -535,6 +550,9 @@ int main() {
     s64.key_offset = true;
     s64.rotary_dim = 32;
     check_reference_against_library(s64, true, 104);
+    QkvShape s96 = shape(40, 6, 6, 96, 128);
+    s96.paired = true;
+    check_reference_against_library(s96, false, 105);
   }
 
   if (g_failures) {
