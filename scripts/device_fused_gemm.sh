@@ -3,7 +3,11 @@
 # GEMM's three targets, runs the epilogue's host test, the GPU check and the benchmark, and prints
 # a short table last. Logs go to $OUT (summary.txt, logs.tgz, fused_qkv_gemm_bench.csv).
 #
-#   scripts/device_fused_gemm.sh            about 3-4 minutes on an H200 machine with 16 cores
+#   scripts/device_fused_gemm.sh            about 4-5 minutes on an H200 machine with 16 cores
+#
+# Steps: build (~1.5 min), the host test (1 s), the GPU check (small problems and the speedrun's
+# shapes, ~1 min), the benchmark (~30 s), compute-sanitizer memcheck over the small problems
+# (at most 90 s), then the tables.
 #
 # Needs, carried next to the tree (git-ignored; the GPU machine has no network):
 #   .deps/nvidia_cutlass-4.2.0.0-py3-none-any.whl   (scripts/fetch_cutlass.sh downloads it here
@@ -65,6 +69,18 @@ start=$SECONDS
 timeout 150 $build/bench/qkvfuse_bench_fused_qkv_gemm --iters "${QKVFUSE_FG_ITERS:-100}" \
   --csv "$OUT/fused_qkv_gemm_bench.csv" >"$LOG/bench.log" 2>&1
 note "bench: rc=$? in $((SECONDS - start)) s"
+
+# ---- compute-sanitizer memcheck over the small problems (out-of-bounds loads or stores of the
+# epilogue: ragged T, partial V tiles, key offset's next-row writes); cuBLASLt's autotuning off to
+# keep the launches few ----
+if command -v compute-sanitizer >/dev/null; then
+  start=$SECONDS
+  QKVFUSE_FP8_GEMM_AUTOTUNE=0 timeout 90 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    $build/tests/fused_qkv_gemm/qkvfuse_fused_qkv_gemm_check --quick >"$LOG/memcheck.log" 2>&1
+  note "memcheck (--quick problems): rc=$? in $((SECONDS - start)) s: $(grep -E 'ERROR SUMMARY' "$LOG/memcheck.log" | tail -1) $(grep -E '^check_fused' "$LOG/memcheck.log" | tail -1)"
+else
+  note "memcheck: compute-sanitizer not found"
+fi
 
 # ---- the short table, last ----
 {

@@ -98,9 +98,9 @@ CUTE_HOST_DEVICE float add_rn(float a, float b) {
 }
 
 /// 1 / sqrt(sum / D + eps) as the CPU computes it: a correctly rounded division by D, square root
-/// and reciprocal. On the device without calls: __fdiv_rn and __fsqrt_rn branch to slow-path
-/// subroutines, and a call inside the epilogue makes ptxas spill every live value of the tile
-/// around it (592 bytes per thread, measured). reciprocal_sqrt_rn (device_math.cuh) is
+/// and reciprocal. On the device without subroutine calls: __fdiv_rn and __fsqrt_rn branch to
+/// slow-path subroutines, and a call site in the middle of the epilogue makes ptxas preserve the
+/// tile's live registers around it. reciprocal_sqrt_rn (device_math.cuh) is
 /// __fdiv_rn(1, __fsqrt_rn(v)) bit for bit for v >= 2^-100 (eps is validated to be at least
 /// that); a division by a power-of-two D is a multiplication by 1/D (exact), any other D takes
 /// divide_by_width, which is __fdiv_rn's bits for every non-subnormal quotient.
@@ -460,7 +460,8 @@ struct TileMath {
     for (int r0 = 0; r0 < kRows; r0 += kBatch) {
       if (r0 > 0) {
         // Keep each batch's loads behind the previous batch's stores: hoisted (the read-only
-        // loads may legally move past stores), all batches' factors would be live at once.
+        // loads may legally move past stores), every batch's factors could be live at once,
+        // beyond the register budget. (Not measured either way yet.)
         compiler_fence();
         load_factors<FactorT, kBatch>(a, m0, n0, f, r0, f1, f2);
       }

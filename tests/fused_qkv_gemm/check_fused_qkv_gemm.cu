@@ -159,6 +159,7 @@ void check_problem(const ProblemSpec& spec, cudaStream_t stream) {
 
   // ---- end to end: cuBLASLt + qk_norm_rope ----
   if (mha) {
+    p.gemm_cublaslt(stream);  // qkv holds the CUTLASS GEMM's output since the gemm checks
     p.rope_unfused(stream);
     const UlpStats qs = compare(q, to_host(p.q_ref, nq, stream));
     const UlpStats ks = compare(k, to_host(p.k_ref, nk, stream));
