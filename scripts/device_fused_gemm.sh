@@ -47,7 +47,11 @@ cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTU
     qkvfuse_bench_fused_qkv_gemm >>"$LOG/build.log" 2>&1
 rc=$?
 note "build: rc=$rc in $((SECONDS - start)) s; ptxas spill warnings: $(grep -c 'spilled' "$LOG/build.log")"
-grep -E "spill stores" "$LOG/build.log" | sort | uniq -c | head -5 | tee -a "$summary"
+# One short line per kernel that spills (the mangled names are kilobytes long).
+grep "spilled" "$LOG/build.log" | sed -E \
+  -e "s/.*FusedQkvEpilogueI[^L]*Li([0-9]+)E.*', ([0-9]+) bytes spill stores, ([0-9]+) bytes spill loads.*/  fused D=\1: \2 B spill stores, \3 B spill loads/" \
+  -e "s/.*Sm90TreeVisitor.*', ([0-9]+) bytes spill stores, ([0-9]+) bytes spill loads.*/  cutlass plain: \1 B spill stores, \2 B spill loads/" \
+  | cut -c1-160 | sort -u | tee -a "$summary"
 if [ $rc -ne 0 ]; then
   grep -E "error" -m 20 "$LOG/build.log"; tail -20 "$LOG/build.log"; pack; exit 1
 fi
