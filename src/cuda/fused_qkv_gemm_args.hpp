@@ -12,7 +12,8 @@ namespace qkvfuse::cuda {
 
 /// The epilogue of the fused QKV GEMM: which tile is what, where each output row goes. Strides
 /// are in elements. GEMM columns are [Q heads (Hq*D) | K heads (Hkv*D) | V heads (Hkv*Dv)] (the
-/// rows of weight_f8); a CTA tile of 128 columns holds whole heads of one kind.
+/// rows of weight_f8); a CTA tile (128 columns, 96 at D = 96) holds whole Q/K heads (at D = 64
+/// possibly a Q and a K head) or V columns, never both.
 struct FusedQkvEpilogueArgs {
   // ---- the GEMM output value: bf16(acc * ((*scale_a * *scale_b) * *alpha)) -------------------
   const float* scale_a = nullptr;  ///< fp32 device scalar (x_scale)
@@ -24,7 +25,7 @@ struct FusedQkvEpilogueArgs {
   int head_dim = 0;     ///< D (the kernel's compile-time width; kept for the checks)
   int q_heads = 0;      ///< Hq: input heads [0, Hq) of the Q/K columns are queries
   int kv_heads = 0;     ///< Hkv: input heads [Hq, Hq+Hkv) are keys, and V has Hkv heads
-  int v_dim = 0;        ///< Dv, even
+  int v_dim = 0;        ///< Dv, a multiple of 8
   int rotary_dim = 0;   ///< key offset: key dims >= rotary_dim take token t-1's normalized value
   bool paired = false;  ///< SPEC.md 1: output token 2t + h/(H/2), head h mod (H/2), factor
                         ///< columns (h mod 2)*D; needs Hq = Hkv, even
@@ -36,10 +37,11 @@ struct FusedQkvEpilogueArgs {
   bool factor_fp32 = false;        ///< element type: fp32, else bf16
   const void* factor1 = nullptr;   ///< (t, j) at t * factor1_stride + j: cos(theta)
   const void* factor2 = nullptr;   ///< sin(theta), odd lanes negated (the sign of the partner)
-  int64_t factor1_stride = 0;      ///< even
-  int64_t factor2_stride = 0;
+  int64_t factor1_stride = 0;      ///< 16-byte multiple (16-byte chunk loads)
+  int64_t factor2_stride = 0;      ///< likewise
 
-  // ---- outputs, bf16 (uint16_t bits); every stride even, so that column pairs are 4-byte words -
+  // ---- outputs, bf16 (uint16_t bits); pointers 16-byte aligned and strides multiples of 8: the
+  // epilogue stores 16-byte chunks of 8 columns (4-byte words where rotary_dim splits a chunk) ---
   uint16_t* q = nullptr;  ///< [T, Hq, D] (paired [2T, Hq/2, D]): (t, h, d) at t*q_stride_t + h*q_stride_h + d
   int64_t q_stride_t = 0;
   int64_t q_stride_h = 0;
