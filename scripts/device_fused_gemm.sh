@@ -7,7 +7,7 @@
 #
 # Steps: build (~1.5 min), the host test (1 s), the GPU check (small problems and the speedrun's
 # shapes, ~1 min), the benchmark (~30 s), compute-sanitizer memcheck over the small problems
-# (at most 90 s), then the tables.
+# (at most 60 s), then the tables. Worst case, every step timing out: about 6 minutes.
 #
 # Needs, carried next to the tree (git-ignored; the GPU machine has no network):
 #   .deps/nvidia_cutlass-4.2.0.0-py3-none-any.whl   (scripts/fetch_cutlass.sh downloads it here
@@ -63,14 +63,14 @@ note "host test: rc=$? in $((SECONDS - start)) s: $(tail -1 "$LOG/host_test.log"
 
 # ---- the GPU check ----
 start=$SECONDS
-timeout 200 $build/tests/fused_qkv_gemm/qkvfuse_fused_qkv_gemm_check >"$LOG/check.log" 2>&1
+timeout 120 $build/tests/fused_qkv_gemm/qkvfuse_fused_qkv_gemm_check >"$LOG/check.log" 2>&1
 rc=$?
 note "gpu check: rc=$rc in $((SECONDS - start)) s: $(tail -1 "$LOG/check.log")"
 grep -E "FAIL|SKIPPED" "$LOG/check.log" | head -20 | tee -a "$summary"
 
 # ---- the benchmark ----
 start=$SECONDS
-timeout 150 $build/bench/qkvfuse_bench_fused_qkv_gemm --iters "${QKVFUSE_FG_ITERS:-100}" \
+timeout 90 $build/bench/qkvfuse_bench_fused_qkv_gemm --iters "${QKVFUSE_FG_ITERS:-100}" \
   --csv "$OUT/fused_qkv_gemm_bench.csv" >"$LOG/bench.log" 2>&1
 note "bench: rc=$? in $((SECONDS - start)) s"
 
@@ -79,7 +79,7 @@ note "bench: rc=$? in $((SECONDS - start)) s"
 # keep the launches few ----
 if command -v compute-sanitizer >/dev/null; then
   start=$SECONDS
-  QKVFUSE_FP8_GEMM_AUTOTUNE=0 timeout 90 compute-sanitizer --tool memcheck --error-exitcode 9 \
+  QKVFUSE_FP8_GEMM_AUTOTUNE=0 timeout 60 compute-sanitizer --tool memcheck --error-exitcode 9 \
     $build/tests/fused_qkv_gemm/qkvfuse_fused_qkv_gemm_check --quick >"$LOG/memcheck.log" 2>&1
   note "memcheck (--quick problems): rc=$? in $((SECONDS - start)) s: $(grep -E 'ERROR SUMMARY' "$LOG/memcheck.log" | tail -1) $(grep -E '^check_fused' "$LOG/memcheck.log" | tail -1)"
 else
