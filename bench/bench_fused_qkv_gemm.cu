@@ -1,0 +1,163 @@
+// bench_fused_qkv_gemm.cu: the fused QKV GEMM (src/cuda/fused_qkv_gemm.hpp) against the forward
+// it replaces, side by side in one run, at the speedrun's shapes (issue 22):
+//
+//   cublaslt            fp8_gemm (cuBLASLt, autotuned, fast accumulation) -> qkv: the baseline
+//   cublaslt+rope       the same, then qk_norm_rope on qkv's Q/K columns: today's forward
+//   cutlass             cutlass_fp8_gemm: the fused kernel's main loop, stock TMA epilogue
+//   fused               fused_qkv_gemm -> q, k, v
+//   fused+qk            the same, also writing the raw qk for the backward
+//   fused alongM, N/sw2, N/sw4   the fused GEMM with other tile orders of the persistent scheduler
+//
+//   qkvfuse_bench_fused_qkv_gemm [--csv PATH] [--tokens T] [--iters N]
+//
+// Method (STYLE.md "Benchmarks", as bench_fp8.cu): warm-up (which also runs cuBLASLt's one-time
+// algorithm timing), then one pair of CUDA events per iteration with a spinning kernel holding
+// the GPU while all iterations are queued, median of N (default 100). Inputs and outputs rotate
+// through buffer sets that together exceed 3x the L2, random e4m3 operands (GEMM power and so
+// timing depend on the data: constant operands run faster). TFLOP/s counts 2*T*N*C.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdio>
+#include <ctime>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bench_common.cuh"
+#include "fused_qkv_gemm/problem.cuh"
+
+namespace {
+
+using namespace qkvfuse;
+using qkvfuse::fused_test::Problem;
+using qkvfuse::fused_test::ProblemSpec;
+using qkvfuse::fused_test::QkvShape;
+
+struct Row {
+  std::string shape, name;
+  double ms = NAN, tflops = NAN, ratio = NAN;
+  std::string note;
+};
+
+std::vector<Row> g_rows;
+
+void print_row(const Row& r) {
+  std::printf("%-28s %-16s %9.4f %9.1f %8.3f  %s\n", r.shape.c_str(), r.name.c_str(), r.ms,
+              r.tflops, r.ratio, r.note.c_str());
+  std::fflush(stdout);
+}
+
+void bench_shape(int64_t tokens, int64_t head_dim, cudaStream_t stream, int iters,
+                 size_t l2_bytes) {
+  ProblemSpec spec;
+  spec.shape.tokens = tokens;
+  spec.shape.q_heads = 6;
+  spec.shape.kv_heads = 6;
+  spec.shape.head_dim = head_dim;
+  spec.shape.v_dim = 128;
+  spec.shape.rotary_dim = head_dim;
+  spec.channels = 768;
+  const QkvShape& s = spec.shape;
+  const double flops = 2.0 * double(tokens) * double(s.n()) * double(spec.channels);
+  // One set (bytes per token): x (C), two bf16 factor rows (4 FW), qkv (2N), the unfused and the
+  // fused q and k and the raw qk (3 x 2 (Hq+Hkv) D), v (2 Hkv Dv).
+  const double set_bytes =
+      double(tokens) * double(spec.channels + 4 * s.factor_width() + 2 * s.n() +
+                              6 * s.qk_cols() + 2 * s.kv_heads * s.v_dim);
+  const int sets = bench::rotation_sets(set_bytes, l2_bytes, 2);
+  std::vector<std::unique_ptr<Problem>> problems;
+  for (int i = 0; i < sets; ++i) problems.push_back(std::make_unique<Problem>(spec, stream));
+  const std::string shape = "T=" + std::to_string(tokens) + " N=" + std::to_string(s.n()) +
+                            " C=" + std::to_string(spec.channels) + " D=" + std::to_string(head_dim);
+
+  struct Variant {
+    const char* name;
+    std::function<void(const Problem&)> run;
+    const char* note;
+  };
+  const std::vector<Variant> variants = {
+      {"cublaslt", [&](const Problem& p) { p.gemm_cublaslt(stream); }, "plain GEMM -> qkv"},
+      {"cublaslt+rope",
+       [&](const Problem& p) {
+         p.gemm_cublaslt(stream);
+         p.rope_unfused(stream);
+       },
+       "today's forward (2 kernels)"},
+      {"cutlass", [&](const Problem& p) { p.gemm_cutlass(stream); }, "ping-pong 128x128x128, TMA epilogue"},
+      {"fused", [&](const Problem& p) { p.fused(stream, false); }, "GEMM + norm + rotary -> q, k, v"},
+      {"fused+qk", [&](const Problem& p) { p.fused(stream, true); }, "also writes the raw qk"},
+      // The scheduler's tile order (no recompile): which CTAs share A rows and factor rows in L2.
+      {"fused alongM", [&](const Problem& p) { p.fused(stream, false, 1, 1); }, "raster along M"},
+      {"fused N/sw2", [&](const Problem& p) { p.fused(stream, false, 2, 2); }, "raster along N, swizzle 2"},
+      {"fused N/sw4", [&](const Problem& p) { p.fused(stream, false, 2, 4); }, "raster along N, swizzle 4"},
+  };
+  double baseline = NAN;
+  for (const Variant& variant : variants) {
+    Row row{shape, variant.name};
+    try {
+      row.ms = bench::time_median([&](int i) { variant.run(*problems[size_t(i % sets)]); }, stream,
+                                  iters, /*prequeue=*/true);
+      row.tflops = flops / (row.ms * 1e-3) / 1e12;
+      if (std::isnan(baseline)) baseline = row.ms;
+      row.ratio = row.ms / baseline;
+      row.note = variant.note;
+    } catch (const std::exception& e) {
+      row.note = std::string("FAILED: ") + e.what();
+      // Leave the stream usable for the next variant.
+      cudaStreamSynchronize(stream);
+      cudaGetLastError();
+    }
+    print_row(row);
+    g_rows.push_back(row);
+  }
+}
+
+int run(int argc, char** argv) {
+  bench::Options options;
+  if (!bench::parse_options(argc, argv, options)) return 2;
+  cudaDeviceProp prop{};
+  BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
+  char date[32];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(date, sizeof(date), "%Y-%m-%d", std::gmtime(&now));
+  std::printf("# qkvfuse_bench_fused_qkv_gemm  device: %s  date: %s  commit: %s  iters: %d\n",
+              prop.name, date, bench::commit_id(), options.iters);
+  if (!cuda::cutlass_gemms_available()) {
+    std::printf("qkvfuse was built without CUTLASS: nothing to time\n");
+    return 1;
+  }
+  std::printf("%-28s %-16s %9s %9s %8s  %s\n", "shape", "variant", "ms", "TFLOP/s", "x cuBLASLt",
+              "note");
+  cudaStream_t stream;
+  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (int64_t d : {128, 96, 64}) {
+    bench_shape(options.tokens, d, stream, options.iters, size_t(prop.l2CacheSize));
+  }
+  BENCH_CUDA(cudaStreamDestroy(stream));
+  if (!options.csv.empty()) {
+    FILE* f = std::fopen(options.csv.c_str(), "w");
+    if (f) {
+      std::fprintf(f, "device,date,commit,shape,variant,ms,tflops,ratio_cublaslt,note\n");
+      for (const Row& r : g_rows) {
+        std::fprintf(f, "%s,%s,%s,%s,%s,%.5f,%.2f,%.4f,\"%s\"\n", prop.name, date,
+                     bench::commit_id(), r.shape.c_str(), r.name.c_str(), r.ms, r.tflops, r.ratio,
+                     r.note.c_str());
+      }
+      std::fclose(f);
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "qkvfuse_bench_fused_qkv_gemm: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,245 @@
+// fused_qkv_gemm.cpp: the host entry of the fused QKV GEMM (fused_qkv_gemm.hpp): validate every
+// argument, translate the views into the kernel's plain arguments (fused_qkv_gemm_args.hpp) and
+// dispatch on the head width to the instantiations in fused_qkv_gemm_d<D>.cu. Built with or
+// without CUTLASS: without it (QKVFUSE_WITH_CUTLASS unset) the entry points validate and throw.
+#include "cuda/fused_qkv_gemm.hpp"
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "cuda/check.hpp"
+#include "cuda/fused_qkv_gemm_args.hpp"
+#include "qkvfuse/error.hpp"
+#include "qkvfuse/numeric.hpp"
+#include "validate.hpp"
+
+#ifndef QKVFUSE_WITH_CUTLASS
+#define QKVFUSE_WITH_CUTLASS 0
+#endif
+
+namespace qkvfuse::cuda {
+namespace {
+
+constexpr const char* kOp = "fused_qkv_gemm";
+constexpr int64_t kInt32Max = (int64_t(1) << 31) - 1;
+
+[[noreturn, maybe_unused]] void throw_without_cutlass(const char* op) {
+  QKVF_FAIL(op, ": qkvfuse was built without CUTLASS 4.2, so the CUTLASS FP8 GEMMs are not "
+                "available (run scripts/fetch_cutlass.sh before configuring, or pass "
+                "-DQKVFUSE_CUTLASS_INCLUDE_DIR=...; see cmake/cutlass.cmake)");
+}
+
+/// Everything fused_qkv_gemm needs checked, and the kernel arguments that follow from it.
+FusedQkvKernelArgs validate_and_translate(const FusedQkvGemmParams& p, Device& device) {
+  using validate::Arg;
+  using validate::Dim;
+  const validate::Checker check(kOp);
+  const std::vector<Arg> inputs = {{p.x_f8, "x_f8"},
+                                   {p.weight_f8, "weight_f8"},
+                                   {p.scale_a, "scale_a"},
+                                   {p.scale_b, "scale_b"},
+                                   {p.alpha, "alpha", /*optional=*/true},
+                                   {p.factor1, "factor1"},
+                                   {p.factor2, "factor2"}};
+  const std::vector<Arg> outputs = {
+      {p.q, "q"}, {p.k, "k"}, {p.v, "v"}, {p.qk, "qk", /*optional=*/true}};
+  device = check.same_device(validate::concat(inputs, outputs));
+  QKVF_CHECK(device.type == DeviceType::kCUDA, kOp, ": runs on CUDA tensors only, got ",
+             device_name(device));
+
+  // ---- operands: x_f8 [T, C], weight_f8 [N, C] -----------------------------------------------
+  check.dtype(p.x_f8, "x_f8", DType::kFloat8E4M3);
+  check.ndim(p.x_f8, "x_f8", 2);
+  const int64_t tokens = p.x_f8.sizes[0];
+  const int64_t channels = p.x_f8.sizes[1];
+  QKVF_CHECK(channels > 0 && channels % 16 == 0, kOp,
+             ": x_f8: expected C (the GEMM's K) a positive multiple of 16 (TMA rows), got ", channels);
+
+  // ---- heads and widths --------------------------------------------------------------------
+  const RopeLayout& layout = p.layout;
+  const int64_t q_heads = layout.num_heads;
+  const int64_t kv_heads = p.kv_heads == 0 ? q_heads : p.kv_heads;
+  QKVF_CHECK(q_heads >= 1 && kv_heads >= 1 && q_heads % kv_heads == 0, kOp,
+             ": expected num_heads (Hq) a positive multiple of kv_heads (Hkv), got Hq = ", q_heads,
+             ", Hkv = ", kv_heads);
+  check.dtype(p.q, "q", DType::kBFloat16);
+  check.ndim(p.q, "q", 3);
+  const int64_t head_dim = p.q.sizes[2];
+  QKVF_CHECK(head_dim == 64 || head_dim == 96 || head_dim == 128, kOp,
+             ": no fused kernel for head width D = ", head_dim,
+             "; built: D = 64, 96 and 128 (a CTA tile holds whole heads)");
+  const int64_t tile_n = fused_tile_n(int(head_dim));
+  if (layout.paired) {
+    QKVF_CHECK(q_heads == kv_heads && q_heads % 2 == 0, kOp,
+               ": paired needs Hq = Hkv and even, got Hq = ", q_heads, ", Hkv = ", kv_heads);
+    QKVF_CHECK(!layout.key_offset, kOp, ": paired and key_offset exclude each other");
+  }
+  if (layout.key_offset) {
+    QKVF_CHECK(q_heads == kv_heads, kOp, ": key_offset needs Hq = Hkv, got Hq = ", q_heads,
+               ", Hkv = ", kv_heads);
+    QKVF_CHECK(layout.rotary_dim >= 0 && layout.rotary_dim <= head_dim && layout.rotary_dim % 2 == 0,
+               kOp, ": key_offset: expected rotary_dim even in [0, D = ", head_dim, "], got ",
+               layout.rotary_dim);
+  }
+  if (p.neox) {
+    // The NeoX partner (d +- D/2) must be whole 32-column blocks away (fused_qkv_epilogue.cuh).
+    QKVF_CHECK(head_dim % 64 == 0, kOp, ": neox is built for D a multiple of 64, got D = ",
+               head_dim);
+    QKVF_CHECK(layout.rotary_dim == head_dim && !layout.key_offset, kOp,
+               ": neox is built for a rotary width of D only (rotary_dim = D, no key_offset), got "
+               "rotary_dim = ", layout.rotary_dim, ", key_offset = ", layout.key_offset);
+  }
+  const float eps = p.eps == 0.0f ? kRmsNormEps : p.eps;
+  // reciprocal_sqrt_rn's exact range (fused_qkv_epilogue.cuh, rms_rstd).
+  QKVF_CHECK(std::isfinite(eps) && eps >= 0x1p-100f, kOp,
+             ": expected eps finite and >= 2^-100, got ", eps);
+  QKVF_CHECK((q_heads + kv_heads) * head_dim % tile_n == 0, kOp,
+             ": expected (Hq + Hkv) * D a multiple of ", tile_n,
+             " (no CTA tile may hold both Q/K and V columns), got (", q_heads, " + ", kv_heads,
+             ") * ", head_dim);
+
+  // ---- outputs --------------------------------------------------------------------------------
+  const int64_t out_tokens = layout.paired ? 2 * tokens : tokens;
+  const int64_t out_q_heads = layout.paired ? q_heads / 2 : q_heads;
+  const int64_t out_kv_heads = layout.paired ? kv_heads / 2 : kv_heads;
+  const char* why = layout.paired ? "([2T, H/2, D]: paired)" : "([T, H, D])";
+  check.shape(p.q, "q", {out_tokens, out_q_heads, head_dim}, why);
+  check.dtype(p.k, "k", DType::kBFloat16);
+  check.shape(p.k, "k", {out_tokens, out_kv_heads, head_dim}, why);
+  check.dtype(p.v, "v", DType::kBFloat16);
+  check.ndim(p.v, "v", 3);
+  const int64_t v_dim = p.v.sizes[2];
+  check.shape(p.v, "v", {tokens, kv_heads, Dim::any("Dv")}, "([T, Hkv, Dv])");
+  QKVF_CHECK(v_dim >= 8 && v_dim % 8 == 0, kOp,
+             ": v: expected Dv a multiple of 8 (16-byte chunks of one head), got ", v_dim);
+  for (const Arg& out : {outputs[0], outputs[1], outputs[2]}) {
+    check.last_dim_contiguous(out.view, out.name);
+    check.aligned(out.view, out.name, device);
+  }
+  if (!is_absent(p.qk)) {
+    check.dtype(p.qk, "qk", DType::kBFloat16);
+    check.shape(p.qk, "qk", {tokens, q_heads + kv_heads, head_dim}, "([T, Hq + Hkv, D])");
+    QKVF_CHECK(p.qk.strides[2] == 1 && p.qk.strides[1] == head_dim &&
+                   p.qk.strides[0] >= (q_heads + kv_heads) * head_dim,
+               kOp, ": qk: expected heads packed in rows ([T, (Hq+Hkv)*D] with a row stride), got ",
+               p.qk.describe());
+    check.aligned(p.qk, "qk", device);
+  }
+
+  // ---- weight [N, C] ------------------------------------------------------------------------
+  const int64_t qk_cols = (q_heads + kv_heads) * head_dim;
+  const int64_t n = qk_cols + kv_heads * v_dim;
+  check.dtype(p.weight_f8, "weight_f8", DType::kFloat8E4M3);
+  check.shape(p.weight_f8, "weight_f8", {n, channels},
+              "([(Hq+Hkv)*D + Hkv*Dv, C]: rows [Wq | Wk | Wv])");
+  for (const Arg& matrix : {inputs[0], inputs[1]}) {
+    check.row_major(matrix.view, matrix.name);
+    const auto address = reinterpret_cast<uintptr_t>(matrix.view.data);
+    QKVF_CHECK(matrix.view.strides[0] % 16 == 0 && address % 16 == 0, kOp, ": ", matrix.name,
+               ": expected a row stride that is a multiple of 16 elements and a 16-byte aligned "
+               "pointer (TMA), got pointer ", matrix.view.data, " and ", matrix.view.describe());
+  }
+  for (const Arg& scalar : {inputs[2], inputs[3], inputs[4]}) {
+    if (scalar.optional && is_absent(scalar.view)) continue;
+    check.scalar_f32(scalar.view, scalar.name);
+    check.aligned(scalar.view, scalar.name, device);
+  }
+
+  // ---- factor tables ----------------------------------------------------------------------
+  const int64_t factor_width = layout.paired ? 2 * head_dim : head_dim;
+  check.dtype_in(p.factor1, "factor1", {DType::kBFloat16, DType::kFloat32});
+  check.dtype(p.factor2, "factor2", p.factor1.dtype);
+  for (const Arg& factor : {inputs[5], inputs[6]}) {
+    check.shape(factor.view, factor.name, {tokens, factor_width},
+                layout.paired ? "([T, 2D]: paired)" : "([T, D])");
+    check.last_dim_contiguous(factor.view, factor.name);
+    check.aligned(factor.view, factor.name, device);
+  }
+  check.no_overlap(outputs, inputs);
+  QKVF_CHECK(p.raster >= 0 && p.raster <= 2, kOp, ": raster must be 0, 1 or 2, got ", p.raster);
+  QKVF_CHECK(p.swizzle == 1 || p.swizzle == 2 || p.swizzle == 4 || p.swizzle == 8, kOp,
+             ": swizzle must be 1, 2, 4 or 8, got ", p.swizzle);
+  QKVF_CHECK(tokens <= kInt32Max && 2 * tokens <= kInt32Max && n <= kInt32Max, kOp,
+             ": T and N must fit in int32, got T = ", tokens, ", N = ", n);
+
+  // ---- translate ------------------------------------------------------------------------------
+  FusedQkvKernelArgs args;
+  args.a = p.x_f8.data;
+  args.lda = p.x_f8.strides[0];
+  args.b = p.weight_f8.data;
+  args.ldb = p.weight_f8.strides[0];
+  args.m = int(tokens);
+  args.n = int(n);
+  args.k = int(channels);
+  args.device = device.index;
+  args.raster = p.raster;
+  args.swizzle = p.swizzle;
+  FusedQkvEpilogueArgs& e = args.epilogue;
+  e.scale_a = static_cast<const float*>(p.scale_a.data);
+  e.scale_b = static_cast<const float*>(p.scale_b.data);
+  e.alpha = is_absent(p.alpha) ? nullptr : static_cast<const float*>(p.alpha.data);
+  e.tokens = int(tokens);
+  e.head_dim = int(head_dim);
+  e.q_heads = int(q_heads);
+  e.kv_heads = int(kv_heads);
+  e.v_dim = int(v_dim);
+  e.rotary_dim = layout.key_offset ? int(layout.rotary_dim) : int(head_dim);
+  e.paired = layout.paired;
+  e.key_offset = layout.key_offset;
+  e.neox = p.neox;
+  e.eps = eps;
+  e.factor_fp32 = p.factor1.dtype == DType::kFloat32;
+  e.factor1 = p.factor1.data;
+  e.factor2 = p.factor2.data;
+  e.factor1_stride = p.factor1.strides[0];
+  e.factor2_stride = p.factor2.strides[0];
+  e.q = static_cast<uint16_t*>(p.q.data);
+  e.q_stride_t = p.q.strides[0];
+  e.q_stride_h = p.q.strides[1];
+  e.k = static_cast<uint16_t*>(p.k.data);
+  e.k_stride_t = p.k.strides[0];
+  e.k_stride_h = p.k.strides[1];
+  e.v = static_cast<uint16_t*>(p.v.data);
+  e.v_stride_t = p.v.strides[0];
+  e.v_stride_h = p.v.strides[1];
+  e.qk = is_absent(p.qk) ? nullptr : static_cast<uint16_t*>(p.qk.data);
+  e.qk_stride_t = is_absent(p.qk) ? 0 : p.qk.strides[0];
+  return args;
+}
+
+}  // namespace
+
+#if QKVFUSE_WITH_CUTLASS
+
+void fused_qkv_gemm(const FusedQkvGemmParams& params) {
+  Device device;
+  FusedQkvKernelArgs args = validate_and_translate(params, device);
+  if (args.m == 0) return;
+  DeviceGuard guard(device);
+  args.sm_count = multiprocessor_count();
+  switch (args.epilogue.head_dim) {
+    case 128: launch_fused_qkv_gemm<128>(args, params.stream); break;
+    case 96: launch_fused_qkv_gemm<96>(args, params.stream); break;
+    case 64: launch_fused_qkv_gemm<64>(args, params.stream); break;
+    default: QKVF_FAIL(kOp, ": no kernel for head width D = ", args.epilogue.head_dim);
+  }
+}
+
+bool cutlass_gemms_available() { return true; }
+
+#else  // !QKVFUSE_WITH_CUTLASS
+
+void fused_qkv_gemm(const FusedQkvGemmParams& params) {
+  Device device;
+  validate_and_translate(params, device);
+  throw_without_cutlass(kOp);
+}
+
+void cutlass_fp8_gemm(const Fp8GemmParams&) { throw_without_cutlass("cutlass_fp8_gemm"); }
+
+bool cutlass_gemms_available() { return false; }
+
+#endif  // QKVFUSE_WITH_CUTLASS
+
+}  // namespace qkvfuse::cuda

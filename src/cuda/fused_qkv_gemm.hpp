@@ -1,0 +1,86 @@
+// fused_qkv_gemm.hpp: the CUTLASS FP8 GEMMs of the forward (issue 22): the fused QKV projection,
+// whose epilogue does the per-head QK RMS-norm + rotary (SPEC.md section 1) and writes q, k and v
+// in their final layouts, and the same GEMM with a plain epilogue. Internal, host side; not yet
+// wired into packed_fp8_qkv (which runs cuBLASLt + qk_norm_rope today).
+//
+//   qkv    = bf16((x_f8 @ weight_f8^T) * ((scale_a * scale_b) * alpha))       fp32 accumulation
+//   q, k   = rotary(rms_norm(qkv[:, :(Hq+Hkv)*D] viewed [T, Hq+Hkv, D]))       SPEC.md 1 and 8
+//   v      = qkv[:, (Hq+Hkv)*D:] viewed [T, Hkv, Dv]
+// qkv itself is never written (its Q/K columns optionally are, as `qk`, for the backward).
+//
+// Both need the library built with CUTLASS 4.2 (cmake/cutlass.cmake, scripts/fetch_cutlass.sh);
+// without it they throw qkvfuse::Error saying so. Both run on CUDA only (sm_90a).
+#pragma once
+
+#include <cstdint>
+
+#include "qkvfuse/fp8_gemm.hpp"
+#include "qkvfuse/qk_norm_rope.hpp"
+#include "qkvfuse/tensor.hpp"
+
+namespace qkvfuse::cuda {
+
+/// Whether this build has the CUTLASS GEMMs (QKVFUSE_WITH_CUTLASS).
+bool cutlass_gemms_available();
+
+/// fp8_gemm (qkvfuse/fp8_gemm.hpp) on CUTLASS's ping-pong FP8 kernel with its stock TMA epilogue:
+/// d = bf16(acc * ((scale_a * scale_b) * alpha)), the three scalars read on the device by the
+/// epilogue (no folding kernel, unlike the cuBLASLt path). Same arguments and validation as
+/// fp8_gemm; additionally fast_accum must be true (the one instantiation) and a, b need K a
+/// multiple of 16 and 16-byte aligned rows (TMA). Any M and N (the tiles at the edges are
+/// predicated). The diagnostic baseline of the fused GEMM: same main loop, plain epilogue.
+void cutlass_fp8_gemm(const Fp8GemmParams& params);
+
+/// The fused forward projection. Shapes (plain layout; SPEC.md section 1 for paired):
+///
+///   x_f8       e4m3 [T, C] row-major (row stride a multiple of 16 elements, 16-byte aligned)
+///   weight_f8  e4m3 [(Hq+Hkv)*D + Hkv*Dv, C] row-major, rows [Wq heads | Wk heads | Wv heads]
+///   scale_a, scale_b   fp32 device scalars ([] or [1]): x_scale and weight_scale
+///   alpha      optional fp32 device scalar (qkv_scale); absent = 1
+///   factor1, factor2   [T, D] ([T, 2D] when paired), bf16 or fp32, one dtype, last dim
+///              contiguous: the interleaved rotary's cos and sign-flipped sin
+///   q          bf16 [T, Hq, D] ([2T, Hq/2, D] when paired), last dim contiguous
+///   k          bf16 [T, Hkv, D] ([2T, Hkv/2, D] when paired), likewise
+///   v          bf16 [T, Hkv, Dv], last dim contiguous
+///   qk         optional bf16 [T, Hq+Hkv, D] with head stride D (a [T, (Hq+Hkv)*D] matrix with a
+///              row stride >= (Hq+Hkv)*D): the pre-norm GEMM output of the Q/K columns, rounded
+///              to bf16, which is what qk_norm_rope_backward / qkv_backward_fp8 read
+/// The epilogue reads and writes 16-byte chunks: every pointer 16-byte aligned and every stride but
+/// the last a multiple of 16 bytes (the library's CUDA row alignment, validate.hpp).
+///
+/// Supported here: D = 128 and D = 64 (the CTA tile is 128 columns: one head, or two), Dv a
+/// multiple of 8, Hq a multiple of Hkv (GQA; paired and key offset need Hq = Hkv), (Hq+Hkv)*D a multiple
+/// of 128 (no tile holds both Q/K and V columns), C a multiple of 16, any T >= 1. Rotary:
+/// interleaved (partner d ^ 1) with any rotary_dim for key offset; NeoX (partner d +- D/2, with
+/// factor tables that carry the signs, SPEC.md section 8) with rotary_dim = D only.
+/// Everything else is refused with an error naming it.
+struct FusedQkvGemmParams {
+  TensorView x_f8;
+  TensorView weight_f8;
+  TensorView scale_a;
+  TensorView scale_b;
+  TensorView alpha;     ///< optional
+  TensorView factor1;
+  TensorView factor2;
+  TensorView q;
+  TensorView k;
+  TensorView v;
+  TensorView qk;        ///< optional output
+  RopeLayout layout;    ///< num_heads = Hq; rotary_dim, paired, key_offset as in SPEC.md 1
+  int64_t kv_heads = 0; ///< Hkv; 0 means Hq (multi-head attention)
+  bool neox = false;    ///< half-split rotary (SPEC.md 8): partner of d is d +- D/2
+  float eps = 0.0f;     ///< RMS-norm epsilon; 0 means kRmsNormEps (2^-23, SPEC.md 1)
+  /// The persistent scheduler's tile order, a tuning knob (the benchmark sweeps it): raster 0 is
+  /// CUTLASS's heuristic (along N when there are more M tiles than N tiles, as at the op's
+  /// shape), 1 along M, 2 along N; swizzle 1, 2, 4 or 8 (tiles of that many rows or columns
+  /// walked together). Neither changes the results.
+  int raster = 0;
+  int swizzle = 1;
+  Stream stream = nullptr;
+};
+
+/// Validates (throwing qkvfuse::Error naming the argument) and launches on params.stream.
+/// T = 0 is a no-op.
+void fused_qkv_gemm(const FusedQkvGemmParams& params);
+
+}  // namespace qkvfuse::cuda
