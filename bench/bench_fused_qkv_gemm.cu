@@ -10,11 +10,12 @@
 //
 //   qkvfuse_bench_fused_qkv_gemm [--csv PATH] [--tokens T] [--iters N]
 //
-// Method (STYLE.md "Benchmarks", as bench_fp8.cu): warm-up (which also runs cuBLASLt's one-time
-// algorithm timing), then one pair of CUDA events per iteration with a spinning kernel holding
-// the GPU while all iterations are queued, median of N (default 100). Inputs and outputs rotate
-// through buffer sets that together exceed 3x the L2, random e4m3 operands (GEMM power and so
-// timing depend on the data: constant operands run faster). TFLOP/s counts 2*T*N*C.
+// Method (the "Benchmarks" section of ../shared/STYLE.md, as bench_fp8.cu): warm-up (which also
+// runs cuBLASLt's one-time algorithm timing), then one pair of CUDA events per iteration with a
+// spinning kernel holding the GPU while all iterations are queued, median of N (default 100).
+// Inputs and outputs rotate through buffer sets that together exceed 3x the L2, random e4m3
+// operands (GEMM power and so timing depend on the data: constant operands run faster). TFLOP/s
+// counts 2*T*N*C.
 #include <cuda_runtime.h>
 
 #include <cmath>

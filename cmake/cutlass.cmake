@@ -1,14 +1,15 @@
 # cutlass.cmake: finds the CUTLASS 4.2 C++ headers for the fused FP8 QKV GEMM (src/cuda/fused_qkv_*).
 #
-# Sets QKVFUSE_HAS_CUTLASS and QKVFUSE_CUTLASS_INCLUDE (the folder holding cute/ and cutlass/).
-# Looks, in order, at
+# Sets QKVFUSE_CUTLASS_INCLUDE to the folder holding cute/ and cutlass/, or to "" when there is
+# none. Looks at
 #   1. QKVFUSE_CUTLASS_INCLUDE_DIR as given (-D...), which must then be usable;
-#   2. .deps/cutlass-4.2.0/include, where scripts/fetch_cutlass.sh unpacks the pinned wheel;
-#   3. the Python package cutlass_library of `pip install --no-deps nvidia-cutlass==4.2.0.0`
-#      (its headers are under cutlass_library/source/include).
-# Only CUTLASS 4.2.x is accepted (cutlass/version.h): the kernels are written against its
-# collective and kernel interfaces, which change between minor versions. Without it the library
-# builds without the fused GEMM, whose entry points then throw.
+#   2. otherwise .deps/cutlass-4.2.0/include, where scripts/fetch_cutlass.sh unpacks the headers
+#      of PyPI's pinned nvidia-cutlass==4.2.0.0 wheel (git-ignored; nothing fetches it at
+#      configure time, so a fresh checkout builds without the fused GEMM).
+# Only CUTLASS 4.2.x is accepted (cutlass:include/cutlass/version.h): the kernels are written against its
+# collective and kernel interfaces, which change between minor versions. Whether the fused GEMM
+# is built is QKVFUSE_ENABLE_CUTLASS's decision (CMakeLists.txt): AUTO, the default, builds it
+# exactly when this finds the headers.
 set(QKVFUSE_CUTLASS_VERSION_REQUIRED "4.2")
 
 function(qkvfuse_cutlass_version dir out)
@@ -32,47 +33,24 @@ function(qkvfuse_cutlass_version dir out)
   set(${out} "${major}.${minor}.${patch}" PARENT_SCOPE)
 endfunction()
 
-set(QKVFUSE_HAS_CUTLASS OFF)
-set(_qkvfuse_cutlass_candidates "")
-set(_qkvfuse_cutlass_explicit OFF)
+set(QKVFUSE_CUTLASS_INCLUDE "")
 if(QKVFUSE_CUTLASS_INCLUDE_DIR)
-  set(_qkvfuse_cutlass_explicit ON)
-  list(APPEND _qkvfuse_cutlass_candidates "${QKVFUSE_CUTLASS_INCLUDE_DIR}")
+  set(_qkvfuse_cutlass_dir "${QKVFUSE_CUTLASS_INCLUDE_DIR}")
 else()
-  list(APPEND _qkvfuse_cutlass_candidates "${PROJECT_SOURCE_DIR}/.deps/cutlass-4.2.0/include")
-  find_package(Python3 QUIET COMPONENTS Interpreter)
-  if(Python3_Interpreter_FOUND)
-    execute_process(
-      COMMAND "${Python3_EXECUTABLE}" -c
-              "import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))"
-      OUTPUT_VARIABLE _qkvfuse_cutlass_python_dir
-      OUTPUT_STRIP_TRAILING_WHITESPACE
-      RESULT_VARIABLE _qkvfuse_cutlass_python_rc
-      ERROR_QUIET)
-    if(_qkvfuse_cutlass_python_rc EQUAL 0 AND _qkvfuse_cutlass_python_dir)
-      list(APPEND _qkvfuse_cutlass_candidates "${_qkvfuse_cutlass_python_dir}")
-    endif()
-  endif()
+  set(_qkvfuse_cutlass_dir "${PROJECT_SOURCE_DIR}/.deps/cutlass-4.2.0/include")
 endif()
-
-foreach(dir IN LISTS _qkvfuse_cutlass_candidates)
-  qkvfuse_cutlass_version("${dir}" version)
-  if(version MATCHES "^4\\.2\\.")
-    set(QKVFUSE_HAS_CUTLASS ON)
-    set(QKVFUSE_CUTLASS_INCLUDE "${dir}")
-    message(STATUS "qkvfuse: CUTLASS ${version} headers at ${dir}: building the fused FP8 QKV GEMM")
-    break()
-  elseif(version)
-    message(WARNING "qkvfuse: CUTLASS ${version} at ${dir} is not ${QKVFUSE_CUTLASS_VERSION_REQUIRED}.x; "
-                    "ignored (scripts/fetch_cutlass.sh fetches the pinned 4.2.0 headers)")
-  endif()
-endforeach()
-
-if(NOT QKVFUSE_HAS_CUTLASS)
-  if(_qkvfuse_cutlass_explicit)
-    message(FATAL_ERROR "qkvfuse: QKVFUSE_CUTLASS_INCLUDE_DIR=${QKVFUSE_CUTLASS_INCLUDE_DIR} holds no "
-                        "CUTLASS ${QKVFUSE_CUTLASS_VERSION_REQUIRED}.x headers (cute/tensor.hpp, cutlass/version.h)")
-  endif()
-  message(STATUS "qkvfuse: CUTLASS ${QKVFUSE_CUTLASS_VERSION_REQUIRED} headers not found "
-                 "(run scripts/fetch_cutlass.sh): building without the fused FP8 QKV GEMM")
+qkvfuse_cutlass_version("${_qkvfuse_cutlass_dir}" _qkvfuse_cutlass_version)
+if(_qkvfuse_cutlass_version MATCHES "^4\\.2\\.")
+  set(QKVFUSE_CUTLASS_INCLUDE "${_qkvfuse_cutlass_dir}")
+elseif(QKVFUSE_CUTLASS_INCLUDE_DIR)
+  message(FATAL_ERROR "qkvfuse: QKVFUSE_CUTLASS_INCLUDE_DIR=${QKVFUSE_CUTLASS_INCLUDE_DIR} holds no "
+                      "CUTLASS ${QKVFUSE_CUTLASS_VERSION_REQUIRED}.x headers (expected "
+                      "${_qkvfuse_cutlass_dir}/cute/tensor.hpp and "
+                      "${_qkvfuse_cutlass_dir}/cutlass/version.h of version "
+                      "${QKVFUSE_CUTLASS_VERSION_REQUIRED}.x; found version "
+                      "'${_qkvfuse_cutlass_version}')")
+elseif(_qkvfuse_cutlass_version)
+  message(WARNING "qkvfuse: CUTLASS ${_qkvfuse_cutlass_version} at ${_qkvfuse_cutlass_dir} is not "
+                  "${QKVFUSE_CUTLASS_VERSION_REQUIRED}.x; ignored (scripts/fetch_cutlass.sh fetches "
+                  "the pinned 4.2.0 headers)")
 endif()

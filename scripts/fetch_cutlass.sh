@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Puts the CUTLASS 4.2.0 C++ headers (cute/, cutlass/) at .deps/cutlass-4.2.0/include, where CMake
-# looks for them first (CMakeLists.txt, QKVFUSE_CUTLASS_INCLUDE_DIR). Prints that folder.
+# looks for them (cmake/cutlass.cmake) unless QKVFUSE_CUTLASS_INCLUDE_DIR names another folder;
+# with them there, QKVFUSE_ENABLE_CUTLASS=AUTO builds the fused QKV GEMM. Prints that folder.
 #
 # Source: PyPI's nvidia-cutlass==4.2.0.0 wheel, which ships the unmodified v4.2.0 headers under
 # cutlass_library/source/include. Only the headers are used: the wheel is downloaded with

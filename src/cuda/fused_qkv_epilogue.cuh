@@ -8,7 +8,10 @@
 //   rstd  = 1 / sqrt(sum_d(x[d] * x[d]) / D + eps)
 //   n[d]  = x[d] * rstd
 //   y[d]  = f1[t, d + off] * n[d] + f2[t, d + off] * n[p(d)]  p(d) = d ^ 1 (interleaved) or d +- D/2 (NeoX)
-//   key offset, keys, d >= rotary_dim, t > 0: y[d] = n_{t-1}[d]
+//                                                               for the rotary lanes d < r
+//   y[d]  = n[d]                                                d >= r: passed through (the
+//                                                               tables' values there unused)
+//   key offset, keys, d >= r, t > 0: y[d] = n_{t-1}[d]
 // and y is rounded to bf16 once. Rounding the accumulator to bf16 first is what makes the fused
 // and unfused forwards agree: the only differences left are the GEMMs' accumulation orders and
 // the order of the fp32 row sum (here: a thread's columns in order, then the quad butterfly).
@@ -54,8 +57,8 @@
 // so it costs time only if it is longer than a main loop (~1.7 us at K = 768).
 //
 // Key offset without a neighbour exchange: the thread that normalizes key row t writes the
-// stationary dims (d >= rotary_dim) of row t+1 (its own n, which is exactly y_{t+1} there) and
-// only the rotating dims of row t (all dims at t = 0), as the unfused kernel does. Every output
+// pass-through lanes (d >= r) of row t+1 (its own n, which is exactly y_{t+1} there) and only
+// the rotary lanes of row t (all lanes at t = 0), as the unfused kernel does. Every output
 // element is written by exactly one thread, including across tile boundaries (the last row of a
 // tile writes into the next tile's first row), so no tile needs another's data.
 #pragma once
@@ -394,7 +397,7 @@ struct TileMath {
         if (t >= a.tokens) continue;
         const float rstd = rms_rstd<kHeadDim>(sums[r][hh], a.eps);
         uint16_t* out = p.out + int64_t(p.token_mul * t + p.token_add) * p.stride_t + p.head_offset;
-        // Key offset: this row's stationary dims also go to row t+1 (plain layout: + stride_t).
+        // Key offset: this row's pass-through lanes also go to row t+1 (plain layout: + stride_t).
         const bool has_next = p.shift && t + 1 < a.tokens;
         const bool first = t == 0;
         CUTE_UNROLL
@@ -424,20 +427,24 @@ struct TileMath {
             y.w[w] = pack_bf16x2(y_lo, y_hi);
             n.w[w] = pack_bf16x2(n_lo, n_hi);
           }
-          if (!p.shift || d0 + 8 <= a.rotary_dim) {
-            store_chunk(out + d0, y);  // all 8 dims rotate (every row of Q, the speedrun's keys)
+          // Lanes >= r pass through (y = n): at r = D, every layout but key offset's, no chunk
+          // takes the last two branches. Key offset: row t's pass-through lanes go to row t + 1;
+          // token 0 keeps its own.
+          const bool own = !p.shift || first;
+          if (d0 + 8 <= a.rotary_dim) {
+            store_chunk(out + d0, y);  // all 8 lanes rotate
           } else if (d0 >= a.rotary_dim) {
-            if (first) store_chunk(out + d0, y);
+            if (own) store_chunk(out + d0, n);
             if (has_next) store_chunk(out + p.stride_t + d0, n);
           } else {
-            // rotary_dim splits the chunk (not a multiple of 8): word by word. rotary_dim is
-            // even, so a word (a column pair) is entirely on one side of it.
+            // r splits the chunk (not a multiple of 8): word by word. r is even, so a word (a
+            // column pair) is entirely on one side of it.
             CUTE_UNROLL
             for (int w = 0; w < 4; ++w) {
               if (d0 + 2 * w < a.rotary_dim) {
                 store_word(out + d0 + 2 * w, y.w[w]);
               } else {
-                if (first) store_word(out + d0 + 2 * w, y.w[w]);
+                if (own) store_word(out + d0 + 2 * w, n.w[w]);
                 if (has_next) store_word(out + p.stride_t + d0 + 2 * w, n.w[w]);
               }
             }

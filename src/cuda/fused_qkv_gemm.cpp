@@ -12,6 +12,7 @@
 #include "cuda/fused_qkv_gemm_args.hpp"
 #include "qkvfuse/error.hpp"
 #include "qkvfuse/numeric.hpp"
+#include "rope_math.hpp"
 #include "validate.hpp"
 
 #ifndef QKVFUSE_WITH_CUTLASS
@@ -35,13 +36,23 @@ FusedQkvKernelArgs validate_and_translate(const FusedQkvGemmParams& p, Device& d
   using validate::Arg;
   using validate::Dim;
   const validate::Checker check(kOp);
+  const RopeLayout& layout = p.layout;
+  // The epilogue's norm + rotary: weightless RMS-norm, factor tables. Refused before the device
+  // check, which would otherwise call the absent tables missing.
+  QKVF_CHECK(is_absent(layout.cos_sin) && is_absent(layout.positions), kOp,
+             ": layout: a cos/sin cache (cos_sin, positions) is not built into the fused "
+             "epilogue; pass the factor tables layout.factor1, layout.factor2");
+  QKVF_CHECK(layout.normalize, kOp,
+             ": layout.normalize = false (no QK norm) is not built into the fused epilogue");
+  QKVF_CHECK(is_absent(layout.q_weight) && is_absent(layout.k_weight), kOp,
+             ": layout: norm weights (q_weight, k_weight) are not built into the fused epilogue");
   const std::vector<Arg> inputs = {{p.x_f8, "x_f8"},
                                    {p.weight_f8, "weight_f8"},
                                    {p.scale_a, "scale_a"},
                                    {p.scale_b, "scale_b"},
                                    {p.alpha, "alpha", /*optional=*/true},
-                                   {p.factor1, "factor1"},
-                                   {p.factor2, "factor2"}};
+                                   {layout.factor1, "layout.factor1"},
+                                   {layout.factor2, "layout.factor2"}};
   const std::vector<Arg> outputs = {
       {p.q, "q"}, {p.k, "k"}, {p.v, "v"}, {p.qk, "qk", /*optional=*/true}};
   device = check.same_device(validate::concat(inputs, outputs));
@@ -57,43 +68,37 @@ FusedQkvKernelArgs validate_and_translate(const FusedQkvGemmParams& p, Device& d
              ": x_f8: expected C (the GEMM's K) a positive multiple of 16 (TMA rows), got ", channels);
 
   // ---- heads and widths --------------------------------------------------------------------
-  const RopeLayout& layout = p.layout;
-  const int64_t q_heads = layout.num_heads;
-  const int64_t kv_heads = p.kv_heads == 0 ? q_heads : p.kv_heads;
-  QKVF_CHECK(q_heads >= 1 && kv_heads >= 1 && q_heads % kv_heads == 0, kOp,
-             ": expected num_heads (Hq) a positive multiple of kv_heads (Hkv), got Hq = ", q_heads,
-             ", Hkv = ", kv_heads);
   check.dtype(p.q, "q", DType::kBFloat16);
   check.ndim(p.q, "q", 3);
   const int64_t head_dim = p.q.sizes[2];
   QKVF_CHECK(head_dim == 64 || head_dim == 96 || head_dim == 128, kOp,
              ": no fused kernel for head width D = ", head_dim,
              "; built: D = 64, 96 and 128 (a CTA tile holds whole heads)");
+  // The library's own rules (heads, rotary_dim, paired, key offset, eps), then the fused kernel's.
+  check.rope_options(layout, head_dim);
+  const int64_t q_heads = layout.num_heads;
+  const int64_t kv_heads = qkvfuse::kv_heads(layout);
+  const int64_t rotary_dim = rope::resolved_rotary_dim(layout, head_dim);
+  const bool neox = layout.rotary_style == RotaryStyle::kNeox;
   const int64_t tile_n = fused_tile_n(int(head_dim));
-  if (layout.paired) {
-    QKVF_CHECK(q_heads == kv_heads && q_heads % 2 == 0, kOp,
-               ": paired needs Hq = Hkv and even, got Hq = ", q_heads, ", Hkv = ", kv_heads);
-    QKVF_CHECK(!layout.key_offset, kOp, ": paired and key_offset exclude each other");
-  }
-  if (layout.key_offset) {
-    QKVF_CHECK(q_heads == kv_heads, kOp, ": key_offset needs Hq = Hkv, got Hq = ", q_heads,
-               ", Hkv = ", kv_heads);
-    QKVF_CHECK(layout.rotary_dim >= 0 && layout.rotary_dim <= head_dim && layout.rotary_dim % 2 == 0,
-               kOp, ": key_offset: expected rotary_dim even in [0, D = ", head_dim, "], got ",
-               layout.rotary_dim);
-  }
-  if (p.neox) {
+  // Lanes >= r pass through (keys' from token t-1 under key offset); the epilogue is built for
+  // that with key offset, the speedrun's long-window layers, and otherwise for r = D only.
+  QKVF_CHECK(rotary_dim == head_dim || layout.key_offset, kOp,
+             ": layout.rotary_dim: a partial rotary (r = ", rotary_dim, " < D = ", head_dim,
+             ") is built only with key_offset; expected -1 or D");
+  if (neox) {
     // The NeoX partner (d +- D/2) must be whole 32-column blocks away (fused_qkv_epilogue.cuh).
-    QKVF_CHECK(head_dim % 64 == 0, kOp, ": neox is built for D a multiple of 64, got D = ",
-               head_dim);
-    QKVF_CHECK(layout.rotary_dim == head_dim && !layout.key_offset, kOp,
-               ": neox is built for a rotary width of D only (rotary_dim = D, no key_offset), got "
-               "rotary_dim = ", layout.rotary_dim, ", key_offset = ", layout.key_offset);
+    QKVF_CHECK(head_dim % 64 == 0, kOp,
+               ": layout.rotary_style = kNeox is built for D a multiple of 64, got D = ", head_dim);
+    QKVF_CHECK(rotary_dim == head_dim && !layout.key_offset, kOp,
+               ": layout.rotary_style = kNeox is built for a rotary width of D only (rotary_dim -1 "
+               "or D, no key_offset), got rotary_dim = ", layout.rotary_dim, ", key_offset = ",
+               layout.key_offset);
   }
-  const float eps = p.eps == 0.0f ? kRmsNormEps : p.eps;
+  const float eps = layout.eps;
   // reciprocal_sqrt_rn's exact range (fused_qkv_epilogue.cuh, rms_rstd).
   QKVF_CHECK(std::isfinite(eps) && eps >= 0x1p-100f, kOp,
-             ": expected eps finite and >= 2^-100, got ", eps);
+             ": layout.eps: expected a finite value >= 2^-100, got ", eps);
   QKVF_CHECK((q_heads + kv_heads) * head_dim % tile_n == 0, kOp,
              ": expected (Hq + Hkv) * D a multiple of ", tile_n,
              " (no CTA tile may hold both Q/K and V columns), got (", q_heads, " + ", kv_heads,
@@ -148,8 +153,8 @@ FusedQkvKernelArgs validate_and_translate(const FusedQkvGemmParams& p, Device& d
 
   // ---- factor tables ----------------------------------------------------------------------
   const int64_t factor_width = layout.paired ? 2 * head_dim : head_dim;
-  check.dtype_in(p.factor1, "factor1", {DType::kBFloat16, DType::kFloat32});
-  check.dtype(p.factor2, "factor2", p.factor1.dtype);
+  check.dtype_in(layout.factor1, "layout.factor1", {DType::kBFloat16, DType::kFloat32});
+  check.dtype(layout.factor2, "layout.factor2", layout.factor1.dtype);
   for (const Arg& factor : {inputs[5], inputs[6]}) {
     check.shape(factor.view, factor.name, {tokens, factor_width},
                 layout.paired ? "([T, 2D]: paired)" : "([T, D])");
@@ -184,16 +189,16 @@ FusedQkvKernelArgs validate_and_translate(const FusedQkvGemmParams& p, Device& d
   e.q_heads = int(q_heads);
   e.kv_heads = int(kv_heads);
   e.v_dim = int(v_dim);
-  e.rotary_dim = layout.key_offset ? int(layout.rotary_dim) : int(head_dim);
+  e.rotary_dim = int(rotary_dim);
   e.paired = layout.paired;
   e.key_offset = layout.key_offset;
-  e.neox = p.neox;
+  e.neox = neox;
   e.eps = eps;
-  e.factor_fp32 = p.factor1.dtype == DType::kFloat32;
-  e.factor1 = p.factor1.data;
-  e.factor2 = p.factor2.data;
-  e.factor1_stride = p.factor1.strides[0];
-  e.factor2_stride = p.factor2.strides[0];
+  e.factor_fp32 = layout.factor1.dtype == DType::kFloat32;
+  e.factor1 = layout.factor1.data;
+  e.factor2 = layout.factor2.data;
+  e.factor1_stride = layout.factor1.strides[0];
+  e.factor2_stride = layout.factor2.strides[0];
   e.q = static_cast<uint16_t*>(p.q.data);
   e.q_stride_t = p.q.strides[0];
   e.q_stride_h = p.q.strides[1];

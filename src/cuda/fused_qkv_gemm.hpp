@@ -37,39 +37,40 @@ void cutlass_fp8_gemm(const Fp8GemmParams& params);
 ///   weight_f8  e4m3 [(Hq+Hkv)*D + Hkv*Dv, C] row-major, rows [Wq heads | Wk heads | Wv heads]
 ///   scale_a, scale_b   fp32 device scalars ([] or [1]): x_scale and weight_scale
 ///   alpha      optional fp32 device scalar (qkv_scale); absent = 1
-///   factor1, factor2   [T, D] ([T, 2D] when paired), bf16 or fp32, one dtype, last dim
-///              contiguous: the interleaved rotary's cos and sign-flipped sin
+///   layout     the norm + rotary, as qk_norm_rope takes it (qkvfuse/qk_norm_rope.hpp): Hq =
+///              num_heads, Hkv = kv_heads(layout), rotary_style, rotary_dim, eps, paired,
+///              key_offset, and the factor tables layout.factor1, factor2 [T, D] ([T, 2D] when
+///              paired), bf16 or fp32, one dtype, last dim contiguous
 ///   q          bf16 [T, Hq, D] ([2T, Hq/2, D] when paired), last dim contiguous
 ///   k          bf16 [T, Hkv, D] ([2T, Hkv/2, D] when paired), likewise
 ///   v          bf16 [T, Hkv, Dv], last dim contiguous
 ///   qk         optional bf16 [T, Hq+Hkv, D] with head stride D (a [T, (Hq+Hkv)*D] matrix with a
 ///              row stride >= (Hq+Hkv)*D): the pre-norm GEMM output of the Q/K columns, rounded
 ///              to bf16, which is what qk_norm_rope_backward / qkv_backward_fp8 read
-/// The epilogue reads and writes 16-byte chunks: every pointer 16-byte aligned and every stride but
-/// the last a multiple of 16 bytes (the library's CUDA row alignment, validate.hpp).
+/// q and k equal qk_norm_rope's on that qk and layout within 1 bf16 ulp (the row sums add in
+/// another order). The epilogue reads and writes 16-byte chunks: every pointer 16-byte aligned and
+/// every stride but the last a multiple of 16 bytes (the library's CUDA row alignment,
+/// validate.hpp).
 ///
-/// Supported here: D = 128 and D = 64 (the CTA tile is 128 columns: one head, or two), Dv a
-/// multiple of 8, Hq a multiple of Hkv (GQA; paired and key offset need Hq = Hkv), (Hq+Hkv)*D a multiple
-/// of 128 (no tile holds both Q/K and V columns), C a multiple of 16, any T >= 1. Rotary:
-/// interleaved (partner d ^ 1) with any rotary_dim for key offset; NeoX (partner d +- D/2, with
-/// factor tables that carry the signs, SPEC.md section 8) with rotary_dim = D only.
-/// Everything else is refused with an error naming it.
+/// Supported here: D = 128, 96 and 64 (the CTA tile is 128 columns, one head or two; 96 columns
+/// at D = 96), Dv a multiple of 8, any Hq a multiple of Hkv (GQA; paired and key offset need Hq =
+/// Hkv), (Hq+Hkv)*D a multiple of the tile's columns (no tile holds both Q/K and V columns), C a
+/// multiple of 16, any T >= 1. The layout: RMS-norm without weights (normalize = true, q_weight
+/// and k_weight absent) with eps >= 2^-100, factor tables (no cos/sin cache); interleaved rotary
+/// with r = rotary_dim = D, or any even r with key offset (lanes >= r pass through, keys' from
+/// token t-1); NeoX with r = D, D a multiple of 64, no key offset. Everything else is refused
+/// with an error naming it.
 struct FusedQkvGemmParams {
   TensorView x_f8;
   TensorView weight_f8;
   TensorView scale_a;
   TensorView scale_b;
   TensorView alpha;     ///< optional
-  TensorView factor1;
-  TensorView factor2;
   TensorView q;
   TensorView k;
   TensorView v;
   TensorView qk;        ///< optional output
-  RopeLayout layout;    ///< num_heads = Hq; rotary_dim, paired, key_offset as in SPEC.md 1
-  int64_t kv_heads = 0; ///< Hkv; 0 means Hq (multi-head attention)
-  bool neox = false;    ///< half-split rotary (SPEC.md 8): partner of d is d +- D/2
-  float eps = 0.0f;     ///< RMS-norm epsilon; 0 means kRmsNormEps (2^-23, SPEC.md 1)
+  RopeLayout layout;    ///< the norm + rotary and its factor tables (see above)
   /// The persistent scheduler's tile order, a tuning knob (the benchmark sweeps it): raster 0 is
   /// CUTLASS's heuristic (along N when there are more M tiles than N tiles, as at the op's
   /// shape), 1 along M, 2 along N; swizzle 1, 2, 4 or 8 (tiles of that many rows or columns

@@ -26,7 +26,8 @@ struct FusedQkvEpilogueArgs {
   int q_heads = 0;      ///< Hq: input heads [0, Hq) of the Q/K columns are queries
   int kv_heads = 0;     ///< Hkv: input heads [Hq, Hq+Hkv) are keys, and V has Hkv heads
   int v_dim = 0;        ///< Dv, a multiple of 8
-  int rotary_dim = 0;   ///< key offset: key dims >= rotary_dim take token t-1's normalized value
+  int rotary_dim = 0;   ///< r (resolved, never -1): lanes >= r pass through, y = n (keys' from
+                        ///< token t-1 under key offset); r = D but with key offset
   bool paired = false;  ///< SPEC.md 1: output token 2t + h/(H/2), head h mod (H/2), factor
                         ///< columns (h mod 2)*D; needs Hq = Hkv, even
   bool key_offset = false;  ///< SPEC.md 1 (keys, t > 0); not with paired
@@ -41,7 +42,7 @@ struct FusedQkvEpilogueArgs {
   int64_t factor2_stride = 0;      ///< likewise
 
   // ---- outputs, bf16 (uint16_t bits); pointers 16-byte aligned and strides multiples of 8: the
-  // epilogue stores 16-byte chunks of 8 columns (4-byte words where rotary_dim splits a chunk) ---
+  // epilogue stores 16-byte chunks of 8 columns (4-byte words where r splits a chunk) ---
   uint16_t* q = nullptr;  ///< [T, Hq, D] (paired [2T, Hq/2, D]): (t, h, d) at t*q_stride_t + h*q_stride_h + d
   int64_t q_stride_t = 0;
   int64_t q_stride_h = 0;

@@ -13,8 +13,10 @@
 //      qk output), writing into poisoned host buffers, and compares q, k, v and qk with
 //      reference.hpp (q, k within 1 bf16 ulp: the row sums add in another order; v, qk bit for
 //      bit), with every output element written;
-//   3. checks reference.hpp against the library's CPU qk_norm_rope, bit for bit, on the layouts
-//      that op takes (so the reference is SPEC.md's, not this file's opinion).
+//   3. checks reference.hpp against the library's CPU qk_norm_rope, bit for bit, on the fused
+//      GEMM's layouts (so the reference is SPEC.md's, not this file's opinion).
+// The factor tables hold random angles in every lane, lanes >= r included, which the pass-through
+// must not read (SPEC.md section 8).
 // What it cannot check: the WGMMA hardware layout being what CuTe says (CuTe's definition is the
 // one the kernel uses, so a mismatch would break every CUTLASS kernel), the shuffles, the memory
 // instructions, and everything about the main loop: tests/fused_qkv_gemm/check_fused_qkv_gemm.cu
@@ -216,11 +218,10 @@ void make_problem(const Case& c, HostProblem& p, uint32_t seed) {
   std::uniform_real_distribution<float> angle(-3.14159265f, 3.14159265f);
   for (int64_t t = 0; t < s.tokens; ++t) {
     for (int64_t j = 0; j < fw; j += 2) {
-      const int64_t d = j % s.head_dim;
-      const bool stationary = s.key_offset && d >= s.rotary_dim;
+      // Lanes >= r too: not the stationary (1, 0), so that a lane read there shows.
       const float a = angle(rng);
-      const float cs = stationary ? 1.0f : std::cos(a);
-      const float sn = stationary ? 0.0f : std::sin(a);
+      const float cs = std::cos(a);
+      const float sn = std::sin(a);
       // Interleaved: (cos, -sin ; cos, +sin) on the pair; NeoX takes the same tables (SPEC.md 8:
       // the tables carry the signs), here simply random-signed.
       p.f1[size_t(t * fw + j)] = cs;
@@ -257,7 +258,7 @@ FusedQkvEpilogueArgs make_args(const Case& c, HostProblem& p) {
   a.q_heads = int(s.q_heads);
   a.kv_heads = int(s.kv_heads);
   a.v_dim = int(s.v_dim);
-  a.rotary_dim = s.key_offset ? int(s.rotary_dim) : int(s.head_dim);
+  a.rotary_dim = int(s.rotary_dim);
   a.paired = s.paired;
   a.key_offset = s.key_offset;
   a.neox = s.neox;
@@ -445,24 +446,32 @@ void check_reference_against_library(const QkvShape& s, bool fp32_factors, uint3
   const DType fdt = fp32_factors ? DType::kFloat32 : DType::kBFloat16;
   void* f1 = fp32_factors ? static_cast<void*>(p.f1.data()) : p.f1_bf16.data();
   void* f2 = fp32_factors ? static_cast<void*>(p.f2.data()) : p.f2_bf16.data();
-  const int64_t out_heads = s.paired ? s.q_heads / 2 : s.q_heads;
+  const int64_t q_out_heads = s.paired ? s.q_heads / 2 : s.q_heads;
+  const int64_t k_out_heads = s.paired ? s.kv_heads / 2 : s.kv_heads;
   QkNormRopeParams params;
-  params.qk = make_view(x.data(), DType::kBFloat16, cpu, {s.tokens, 2 * s.q_heads, s.head_dim});
-  params.factor1 = make_view(f1, fdt, cpu, {s.tokens, s.factor_width()});
-  params.factor2 = make_view(f2, fdt, cpu, {s.tokens, s.factor_width()});
-  params.q = make_view(q.data(), DType::kBFloat16, cpu, {s.out_tokens(), out_heads, s.head_dim});
-  params.k = make_view(k.data(), DType::kBFloat16, cpu, {s.out_tokens(), out_heads, s.head_dim});
+  params.qk = make_view(x.data(), DType::kBFloat16, cpu,
+                        {s.tokens, s.q_heads + s.kv_heads, s.head_dim});
+  params.q = make_view(q.data(), DType::kBFloat16, cpu, {s.out_tokens(), q_out_heads, s.head_dim});
+  params.k = make_view(k.data(), DType::kBFloat16, cpu, {s.out_tokens(), k_out_heads, s.head_dim});
   params.layout.num_heads = s.q_heads;
-  params.layout.rotary_dim = s.key_offset ? s.rotary_dim : s.head_dim;
+  params.layout.num_kv_heads = s.kv_heads;
+  params.layout.rotary_dim = s.rotary_dim;
+  params.layout.rotary_style = s.neox ? RotaryStyle::kNeox : RotaryStyle::kInterleaved;
+  params.layout.eps = s.eps;
   params.layout.paired = s.paired;
   params.layout.key_offset = s.key_offset;
+  params.layout.factor1 = make_view(f1, fdt, cpu, {s.tokens, s.factor_width()});
+  params.layout.factor2 = make_view(f2, fdt, cpu, {s.tokens, s.factor_width()});
   qk_norm_rope(params);
   const bool same = q == q_ref && k == k_ref;
-  EXPECT(same, "reference.hpp differs from the CPU qk_norm_rope (D=%d paired=%d key_offset=%d)",
-         int(s.head_dim), int(s.paired), int(s.key_offset));
-  std::printf("reference == CPU qk_norm_rope (D=%lld, H=%lld, paired=%d, key_offset=%d, %s factors): %s\n",
-              (long long)s.head_dim, (long long)s.q_heads, int(s.paired), int(s.key_offset),
-              fp32_factors ? "fp32" : "bf16", same ? "bit-exact" : "DIFFERENT");
+  EXPECT(same, "reference.hpp differs from the CPU qk_norm_rope (D=%d Hq=%d Hkv=%d r=%d neox=%d "
+         "paired=%d key_offset=%d)", int(s.head_dim), int(s.q_heads), int(s.kv_heads),
+         int(s.rotary_dim), int(s.neox), int(s.paired), int(s.key_offset));
+  std::printf("reference == CPU qk_norm_rope (D=%lld, Hq=%lld, Hkv=%lld, r=%lld, %s, paired=%d, "
+              "key_offset=%d, %s factors): %s\n",
+              (long long)s.head_dim, (long long)s.q_heads, (long long)s.kv_heads,
+              (long long)s.rotary_dim, s.neox ? "NeoX" : "interleaved", int(s.paired),
+              int(s.key_offset), fp32_factors ? "fp32" : "bf16", same ? "bit-exact" : "DIFFERENT");
 }
 
 QkvShape shape(int64_t tokens, int64_t hq, int64_t hkv, int64_t d, int64_t dv) {
@@ -553,6 +562,17 @@ int main() {
     QkvShape s96 = shape(40, 6, 6, 96, 128);
     s96.paired = true;
     check_reference_against_library(s96, false, 105);
+    s96.paired = false;
+    s96.key_offset = true;
+    s96.rotary_dim = 44;  // r splits a chunk
+    check_reference_against_library(s96, true, 106);
+    check_reference_against_library(shape(40, 8, 2, 128, 128), false, 107);  // GQA
+    QkvShape neox = shape(40, 6, 6, 128, 128);
+    neox.neox = true;
+    check_reference_against_library(neox, false, 108);
+    QkvShape neox64 = shape(40, 6, 2, 64, 128);
+    neox64.neox = true;
+    check_reference_against_library(neox64, true, 109);
   }
 
   if (g_failures) {

@@ -1,8 +1,9 @@
 // problem.cuh: one fused-QKV-forward problem on the GPU, for the check and the benchmark of the
 // fused QKV GEMM: random e4m3 operands and rotary tables generated on the device, and the three
 // ways to compute the forward:
-//   unfused   fp8_gemm (cuBLASLt) into qkv [T, N], then qk_norm_rope on its Q/K columns: the
-//             library's forward today (SPEC.md section 6); v is qkv's V columns
+//   unfused   fp8_gemm (cuBLASLt) into qkv [T, N], then qk_norm_rope on its Q/K columns with the
+//             same RopeLayout: the library's forward today (SPEC.md section 6); v is qkv's V
+//             columns
 //   cutlass   cutlass_fp8_gemm into qkv: the fused kernel's main loop with a plain epilogue
 //   fused     fused_qkv_gemm: q, k, v (and optionally the raw qk) straight from the GEMM
 // Everything runs on the caller's stream. Included by one translation unit per executable.
@@ -76,8 +77,10 @@ __global__ void fill_e4m3_kernel(uint8_t* out, size_t count, uint64_t seed, floa
 }
 
 /// Interleaved rotary tables [T, width] (width = D, or 2D paired: two D-wide halves): pair i of
-/// each half turns by t * base^(-2i/D'), D' = rotary_dim; dims >= rotary_dim are stationary
-/// (f1 = 1, f2 = 0). f1 = cos, f2 = sin with the first lane of each pair negated (SPEC.md 1).
+/// each half turns by t * base^(-2i/r), r = rotary_dim. f1 = cos, f2 = sin with the first lane of
+/// each pair negated (SPEC.md 1). Lanes >= r, which pass through without reading the tables
+/// (SPEC.md 8), hold angles too (frequencies over D), not the stationary (1, 0): a kernel that
+/// read them would show.
 template <typename T>
 __global__ void fill_factors_kernel(T* f1, T* f2, int64_t tokens, int width, int head_dim,
                                     int rotary_dim) {
@@ -86,12 +89,11 @@ __global__ void fill_factors_kernel(T* f1, T* f2, int64_t tokens, int width, int
        i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / width;
     const int d = int(i % width) % head_dim;
-    float c = 1.0f, s = 0.0f;
-    if (d < rotary_dim) {
-      const float inv_freq = powf(1024.0f, -float(d / 2) * 2.0f / float(rotary_dim));
-      sincosf(float(t) * inv_freq, &s, &c);
-      if (d % 2 == 0) s = -s;
-    }
+    float c, s;
+    const int span = d < rotary_dim ? rotary_dim : head_dim;
+    const float inv_freq = powf(1024.0f, -float(d / 2) * 2.0f / float(span));
+    sincosf(float(t) * inv_freq, &s, &c);
+    if (d % 2 == 0) s = -s;
     if constexpr (sizeof(T) == 2) {
       reinterpret_cast<uint16_t*>(f1)[i] = float_to_bf16(c);
       reinterpret_cast<uint16_t*>(f2)[i] = float_to_bf16(s);
@@ -162,7 +164,7 @@ struct Problem {
     FQ_CUDA(cudaMemcpyAsync(scale_a.get(), &scales[0], 4, cudaMemcpyHostToDevice, stream));
     FQ_CUDA(cudaMemcpyAsync(scale_b.get(), &scales[1], 4, cudaMemcpyHostToDevice, stream));
     FQ_CUDA(cudaMemcpyAsync(alpha.get(), &scales[2], 4, cudaMemcpyHostToDevice, stream));
-    const int rotary = sh.key_offset ? int(sh.rotary_dim) : int(sh.head_dim);
+    const int rotary = int(sh.rotary_dim);
     if (s.fp32_factors) {
       fill_factors_kernel<float><<<1024, 256, 0, stream>>>(
           static_cast<float*>(f1.get()), static_cast<float*>(f2.get()), T, int(sh.factor_width()),
@@ -198,7 +200,23 @@ struct Problem {
   /// CUTLASS plain-epilogue GEMM into qkv.
   void gemm_cutlass(cudaStream_t stream) const { cuda::cutlass_fp8_gemm(gemm_params(stream)); }
 
-  /// qk_norm_rope over qkv's Q/K columns into q_ref, k_ref (MHA layouts: what the op takes).
+  /// The norm + rotary of this problem, for the fused GEMM and qk_norm_rope alike.
+  RopeLayout layout() const {
+    const QkvShape& sh = spec.shape;
+    RopeLayout l;
+    l.num_heads = sh.q_heads;
+    l.num_kv_heads = sh.kv_heads;
+    l.rotary_dim = sh.rotary_dim;
+    l.rotary_style = sh.neox ? RotaryStyle::kNeox : RotaryStyle::kInterleaved;
+    l.eps = sh.eps;
+    l.paired = sh.paired;
+    l.key_offset = sh.key_offset;
+    l.factor1 = make_view(f1.get(), factor_dtype(), kGpu, {sh.tokens, sh.factor_width()});
+    l.factor2 = make_view(f2.get(), factor_dtype(), kGpu, {sh.tokens, sh.factor_width()});
+    return l;
+  }
+
+  /// qk_norm_rope over qkv's Q/K columns into q_ref, k_ref.
   void rope_unfused(cudaStream_t stream) const { rope_from(qkv, spec.shape.n(), q_ref, k_ref, stream); }
   /// qk_norm_rope over the fused kernel's raw qk output into q_ref, k_ref: isolates the epilogue.
   void rope_from_raw(cudaStream_t stream) const {
@@ -214,18 +232,11 @@ struct Problem {
     p.scale_a = scalar(scale_a);
     p.scale_b = scalar(scale_b);
     p.alpha = scalar(alpha);
-    p.factor1 = make_view(f1.get(), factor_dtype(), kGpu, {T, sh.factor_width()});
-    p.factor2 = make_view(f2.get(), factor_dtype(), kGpu, {T, sh.factor_width()});
     p.q = make_view(q.get(), DType::kBFloat16, kGpu, {sh.out_tokens(), out_heads(sh.q_heads), D});
     p.k = make_view(k.get(), DType::kBFloat16, kGpu, {sh.out_tokens(), out_heads(sh.kv_heads), D});
     p.v = make_view(v.get(), DType::kBFloat16, kGpu, {T, sh.kv_heads, sh.v_dim});
     if (raw_qk) p.qk = make_view(qk.get(), DType::kBFloat16, kGpu, {T, sh.q_heads + sh.kv_heads, D});
-    p.layout.num_heads = sh.q_heads;
-    p.layout.rotary_dim = sh.key_offset || sh.neox ? sh.rotary_dim : D;
-    p.layout.paired = sh.paired;
-    p.layout.key_offset = sh.key_offset;
-    p.kv_heads = sh.kv_heads;
-    p.neox = sh.neox;
+    p.layout = layout();
     p.raster = raster;
     p.swizzle = swizzle;
     p.stream = stream;
@@ -250,20 +261,15 @@ struct Problem {
   void rope_from(const DeviceBuffer& src, int64_t row_stride, const DeviceBuffer& q_out,
                  const DeviceBuffer& k_out, cudaStream_t stream) const {
     const QkvShape& sh = spec.shape;
-    if (sh.q_heads != sh.kv_heads || sh.neox) {
-      throw std::runtime_error("qk_norm_rope takes Hq = Hkv and interleaved rotary only");
-    }
-    const int64_t T = sh.tokens, H = sh.q_heads, D = sh.head_dim;
+    const int64_t T = sh.tokens, D = sh.head_dim;
     QkNormRopeParams p;
-    p.qk = make_view(src.get(), DType::kBFloat16, kGpu, {T, 2 * H, D}, {row_stride, D, 1});
-    p.factor1 = make_view(f1.get(), factor_dtype(), kGpu, {T, sh.factor_width()});
-    p.factor2 = make_view(f2.get(), factor_dtype(), kGpu, {T, sh.factor_width()});
-    p.q = make_view(q_out.get(), DType::kBFloat16, kGpu, {sh.out_tokens(), out_heads(H), D});
-    p.k = make_view(k_out.get(), DType::kBFloat16, kGpu, {sh.out_tokens(), out_heads(H), D});
-    p.layout.num_heads = H;
-    p.layout.rotary_dim = sh.key_offset ? sh.rotary_dim : D;
-    p.layout.paired = sh.paired;
-    p.layout.key_offset = sh.key_offset;
+    p.qk = make_view(src.get(), DType::kBFloat16, kGpu, {T, sh.q_heads + sh.kv_heads, D},
+                     {row_stride, D, 1});
+    p.q = make_view(q_out.get(), DType::kBFloat16, kGpu,
+                    {sh.out_tokens(), out_heads(sh.q_heads), D});
+    p.k = make_view(k_out.get(), DType::kBFloat16, kGpu,
+                    {sh.out_tokens(), out_heads(sh.kv_heads), D});
+    p.layout = layout();
     p.stream = stream;
     qk_norm_rope(p);
   }

@@ -1,7 +1,7 @@
 // reference.hpp: the fused QKV GEMM's norm + rotary written as plainly as possible, for its tests:
-// SPEC.md sections 1 and 8 (GQA, NeoX) on the bf16 pre-norm rows, in fp32 with the row sum in
-// index order (the CPU backend's order, src/cpu/qk_norm_rope.cpp: for the layouts that backend
-// takes, the two agree bit for bit, which epilogue_host_test checks). Plain C++, host only.
+// SPEC.md sections 1 and 8 (GQA, NeoX, lanes >= r passed through) on the bf16 pre-norm rows, in
+// fp32 with the row sum in index order (the CPU backend's order, src/cpu/qk_norm_rope.cpp: the two
+// agree bit for bit, which epilogue_host_test checks). Plain C++, host only.
 #pragma once
 
 #include <cmath>
@@ -22,7 +22,8 @@ struct QkvShape {
   bool paired = false;
   bool key_offset = false;
   bool neox = false;
-  int64_t rotary_dim = 0;  ///< key offset: dims >= rotary_dim shift (NeoX: must be D)
+  int64_t rotary_dim = 0;  ///< r: lanes >= r pass through (keys' shift under key offset); the
+                           ///< fused GEMM takes r < D only with key offset, NeoX r = D only
   float eps = kRmsNormEps;
 
   int64_t qk_cols() const { return (q_heads + kv_heads) * head_dim; }
@@ -72,7 +73,10 @@ inline void reference_qk(const QkvShape& s, const uint16_t* x, int64_t x_stride,
       if (shifted) normalize(t - 1, h2, previous);
       uint16_t* y = (is_key ? k : q).data() + (token * out_heads + head) * D;
       for (int64_t d = 0; d < D; ++d) {
-        float value = f1[t * fw + off + d] * n[size_t(d)] + f2[t * fw + off + d] * n[size_t(partner(d))];
+        float value = n[size_t(d)];  // lanes >= r pass through; the tables are not read there
+        if (d < s.rotary_dim) {
+          value = f1[t * fw + off + d] * n[size_t(d)] + f2[t * fw + off + d] * n[size_t(partner(d))];
+        }
         if (shifted && d >= s.rotary_dim) value = previous[size_t(d)];
         y[d] = float_to_bf16(value);
       }
