@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <sstream>
@@ -875,6 +876,61 @@ Comparison compare_close(const std::string& what, const std::vector<double>& got
       detail << "element " << i << ": got " << got[i] << ", expected " << ref[i] << " (tolerance "
              << tolerance[i] << ")";
       c.first_bad = detail.str();
+    }
+  }
+  return c;
+}
+
+Comparison compare_bf16_gpu_cpu(const std::string& what, const std::vector<uint16_t>& gpu,
+                                const std::vector<uint16_t>& cpu, int64_t row_length,
+                                double relative_noise, const std::vector<double>& term_scale) {
+  Comparison c;
+  c.what = what;
+  c.count = int64_t(cpu.size());
+  if (gpu.size() != cpu.size()) {
+    c.bad = c.count;
+    c.first_bad = "sizes differ";
+    return c;
+  }
+  const auto hex = [](uint16_t bits) {
+    char text[16];
+    std::snprintf(text, sizeof(text), "0x%x", unsigned(bits));
+    return std::string(text);
+  };
+  for (size_t start = 0; start < cpu.size(); start += size_t(row_length)) {
+    double row_max = 0;  // over finite values: an inf must match exactly, not widen the row
+    for (size_t i = start; i < start + size_t(row_length); ++i) {
+      const double v = std::fabs(double(bf16_to_float(cpu[i])));
+      if (std::isfinite(v)) row_max = std::max(row_max, v);
+    }
+    if (!term_scale.empty()) row_max = std::max(row_max, term_scale[start / size_t(row_length)]);
+    for (size_t i = start; i < start + size_t(row_length); ++i) {
+      const uint16_t a = gpu[i], b = cpu[i];
+      const double va = bf16_to_float(a), vb = bf16_to_float(b);
+      bool ok = true;
+      if (a == kPoisonBF16) {
+        ++c.unwritten;
+        continue;
+      } else if (std::isnan(va) || std::isnan(vb)) {
+        ok = std::isnan(va) && std::isnan(vb);
+        if (ok) ++c.exact;
+      } else if (a == b) {
+        ++c.exact;
+      } else if (std::abs(ordinal_bf16(a) - ordinal_bf16(b)) <= 1) {
+        ++c.one_step;
+      } else if (std::isfinite(va) && std::isfinite(vb) &&
+                 std::fabs(va - vb) <= relative_noise * row_max + std::fabs(vb) / 256) {
+        ++c.in_noise;
+      } else {
+        ok = false;
+      }
+      if (!ok && c.bad++ == 0) {
+        std::ostringstream out;
+        out << "element " << i << " (row " << i / size_t(row_length) << ", col "
+            << i % size_t(row_length) << "): gpu " << va << " (" << hex(a) << ") cpu " << vb
+            << " (" << hex(b) << "), row max " << row_max;
+        c.first_bad = out.str();
+      }
     }
   }
   return c;

@@ -1,5 +1,6 @@
 // reference.hpp: an independent float64 model of SPEC.md, the comparisons that judge a backend
-// against it, and the host tensors and inputs the CPU tests share.
+// against it (and the GPU backend against the CPU's), and the host tensors and inputs the CPU tests
+// share.
 //
 // The model (namespace ref) shares no code with src/ and does not use numeric.hpp: it restates
 // the spec with nested loops over dense std::vector<double> arrays and its own rounding
@@ -8,7 +9,9 @@
 // performs exactly that float32 operation. Its rotary works on lane pairs as 2x2 rotations (the
 // pairs enumerated per style), not on src/rope_math.hpp's per-lane partner, frequency and sign
 // rules. Only test inputs (test_util.hpp's random values and rotary tables) are made with
-// numeric.hpp; the test helpers below read the public RopeLayout only to fill it.
+// numeric.hpp (and compare_bf16_gpu_cpu, which holds two backends' outputs against each other and
+// not against the model, decodes with it); the test helpers below read the public RopeLayout only
+// to fill it.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -339,6 +342,20 @@ Comparison compare_e4m3(const std::string& what, const std::vector<uint8_t>& got
 /// Wide-float results (float32, float64) against the reference: |got - ref| <= tolerance.
 Comparison compare_close(const std::string& what, const std::vector<double>& got,
                          const std::vector<double>& ref, const std::vector<double>& tolerance);
+
+// ---- judging one backend against another --------------------------------------------------------
+
+/// bf16 outputs of the two backends on the same inputs, in rows of `row_length`: the GPU's
+/// against the CPU's, the rule of the GPU tests and the fuzz's GPU mode. An element the GPU left
+/// at kPoisonBF16 is unwritten; NaN must be NaN on both (and counts as exact); any other element
+/// must be identical, one bf16 step away, or (where the row's fp32 sums may round differently)
+/// within `relative_noise` times the row's largest finite |cpu| value, raised to the row's entry
+/// of `term_scale` when one is given (the backward's term scales), plus |cpu| / 256. Different
+/// sizes: every element bad, first_bad "sizes differ". first_bad gives the element, its row and
+/// column, both values with their bits, and the row's largest value.
+Comparison compare_bf16_gpu_cpu(const std::string& what, const std::vector<uint16_t>& gpu,
+                                const std::vector<uint16_t>& cpu, int64_t row_length,
+                                double relative_noise, const std::vector<double>& term_scale = {});
 
 // ---- rope inputs --------------------------------------------------------------------------------
 

@@ -177,19 +177,13 @@ class TestStream {
 
 // ---- comparisons ---------------------------------------------------------------------------------
 
-int32_t bf16_order(uint16_t bits) {
-  return (bits & 0x8000) ? -int32_t(bits & 0x7fff) : int32_t(bits & 0x7fff);
-}
 int32_t e4m3_order(uint8_t code) {
   return (code & 0x80) ? -int32_t(code & 0x7f) : int32_t(code & 0x7f);
 }
-bool bf16_nan(uint16_t bits) { return (bits & 0x7f80) == 0x7f80 && (bits & 0x007f) != 0; }
 bool e4m3_nan(uint8_t code) { return (code & 0x7f) == 0x7f; }
 
-struct Diff {
-  std::string what;
-  int64_t count = 0, exact = 0, one_step = 0, in_noise = 0, unwritten = 0, bad = 0;
-  std::string first_bad;
+/// A Comparison with this file's summary and log prefix.
+struct Diff : Comparison {
   std::string summary() const {
     std::ostringstream out;
     out << what << ": " << count << " elements, " << exact << " exact, " << one_step
@@ -205,54 +199,12 @@ struct Diff {
   return ::testing::AssertionFailure() << diff.summary();
 }
 
-/// bf16 rows of `row_length`, GPU against CPU; `term_scale` per row widens the noise (backward).
+/// bf16 rows of `row_length`, GPU against CPU within kSumOrderNoise (compare_bf16_gpu_cpu);
+/// `term_scale` per row widens the noise (backward).
 Diff compare_rows(const std::string& what, const std::vector<uint16_t>& gpu,
                   const std::vector<uint16_t>& cpu, int64_t row_length,
                   const std::vector<double>& term_scale = {}) {
-  Diff diff;
-  diff.what = what;
-  diff.count = int64_t(cpu.size());
-  if (gpu.size() != cpu.size()) {
-    diff.bad = diff.count;
-    diff.first_bad = "sizes differ";
-    return diff;
-  }
-  for (size_t start = 0; start < cpu.size(); start += size_t(row_length)) {
-    double row_max = 0;
-    for (size_t i = start; i < start + size_t(row_length); ++i) {
-      const double v = std::fabs(double(bf16_to_float(cpu[i])));
-      if (std::isfinite(v)) row_max = std::max(row_max, v);
-    }
-    if (!term_scale.empty()) row_max = std::max(row_max, term_scale[start / size_t(row_length)]);
-    for (size_t i = start; i < start + size_t(row_length); ++i) {
-      const uint16_t a = gpu[i], b = cpu[i];
-      const double va = bf16_to_float(a), vb = bf16_to_float(b);
-      bool ok = true;
-      if (a == kPoisonBF16) {
-        ++diff.unwritten;
-        continue;
-      } else if (bf16_nan(a) || bf16_nan(b)) {
-        ok = bf16_nan(a) && bf16_nan(b);
-        if (ok) ++diff.exact;
-      } else if (a == b) {
-        ++diff.exact;
-      } else if (std::abs(bf16_order(a) - bf16_order(b)) <= 1) {
-        ++diff.one_step;
-      } else if (std::isfinite(va) && std::isfinite(vb) &&
-                 std::fabs(va - vb) <= kSumOrderNoise * row_max + std::fabs(vb) / 256) {
-        ++diff.in_noise;
-      } else {
-        ok = false;
-      }
-      if (!ok && diff.bad++ == 0) {
-        std::ostringstream out;
-        out << "element " << i << " (row " << i / size_t(row_length) << "): gpu " << va
-            << " cpu " << vb << ", row max " << row_max;
-        diff.first_bad = out.str();
-      }
-    }
-  }
-  return diff;
+  return Diff{compare_bf16_gpu_cpu(what, gpu, cpu, row_length, kSumOrderNoise, term_scale)};
 }
 
 /// grad_row [T][qkv_dim], GPU against CPU: Q/K rows (Hq + Hkv of D) within one e4m3 step or the

@@ -98,9 +98,7 @@ std::vector<float> as_f32(const std::vector<uint8_t>& bytes) {
   return out;
 }
 
-bool bf16_nan(uint16_t bits) { return (bits & 0x7f80) == 0x7f80 && (bits & 0x007f) != 0; }
 bool e4m3_nan(uint8_t code) { return (code & 0x7f) == 0x7f; }
-int32_t bf16_order(uint16_t bits) { return (bits & 0x8000) ? -int32_t(bits & 0x7fff) : int32_t(bits & 0x7fff); }
 int32_t e4m3_order(uint8_t code) { return (code & 0x80) ? -int32_t(code & 0x7f) : int32_t(code & 0x7f); }
 
 /// Float equality where every NaN equals every NaN.
@@ -158,65 +156,28 @@ ref::RopeGradients model_gradients(const Case& c, const Inputs& in) {
 
 // ---- GPU vs CPU ------------------------------------------------------------------------------------
 
-/// Element counts of one output compared GPU against CPU.
-struct Tally {
-  int64_t exact = 0, one_step = 0, in_noise = 0, unwritten = 0, bad = 0;
-  std::string first_bad;
-  std::string summary(const std::string& what) const {
-    std::ostringstream out;
-    out << what << ": " << exact << " exact, " << one_step << " by 1 step, " << in_noise
-        << " in row noise, " << unwritten << " unwritten, " << bad << " bad";
-    if (!first_bad.empty()) out << " (first: " << first_bad << ")";
-    return out.str();
-  }
-};
+/// The summary of one output compared GPU against CPU (its element counts; what and count unused).
+std::string tally_summary(const test::Comparison& tally, const std::string& what) {
+  std::ostringstream out;
+  out << what << ": " << tally.exact << " exact, " << tally.one_step << " by 1 step, "
+      << tally.in_noise << " in row noise, " << tally.unwritten << " unwritten, " << tally.bad
+      << " bad";
+  if (!tally.first_bad.empty()) out << " (first: " << tally.first_bad << ")";
+  return out.str();
+}
 
-/// bf16 outputs in rows of `row_length`, GPU against CPU (the rule of test_cuda_qk_norm_rope.cpp).
+/// bf16 outputs in rows of `row_length`, GPU against CPU (the rule of test_cuda_qk_norm_rope.cpp,
+/// test::compare_bf16_gpu_cpu within kRowNoise).
 void compare_bf16_gpu(Findings& findings, const std::string& what, const std::vector<uint16_t>& gpu,
                       const std::vector<uint16_t>& cpu, int64_t row_length,
                       const std::vector<double>& term_scale = {}) {
-  Tally tally;
   if (gpu.size() != cpu.size()) {
     findings.add(what + ": sizes differ");
     return;
   }
-  for (size_t start = 0; start < cpu.size(); start += size_t(row_length)) {
-    double row_max = 0;  // over finite values: an inf must match exactly, not widen the row
-    for (size_t i = start; i < start + size_t(row_length); ++i) {
-      const double v = std::fabs(double(bf16_to_float(cpu[i])));
-      if (std::isfinite(v)) row_max = std::max(row_max, v);
-    }
-    if (!term_scale.empty()) row_max = std::max(row_max, term_scale[start / size_t(row_length)]);
-    for (size_t i = start; i < start + size_t(row_length); ++i) {
-      const uint16_t a = gpu[i], b = cpu[i];
-      const double va = bf16_to_float(a), vb = bf16_to_float(b);
-      bool ok = true;
-      if (a == kPoisonBF16) {
-        ++tally.unwritten;
-        continue;
-      } else if (bf16_nan(a) || bf16_nan(b)) {
-        ok = bf16_nan(a) && bf16_nan(b);
-        if (ok) ++tally.exact;
-      } else if (a == b) {
-        ++tally.exact;
-      } else if (std::abs(bf16_order(a) - bf16_order(b)) <= 1) {
-        ++tally.one_step;
-      } else if (std::isfinite(va) && std::isfinite(vb) &&
-                 std::fabs(va - vb) <= kRowNoise * row_max + std::fabs(vb) / 256) {
-        ++tally.in_noise;
-      } else {
-        ok = false;
-      }
-      if (!ok && tally.bad++ == 0) {
-        std::ostringstream out;
-        out << "element " << i << " (row " << i / size_t(row_length) << ", col "
-            << i % size_t(row_length) << "): gpu " << va << " (" << hex(a) << ") cpu " << vb
-            << " (" << hex(b) << "), row max " << row_max;
-        tally.first_bad = out.str();
-      }
-    }
-  }
-  if (tally.bad || tally.unwritten) findings.add(tally.summary(what + " [gpu vs cpu]"));
+  const test::Comparison tally =
+      test::compare_bf16_gpu_cpu(what, gpu, cpu, row_length, kRowNoise, term_scale);
+  if (tally.bad || tally.unwritten) findings.add(tally_summary(tally, what + " [gpu vs cpu]"));
 }
 
 std::vector<double> feature_noise(const Case& c, const std::vector<double>& values,
@@ -246,7 +207,7 @@ void compare_grad_row_gpu(Findings& findings, const Case& c, const std::vector<u
                           const std::vector<bool>& ambiguous) {
   const double scale = std::fabs(double(c.scales[0]));
   const bool scale_usable = std::isfinite(scale) && scale > 0;
-  Tally tally;
+  test::Comparison tally;
   const int64_t qk_rows = c.input_heads();
   const int64_t qk_features = c.qk_features();
   const int64_t qkv = c.qkv_dim();
@@ -295,7 +256,7 @@ void compare_grad_row_gpu(Findings& findings, const Case& c, const std::vector<u
       }
     }
   }
-  if (tally.bad || tally.unwritten) findings.add(tally.summary("grad_row [gpu vs cpu]"));
+  if (tally.bad || tally.unwritten) findings.add(tally_summary(tally, "grad_row [gpu vs cpu]"));
 }
 
 /// The values of a float output's bytes (bf16 or float32).
