@@ -80,6 +80,11 @@ RopeLayout rope_layout(const BoxedCall& call, const OpArgs& args) {
           .k_weight = args.optional_view(call.optional_tensor("k_weight"), "layout.k_weight")};
 }
 
+/// The view of the call's tensor argument `name`, named as the argument in messages.
+TensorView input_view(const BoxedCall& call, const OpArgs& args, const char* name) {
+  return args.view(call.tensor(name), name);
+}
+
 /// q's and k's shapes: [T, Hq, D] and [T, Hkv, D], or [2T, Hq/2, D] each when paired (the
 /// library checks that Hq = Hkv is even).
 struct RopeOutputShapes {
@@ -167,8 +172,8 @@ void qk_norm_rope_backward(const c10::OperatorHandle& op, Stack* stack) {
   const RopeLayout layout = rope_layout(call, args);
   Tensor grad_qk = at::empty(qk.sizes(), qk.options());
   WeightGrads weights(call, qk);
-  QkNormRopeBackwardParams params{.grad_q = args.view(call.tensor("grad_q"), "grad_q"),
-                                  .grad_k = args.view(call.tensor("grad_k"), "grad_k"),
+  QkNormRopeBackwardParams params{.grad_q = input_view(call, args, "grad_q"),
+                                  .grad_k = input_view(call, args, "grad_k"),
                                   .qk = args.view(qk, "qk"),
                                   .grad_qk = args.view(grad_qk, "grad_qk"),
                                   .grad_q_weight = weights.q_view(args, layout),
@@ -198,11 +203,11 @@ void qkv_backward_fp8(const c10::OperatorHandle& op, Stack* stack) {
   Tensor grad_row = at::empty({tokens, features}, e4m3_like(qk));
   Tensor grad_t = at::empty({features, tokens}, e4m3_like(qk));
   WeightGrads weights(call, qk);
-  QkvBackwardFp8Params params{.grad_q = args.view(call.tensor("grad_q"), "grad_q"),
-                              .grad_k = args.view(call.tensor("grad_k"), "grad_k"),
+  QkvBackwardFp8Params params{.grad_q = input_view(call, args, "grad_q"),
+                              .grad_k = input_view(call, args, "grad_k"),
                               .grad_v = args.view(grad_v, "grad_v"),
                               .qk = args.view(qk, "qk"),
-                              .grad_scale = args.view(call.tensor("grad_scale"), "grad_scale"),
+                              .grad_scale = input_view(call, args, "grad_scale"),
                               .grad_row = args.view(grad_row, "grad_row"),
                               .grad_t = args.view(grad_t, "grad_t"),
                               .grad_q_weight = weights.q_view(args, layout),
@@ -256,10 +261,10 @@ void packed_qkv_forward(const c10::OperatorHandle& op, Stack* stack) {
   Tensor k = at::empty(shapes.k, bf16);
   qkvfuse::packed_qkv_forward(
       {.x_f8 = args.view(x_f8, "x_f8"),
-       .weight_f8 = args.view(call.tensor("weight_f8"), "weight_f8"),
-       .x_scale = args.view(call.tensor("x_scale"), "x_scale"),
-       .weight_scale = args.view(call.tensor("weight_scale"), "weight_scale"),
-       .qkv_scale = args.view(call.tensor("qkv_scale"), "qkv_scale"),
+       .weight_f8 = input_view(call, args, "weight_f8"),
+       .x_scale = input_view(call, args, "x_scale"),
+       .weight_scale = input_view(call, args, "weight_scale"),
+       .qkv_scale = input_view(call, args, "qkv_scale"),
        .qk = args.view(qk, "qk"),
        .v = args.view(v, "v"),
        .q = args.view(q, "q"),
@@ -309,18 +314,18 @@ void packed_qkv_backward(const c10::OperatorHandle& op, Stack* stack) {
   Tensor partials = at::empty({kGradScalePartials}, f32);
 
   PackedQkvBackwardParams params{
-      .grad_q = args.view(call.tensor("grad_q"), "grad_q"),
-      .grad_k = args.view(call.tensor("grad_k"), "grad_k"),
-      .grad_v = args.view(call.tensor("grad_v"), "grad_v"),
+      .grad_q = input_view(call, args, "grad_q"),
+      .grad_k = input_view(call, args, "grad_k"),
+      .grad_v = input_view(call, args, "grad_v"),
       .qk = args.view(qk, "qk"),
       .x_f8_t = args.view(x_f8_t, "x_f8_t"),
-      .weight_f8_t = args.view(call.tensor("weight_f8_t"), "weight_f8_t"),
+      .weight_f8_t = input_view(call, args, "weight_f8_t"),
       .qk_weight = args.view(qk_weight, "qk_weight"),
       .v_weight = args.view(v_weight, "v_weight"),
-      .x_scale = args.view(call.tensor("x_scale"), "x_scale"),
-      .weight_scale = args.view(call.tensor("weight_scale"), "weight_scale"),
+      .x_scale = input_view(call, args, "x_scale"),
+      .weight_scale = input_view(call, args, "weight_scale"),
       .qkv_scale = qkv_scale_view,
-      .grad_scale = args.view(call.tensor("grad_scale"), "grad_scale"),
+      .grad_scale = input_view(call, args, "grad_scale"),
       .grad_row = args.view(grad_row, "grad_row"),
       .grad_t = args.view(grad_t, "grad_t"),
       .partials = args.view(partials, "partials"),
