@@ -1114,7 +1114,7 @@ RopeLayout RopeData::layout() {
 }
 
 ::testing::AssertionResult throws_error(const std::function<void()>& call,
-                                        std::initializer_list<std::string> parts) {
+                                        const std::vector<std::string>& parts) {
   try {
     call();
   } catch (const Error& error) {

@@ -19,7 +19,6 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
-#include <initializer_list>
 #include <optional>
 #include <random>
 #include <string>
@@ -422,6 +421,6 @@ std::string describe(const ref::Rope& rope);
 
 /// Passes when `call` throws qkvfuse::Error whose message contains every one of `parts`.
 ::testing::AssertionResult throws_error(const std::function<void()>& call,
-                                        std::initializer_list<std::string> parts);
+                                        const std::vector<std::string>& parts);
 
 }  // namespace qkvfuse::test

@@ -588,23 +588,6 @@ struct LayoutArgs {
   }
 };
 
-/// Passes when `call` throws qkvfuse::Error whose message contains every part.
-::testing::AssertionResult refuses(const std::function<void()>& call,
-                                   const std::vector<std::string>& parts) {
-  try {
-    call();
-  } catch (const Error& error) {
-    const std::string message = error.what();
-    for (const std::string& part : parts) {
-      if (message.find(part) == std::string::npos) {
-        return ::testing::AssertionFailure() << "the message lacks \"" << part << "\": " << message;
-      }
-    }
-    return ::testing::AssertionSuccess() << message;
-  }
-  return ::testing::AssertionFailure() << "did not throw";
-}
-
 /// The layout broken by `breaks` is refused by all three rope ops, each message naming the op and
 /// containing `parts`, and nothing is written. `tables` starts from the factor-table layout.
 void expect_layout_refused(const std::function<void(RopeLayout&)>& breaks,
@@ -619,15 +602,15 @@ void expect_layout_refused(const std::function<void(RopeLayout&)>& breaks,
   auto f = args.forward();
   f.layout = base;
   breaks(f.layout);
-  EXPECT_TRUE(refuses([&] { qk_norm_rope(f); }, with("qk_norm_rope")));
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(f); }, with("qk_norm_rope")));
   auto b = args.backward();
   b.layout = base;
   breaks(b.layout);
-  EXPECT_TRUE(refuses([&] { qk_norm_rope_backward(b); }, with("qk_norm_rope_backward")));
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope_backward(b); }, with("qk_norm_rope_backward")));
   auto p = args.fp8();
   p.layout = base;
   breaks(p.layout);
-  EXPECT_TRUE(refuses([&] { qkv_backward_fp8(p); }, with("qkv_backward_fp8")));
+  EXPECT_TRUE(throws_error([&] { qkv_backward_fp8(p); }, with("qkv_backward_fp8")));
   EXPECT_TRUE(args.nothing_written());
 }
 
@@ -916,29 +899,29 @@ TEST(ValidationLayout, GqaShapes) {
   auto f = args.forward();
   f.k = alias(f.k, DType::kBFloat16, {LayoutArgs::T, LayoutArgs::Hq, LayoutArgs::D});
   f.k.data = args.q.view().data;  // shape checked before overlap
-  EXPECT_TRUE(refuses([&] { qk_norm_rope(f); },
-                      {"qk_norm_rope: k: expected shape [4, 2, 32] ([T, num_kv_heads, D])"}));
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(f); },
+                           {"qk_norm_rope: k: expected shape [4, 2, 32] ([T, num_kv_heads, D])"}));
   f = args.forward();
   f.layout.num_kv_heads = 4;  // qk holds 6 heads, the layout now says 8
-  EXPECT_TRUE(refuses([&] { qk_norm_rope(f); },
-                      {"qk: expected shape [T, 8, 32] (num_heads + num_kv_heads = 8 heads)"}));
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(f); },
+                           {"qk: expected shape [T, 8, 32] (num_heads + num_kv_heads = 8 heads)"}));
   auto b = args.backward();
   b.grad_k.sizes[1] = LayoutArgs::Hq;
-  EXPECT_TRUE(refuses([&] { qk_norm_rope_backward(b); },
-                      {"qk_norm_rope_backward: grad_k: expected shape [4, 2, 32]"}));
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope_backward(b); },
+                           {"qk_norm_rope_backward: grad_k: expected shape [4, 2, 32]"}));
   b = args.backward();
   b.grad_qk.sizes[1] = 2 * LayoutArgs::Hq;
-  EXPECT_TRUE(refuses([&] { qk_norm_rope_backward(b); },
-                      {"qk_norm_rope_backward: grad_qk: expected shape [4, 6, 32]"}));
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope_backward(b); },
+                           {"qk_norm_rope_backward: grad_qk: expected shape [4, 6, 32]"}));
   auto p = args.fp8();
   p.grad_v.sizes[1] = LayoutArgs::Hq;
-  EXPECT_TRUE(refuses([&] { qkv_backward_fp8(p); },
-                      {"qkv_backward_fp8: grad_v: expected shape [4, 2, Dv] (T from qk, "
+  EXPECT_TRUE(throws_error([&] { qkv_backward_fp8(p); },
+                           {"qkv_backward_fp8: grad_v: expected shape [4, 2, Dv] (T from qk, "
                        "num_kv_heads)"}));
   p = args.fp8();
   p.grad_row.sizes[1] = 2 * LayoutArgs::Hq * LayoutArgs::D + LayoutArgs::Hq * LayoutArgs::Dv;
-  EXPECT_TRUE(refuses([&] { qkv_backward_fp8(p); },
-                      {"qkv_backward_fp8: grad_row: expected shape [4, 224] (qkv_dim = "
+  EXPECT_TRUE(throws_error([&] { qkv_backward_fp8(p); },
+                           {"qkv_backward_fp8: grad_row: expected shape [4, 224] (qkv_dim = "
                        "(Hq + Hkv)*D + Hkv*Dv = 224)"}));
   EXPECT_TRUE(args.nothing_written());
 }
@@ -954,44 +937,48 @@ void check_weight_grad_refusals(LayoutArgs& args, Params valid, const std::strin
   Params p = valid;
   // A gradient given without its weight, and missing with it.
   p.layout.q_weight = TensorView{};
-  EXPECT_TRUE(refuses([&] { run(p); },
-                      {op + ": grad_q_weight: given, but its weight is not (a gradient goes with "
-                            "its weight)"}));
+  EXPECT_TRUE(throws_error([&] { run(p); },
+                           {op + ": grad_q_weight: given, but its weight is not (a gradient goes "
+                            "with its weight)"}));
   p = valid;
   p.layout.k_weight = TensorView{};
-  EXPECT_TRUE(refuses([&] { run(p); }, {op + ": grad_k_weight: given, but its weight is not"}));
+  EXPECT_TRUE(throws_error([&] { run(p); },
+                           {op + ": grad_k_weight: given, but its weight is not"}));
   p = valid;
   p.grad_q_weight = TensorView{};
-  EXPECT_TRUE(refuses([&] { run(p); },
-                      {op + ": grad_q_weight: missing (the layout has its weight, whose gradient "
-                            "it receives)"}));
+  EXPECT_TRUE(throws_error([&] { run(p); },
+                           {op + ": grad_q_weight: missing (the layout has its weight, whose "
+                            "gradient it receives)"}));
   p = valid;
   p.grad_k_weight = TensorView{};
-  EXPECT_TRUE(refuses([&] { run(p); }, {op + ": grad_k_weight: missing"}));
+  EXPECT_TRUE(throws_error([&] { run(p); }, {op + ": grad_k_weight: missing"}));
   // The weight's dtype ([D] bf16 for q, float32 for k here), shape, contiguity.
   p = valid;
   p.grad_q_weight = f32.view();
-  EXPECT_TRUE(refuses([&] { run(p); },
-                      {op + ": grad_q_weight: expected dtype bfloat16, got float32"}));
+  EXPECT_TRUE(throws_error([&] { run(p); },
+                           {op + ": grad_q_weight: expected dtype bfloat16, got float32"}));
   p = valid;
   p.grad_k_weight = bf16.view();
-  EXPECT_TRUE(refuses([&] { run(p); },
-                      {op + ": grad_k_weight: expected dtype float32, got bfloat16"}));
+  EXPECT_TRUE(throws_error([&] { run(p); },
+                           {op + ": grad_k_weight: expected dtype float32, got bfloat16"}));
   p = valid;
   p.grad_k_weight = longer.view();
-  EXPECT_TRUE(refuses([&] { run(p); },
-                      {op + ": grad_k_weight: expected shape [32] ([D], as its weight), got [33]"}));
+  EXPECT_TRUE(throws_error([&] { run(p); },
+                           {op + ": grad_k_weight: expected shape [32] ([D], as its weight), "
+                            "got [33]"}));
   p = valid;
   p.grad_q_weight = strided.view();
-  EXPECT_TRUE(refuses([&] { run(p); },
-                      {op + ": grad_q_weight: expected a row-major contiguous tensor"}));
+  EXPECT_TRUE(throws_error([&] { run(p); },
+                           {op + ": grad_q_weight: expected a row-major contiguous tensor"}));
   // Outputs overlap nothing: the weight itself, the other gradient.
   p = valid;
   p.grad_q_weight = p.layout.q_weight;
-  EXPECT_TRUE(refuses([&] { run(p); }, {op + ": grad_q_weight: overlaps input layout.q_weight"}));
+  EXPECT_TRUE(throws_error([&] { run(p); },
+                           {op + ": grad_q_weight: overlaps input layout.q_weight"}));
   p = valid;
   p.grad_k_weight = alias(p.layout.k_weight, DType::kFloat32, {LayoutArgs::D});
-  EXPECT_TRUE(refuses([&] { run(p); }, {op + ": grad_k_weight: overlaps input layout.k_weight"}));
+  EXPECT_TRUE(throws_error([&] { run(p); },
+                           {op + ": grad_k_weight: overlaps input layout.k_weight"}));
   // The workspace: none is needed on the CPU (size 0); one given must still be float32 [n].
   p = valid;
   EXPECT_EQ(backward_workspace_size(p), 0);
@@ -1000,16 +987,18 @@ void check_weight_grad_refusals(LayoutArgs& args, Params valid, const std::strin
   EXPECT_NO_THROW(run(p));
   HostTensor f64(DType::kFloat64, {16});
   p.workspace = f64.view();
-  EXPECT_TRUE(refuses([&] { run(p); }, {op + ": workspace: expected dtype float32, got float64"}));
+  EXPECT_TRUE(throws_error([&] { run(p); },
+                           {op + ": workspace: expected dtype float32, got float64"}));
   HostTensor matrix(DType::kFloat32, {4, 4});
   p.workspace = matrix.view();
-  EXPECT_TRUE(refuses([&] { run(p); }, {op + ": workspace: expected 1 dims"}));
+  EXPECT_TRUE(throws_error([&] { run(p); }, {op + ": workspace: expected 1 dims"}));
   HostTensor gapped(DType::kFloat32, {8}, {2});
   p.workspace = gapped.view();
-  EXPECT_TRUE(refuses([&] { run(p); }, {op + ": workspace: expected a row-major contiguous"}));
+  EXPECT_TRUE(throws_error([&] { run(p); },
+                           {op + ": workspace: expected a row-major contiguous"}));
   p = valid;
   p.workspace = alias(p.grad_q_weight, DType::kFloat32, {4});
-  EXPECT_TRUE(refuses([&] { run(p); }, {op + ": grad_q_weight: overlaps output workspace"}));
+  EXPECT_TRUE(throws_error([&] { run(p); }, {op + ": grad_q_weight: overlaps output workspace"}));
   (void)args;
 }
 
@@ -1107,47 +1096,50 @@ TEST(ValidationLayout, PackedOpWithAGeneralLayout) {
   PackedLayoutArgs args;
   auto f = args.forward();
   f.v.sizes[1] = PackedLayoutArgs::Hq;
-  EXPECT_TRUE(refuses([&] { packed_qkv_forward(f); },
-                      {"packed_qkv_forward: v: expected shape [4, 2, Dv] (T from x_f8, "
+  EXPECT_TRUE(throws_error([&] { packed_qkv_forward(f); },
+                           {"packed_qkv_forward: v: expected shape [4, 2, Dv] (T from x_f8, "
                        "num_kv_heads)"}));
   f = args.forward();
   f.weight_f8.sizes[0] = 2 * PackedLayoutArgs::Hq * PackedLayoutArgs::D;
-  EXPECT_TRUE(refuses([&] { packed_qkv_forward(f); },
-                      {"packed_qkv_forward: weight_f8: expected shape [224, 16] (qkv_dim = "
+  EXPECT_TRUE(throws_error([&] { packed_qkv_forward(f); },
+                           {"packed_qkv_forward: weight_f8: expected shape [224, 16] (qkv_dim = "
                        "(Hq + Hkv)*D + Hkv*Dv = 224)"}));
   f = args.forward();
   f.layout.key_offset = true;
-  EXPECT_TRUE(refuses([&] { packed_qkv_forward(f); },
-                      {"packed_qkv_forward", "layout.key_offset: needs num_kv_heads = num_heads"}));
+  EXPECT_TRUE(throws_error([&] { packed_qkv_forward(f); },
+                           {"packed_qkv_forward",
+                            "layout.key_offset: needs num_kv_heads = num_heads"}));
   f = args.forward();
   f.layout.positions.sizes[0] = PackedLayoutArgs::T - 1;
-  EXPECT_TRUE(refuses([&] { packed_qkv_forward(f); },
-                      {"packed_qkv_forward", "layout.positions: expected shape [4]"}));
+  EXPECT_TRUE(throws_error([&] { packed_qkv_forward(f); },
+                           {"packed_qkv_forward", "layout.positions: expected shape [4]"}));
   f = args.forward();
   f.layout.q_weight.dtype = DType::kFloat8E4M3;
-  EXPECT_TRUE(refuses([&] { packed_qkv_forward(f); }, {"packed_qkv_forward", "layout.q_weight"}));
+  EXPECT_TRUE(throws_error([&] { packed_qkv_forward(f); },
+                           {"packed_qkv_forward", "layout.q_weight"}));
 
   auto b = args.backward();
   b.qk_weight.sizes[0] = 2 * PackedLayoutArgs::Hq * PackedLayoutArgs::D;
-  EXPECT_TRUE(refuses([&] { packed_qkv_backward(b); },
-                      {"packed_qkv_backward: qk_weight: expected shape [192, 16] "
+  EXPECT_TRUE(throws_error([&] { packed_qkv_backward(b); },
+                           {"packed_qkv_backward: qk_weight: expected shape [192, 16] "
                        "([(Hq+Hkv)*D, C])"}));
   b = args.backward();
   b.v_weight.sizes[0] = PackedLayoutArgs::Hq * PackedLayoutArgs::Dv;
-  EXPECT_TRUE(refuses([&] { packed_qkv_backward(b); },
-                      {"packed_qkv_backward: v_weight: expected shape [32, 16] ([Hkv*Dv, C])"}));
+  EXPECT_TRUE(throws_error([&] { packed_qkv_backward(b); },
+                           {"packed_qkv_backward: v_weight: expected shape [32, 16] "
+                            "([Hkv*Dv, C])"}));
   b = args.backward();
   b.grad_q_weight = TensorView{};
-  EXPECT_TRUE(refuses([&] { packed_qkv_backward(b); },
-                      {"packed_qkv_backward", "grad_q_weight: missing"}));
+  EXPECT_TRUE(throws_error([&] { packed_qkv_backward(b); },
+                           {"packed_qkv_backward", "grad_q_weight: missing"}));
   b = args.backward();
   b.layout.k_weight = TensorView{};
-  EXPECT_TRUE(refuses([&] { packed_qkv_backward(b); },
-                      {"packed_qkv_backward", "grad_k_weight: given, but its weight is not"}));
+  EXPECT_TRUE(throws_error([&] { packed_qkv_backward(b); },
+                           {"packed_qkv_backward", "grad_k_weight: given, but its weight is not"}));
   b = args.backward();
   b.grad_k_weight = alias(b.grad_x, DType::kFloat32, {PackedLayoutArgs::D});
-  EXPECT_TRUE(refuses([&] { packed_qkv_backward(b); },
-                      {"packed_qkv_backward", "grad_k_weight: overlaps output grad_x"}));
+  EXPECT_TRUE(throws_error([&] { packed_qkv_backward(b); },
+                           {"packed_qkv_backward", "grad_k_weight: overlaps output grad_x"}));
   EXPECT_TRUE(args.nothing_written());
 }
 
@@ -1159,8 +1151,8 @@ TEST(ValidationLayout, PackedRopeWorkspaceIsNamedAsThePackedArgument) {
   HostTensor f64(DType::kFloat64, {16});
   auto b = args.backward();
   b.rope_workspace = f64.view();
-  EXPECT_TRUE(refuses([&] { packed_qkv_backward(b); },
-                      {"packed_qkv_backward", "rope_workspace", "expected dtype float32"}));
+  EXPECT_TRUE(throws_error([&] { packed_qkv_backward(b); },
+                           {"packed_qkv_backward", "rope_workspace", "expected dtype float32"}));
   EXPECT_TRUE(args.nothing_written());
 }
 
