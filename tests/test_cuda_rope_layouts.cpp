@@ -298,6 +298,56 @@ struct Grads {
   }
 };
 
+/// The norm weights' gradients of one backward call, [D] in the weights' dtype, each present
+/// exactly when its weight is: host tensors for the CPU's call (Tensor = HostTensor), poisoned
+/// device outputs for a GPU run (Tensor = DeviceOut).
+template <typename Tensor>
+struct WeightGradOutputs {
+  DType dtype;
+  std::optional<Tensor> q, k;
+
+  explicit WeightGradOutputs(const RopeData& data) : dtype(data.spec.weight_dtype) {
+    if (data.q_weight) q.emplace(dtype, std::vector<int64_t>{data.rope.head_dim});
+    if (data.k_weight) k.emplace(dtype, std::vector<int64_t>{data.rope.head_dim});
+  }
+  TensorView q_view() { return q ? q->view() : TensorView{}; }
+  TensorView k_view() { return k ? k->view() : TensorView{}; }
+  /// A GPU run's gradients, read back (no bytes for an absent weight).
+  std::vector<uint8_t> read_q() const {
+    return q ? q->read("grad_q_weight") : std::vector<uint8_t>{};
+  }
+  std::vector<uint8_t> read_k() const {
+    return k ? k->read("grad_k_weight") : std::vector<uint8_t>{};
+  }
+};
+
+/// A GPU run's weight gradients (`got_q`, `got_k`: WeightGradOutputs<DeviceOut>::read_q/read_k)
+/// against the CPU's, for each weight given (weight_grads_agree).
+void expect_weight_grads_agree(const WeightGradOutputs<HostTensor>& cpu,
+                               const std::vector<uint8_t>& got_q, const std::vector<uint8_t>& got_k,
+                               const ref::RopeGradients& model) {
+  if (cpu.q) {
+    EXPECT_TRUE(weight_grads_agree("grad_q_weight", cpu.dtype, values_of(got_q, cpu.dtype),
+                                   cpu.q->get(), model.q_weight_magnitude, model.q_weight_terms));
+  }
+  if (cpu.k) {
+    EXPECT_TRUE(weight_grads_agree("grad_k_weight", cpu.dtype, values_of(got_k, cpu.dtype),
+                                   cpu.k->get(), model.k_weight_magnitude, model.k_weight_terms));
+  }
+}
+
+/// Puts into `slot` (a workspace of `params`) the float32 workspace `params` asks for, poisoned
+/// (NaN), held by `holder`; none when it asks for 0 elements. Returns the size asked for.
+template <typename Params>
+int64_t attach_workspace(Params& params, TensorView& slot, std::optional<DeviceOut>& holder) {
+  const int64_t size = backward_workspace_size(params);
+  if (size > 0) {
+    holder.emplace(DType::kFloat32, std::vector<int64_t>{size});
+    slot = holder->view();
+  }
+  return size;
+}
+
 void check_forward(RopeData& data, const Offsets& at = {}) {
   SCOPED_TRACE("forward");
   const ref::Rope& r = data.rope;
@@ -331,17 +381,14 @@ void check_backward(RopeData& data, std::mt19937_64& rng, const Offsets& at = {}
   SCOPED_TRACE("backward");
   const ref::Rope& r = data.rope;
   Grads grads(rng, r);
-  const DType wdt = data.spec.weight_dtype;
   HostTensor grad_qk(DType::kBFloat16, {r.tokens, r.input_heads(), r.head_dim});
-  std::optional<HostTensor> gqw, gkw;
-  if (data.q_weight) gqw.emplace(wdt, std::vector<int64_t>{r.head_dim});
-  if (data.k_weight) gkw.emplace(wdt, std::vector<int64_t>{r.head_dim});
+  WeightGradOutputs<HostTensor> cpu_weights(data);
   qk_norm_rope_backward({.grad_q = grads.q_tensor.view(),
                          .grad_k = grads.k_tensor.view(),
                          .qk = data.qk_tensor->view(),
                          .grad_qk = grad_qk.view(),
-                         .grad_q_weight = gqw ? gqw->view() : TensorView{},
-                         .grad_k_weight = gkw ? gkw->view() : TensorView{},
+                         .grad_q_weight = cpu_weights.q_view(),
+                         .grad_k_weight = cpu_weights.k_view(),
                          .layout = data.layout()});
   const ref::RopeGradients model = ref::rope_gradients(r, grads.q, grads.k, data.qk, data.tensors);
 
@@ -352,40 +399,27 @@ void check_backward(RopeData& data, std::mt19937_64& rng, const Offsets& at = {}
   std::vector<uint8_t> first[3];
   for (int run = 0; run < 2; ++run) {
     DeviceOut gqk(DType::kBFloat16, {r.tokens, r.input_heads(), r.head_dim}, at.outputs);
-    std::optional<DeviceOut> dqw, dkw, workspace;
-    if (gqw) dqw.emplace(wdt, std::vector<int64_t>{r.head_dim});
-    if (gkw) dkw.emplace(wdt, std::vector<int64_t>{r.head_dim});
+    WeightGradOutputs<DeviceOut> weights(data);
+    std::optional<DeviceOut> workspace;
     QkNormRopeBackwardParams p{.grad_q = dq.view,
                                .grad_k = dk.view,
                                .qk = dev.qk.view,
                                .grad_qk = gqk.view(),
-                               .grad_q_weight = dqw ? dqw->view() : TensorView{},
-                               .grad_k_weight = dkw ? dkw->view() : TensorView{},
+                               .grad_q_weight = weights.q_view(),
+                               .grad_k_weight = weights.k_view(),
                                .layout = dev.layout,
                                .stream = stream.get()};
-    const int64_t size = backward_workspace_size(p);
-    if (!gqw && !gkw) EXPECT_EQ(size, 0) << "a workspace without norm weights";
-    if (size > 0) {
-      workspace.emplace(DType::kFloat32, std::vector<int64_t>{size});  // poisoned: NaN
-      p.workspace = workspace->view();
-    }
+    const int64_t size = attach_workspace(p, p.workspace, workspace);
+    if (!weights.q && !weights.k) EXPECT_EQ(size, 0) << "a workspace without norm weights";
     synchronize();
     qk_norm_rope_backward(p);
     stream.sync();
     const std::vector<uint8_t> got = gqk.read("grad_qk");
-    const std::vector<uint8_t> got_qw = dqw ? dqw->read("grad_q_weight") : std::vector<uint8_t>{};
-    const std::vector<uint8_t> got_kw = dkw ? dkw->read("grad_k_weight") : std::vector<uint8_t>{};
+    const std::vector<uint8_t> got_qw = weights.read_q(), got_kw = weights.read_k();
     if (run == 0) {
       EXPECT_TRUE(clean(compare_rows("grad_qk", as_u16(got), grad_qk.get_bf16_bits(), r.head_dim,
                                      model.term_scale)));
-      if (gqw) {
-        EXPECT_TRUE(weight_grads_agree("grad_q_weight", wdt, values_of(got_qw, wdt), gqw->get(),
-                                       model.q_weight_magnitude, model.q_weight_terms));
-      }
-      if (gkw) {
-        EXPECT_TRUE(weight_grads_agree("grad_k_weight", wdt, values_of(got_kw, wdt), gkw->get(),
-                                       model.k_weight_magnitude, model.k_weight_terms));
-      }
+      expect_weight_grads_agree(cpu_weights, got_qw, got_kw, model);
       first[0] = got;
       first[1] = got_qw;
       first[2] = got_kw;
@@ -408,11 +442,8 @@ void check_fp8(RopeData& data, std::mt19937_64& rng, int64_t v_dim, float grad_s
   grad_v.set(random_values(rng, size_t(T * r.k_heads() * v_dim), DType::kBFloat16));
   HostTensor scale(DType::kFloat32, {});
   scale.set({grad_scale});
-  const DType wdt = data.spec.weight_dtype;
   HostTensor row(DType::kFloat8E4M3, {T, features}), t(DType::kFloat8E4M3, {features, T});
-  std::optional<HostTensor> gqw, gkw;
-  if (data.q_weight) gqw.emplace(wdt, std::vector<int64_t>{r.head_dim});
-  if (data.k_weight) gkw.emplace(wdt, std::vector<int64_t>{r.head_dim});
+  WeightGradOutputs<HostTensor> cpu_weights(data);
   qkv_backward_fp8({.grad_q = grads.q_tensor.view(),
                     .grad_k = grads.k_tensor.view(),
                     .grad_v = grad_v.view(),
@@ -420,8 +451,8 @@ void check_fp8(RopeData& data, std::mt19937_64& rng, int64_t v_dim, float grad_s
                     .grad_scale = scale.view(),
                     .grad_row = row.view(),
                     .grad_t = t.view(),
-                    .grad_q_weight = gqw ? gqw->view() : TensorView{},
-                    .grad_k_weight = gkw ? gkw->view() : TensorView{},
+                    .grad_q_weight = cpu_weights.q_view(),
+                    .grad_k_weight = cpu_weights.k_view(),
                     .layout = data.layout()});
   const ref::RopeGradients model = ref::rope_gradients(r, grads.q, grads.k, data.qk, data.tensors);
 
@@ -435,9 +466,8 @@ void check_fp8(RopeData& data, std::mt19937_64& rng, int64_t v_dim, float grad_s
   for (int run = 0; run < 2; ++run) {
     DeviceOut grow(DType::kFloat8E4M3, {T, features}, at.outputs);
     DeviceOut gt(DType::kFloat8E4M3, {features, T}, at.outputs);
-    std::optional<DeviceOut> dqw, dkw, workspace;
-    if (gqw) dqw.emplace(wdt, std::vector<int64_t>{r.head_dim});
-    if (gkw) dkw.emplace(wdt, std::vector<int64_t>{r.head_dim});
+    WeightGradOutputs<DeviceOut> weights(data);
+    std::optional<DeviceOut> workspace;
     QkvBackwardFp8Params p{.grad_q = dq.view,
                            .grad_k = dk.view,
                            .grad_v = dv.view,
@@ -445,33 +475,21 @@ void check_fp8(RopeData& data, std::mt19937_64& rng, int64_t v_dim, float grad_s
                            .grad_scale = ds.view,
                            .grad_row = grow.view(),
                            .grad_t = gt.view(),
-                           .grad_q_weight = dqw ? dqw->view() : TensorView{},
-                           .grad_k_weight = dkw ? dkw->view() : TensorView{},
+                           .grad_q_weight = weights.q_view(),
+                           .grad_k_weight = weights.k_view(),
                            .layout = dev.layout,
                            .stream = stream.get()};
-    const int64_t size = backward_workspace_size(p);
-    if (size > 0) {
-      workspace.emplace(DType::kFloat32, std::vector<int64_t>{size});
-      p.workspace = workspace->view();
-    }
+    attach_workspace(p, p.workspace, workspace);
     synchronize();
     qkv_backward_fp8(p);
     stream.sync();
     const std::vector<uint8_t> got_row = grow.read("grad_row"), got_t = gt.read("grad_t");
-    const std::vector<uint8_t> got_qw = dqw ? dqw->read("grad_q_weight") : std::vector<uint8_t>{};
-    const std::vector<uint8_t> got_kw = dkw ? dkw->read("grad_k_weight") : std::vector<uint8_t>{};
+    const std::vector<uint8_t> got_qw = weights.read_q(), got_kw = weights.read_k();
     if (run == 0) {
       EXPECT_TRUE(clean(compare_grad_row(r, v_dim, grad_scale, got_row, row.get_codes(),
                                          model.term_scale)));
       EXPECT_TRUE(got_t == transpose(got_row, T, features)) << "grad_t is not grad_row^T";
-      if (gqw) {
-        EXPECT_TRUE(weight_grads_agree("grad_q_weight", wdt, values_of(got_qw, wdt), gqw->get(),
-                                       model.q_weight_magnitude, model.q_weight_terms));
-      }
-      if (gkw) {
-        EXPECT_TRUE(weight_grads_agree("grad_k_weight", wdt, values_of(got_kw, wdt), gkw->get(),
-                                       model.k_weight_magnitude, model.k_weight_terms));
-      }
+      expect_weight_grads_agree(cpu_weights, got_qw, got_kw, model);
       first[0] = got_row;
       first[1] = got_t;
       first[2] = got_qw;
@@ -865,11 +883,7 @@ TEST(CudaRopeLayouts, ZeroTokensWriteZeroWeightGradients) {
                                .grad_k_weight = gkw.view(),
                                .layout = layout};
     std::optional<DeviceOut> workspace;
-    const int64_t size = backward_workspace_size(p);
-    if (size > 0) {
-      workspace.emplace(DType::kFloat32, std::vector<int64_t>{size});
-      p.workspace = workspace->view();
-    }
+    attach_workspace(p, p.workspace, workspace);
     EXPECT_NO_THROW(qk_norm_rope_backward(p));
     synchronize();
     for (double v : values_of(gqw.read("grad_q_weight"), weight_dtype)) EXPECT_EQ(v, 0.0);
@@ -1045,12 +1059,8 @@ TEST(CudaRopeLayouts, PackedOpWithGqaWeightsAndACache) {
                             .layout = dev.layout,
                             .stream = stream.get()};
   std::optional<DeviceOut> workspace;
-  const int64_t size = backward_workspace_size(b);
+  const int64_t size = attach_workspace(b, b.rope_workspace, workspace);
   EXPECT_GT(size, 0);
-  if (size > 0) {
-    workspace.emplace(DType::kFloat32, std::vector<int64_t>{size});
-    b.rope_workspace = workspace->view();
-  }
   synchronize();
   packed_qkv_backward(b);
   stream.sync();
