@@ -161,17 +161,6 @@ void check_problem(const ProblemSpec& spec, cudaStream_t stream) {
   }
 }
 
-QkvShape make_shape(int64_t tokens, int64_t hq, int64_t hkv, int64_t d, int64_t dv) {
-  QkvShape s;
-  s.tokens = tokens;
-  s.q_heads = hq;
-  s.kv_heads = hkv;
-  s.head_dim = d;
-  s.v_dim = dv;
-  s.rotary_dim = d;
-  return s;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {

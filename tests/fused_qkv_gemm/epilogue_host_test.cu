@@ -474,17 +474,6 @@ void check_reference_against_library(const QkvShape& s, bool fp32_factors, uint3
               int(s.key_offset), fp32_factors ? "fp32" : "bf16", same ? "bit-exact" : "DIFFERENT");
 }
 
-QkvShape shape(int64_t tokens, int64_t hq, int64_t hkv, int64_t d, int64_t dv) {
-  QkvShape s;
-  s.tokens = tokens;
-  s.q_heads = hq;
-  s.kv_heads = hkv;
-  s.head_dim = d;
-  s.v_dim = dv;
-  s.rotary_dim = d;
-  return s;
-}
-
 }  // namespace
 
 int main() {
@@ -493,26 +482,26 @@ int main() {
   check_layout<64>();
 
   std::vector<Case> cases;
-  cases.push_back({"D128 H6 plain bf16 factors, qk", shape(256, 6, 6, 128, 128), false, true});
-  cases.push_back({"D128 H6 plain fp32 factors", shape(256, 6, 6, 128, 128), true, false});
-  cases.push_back({"D128 H6 T=300 (ragged last tile)", shape(300, 6, 6, 128, 128), false, true});
-  cases.push_back({"D64 H6 plain, qk", shape(200, 6, 6, 64, 128), false, true});
-  cases.push_back({"D96 H6 plain, qk", shape(200, 6, 6, 96, 128), false, true});
-  cases.push_back({"D96 H6 fp32 factors, T=129", shape(129, 6, 6, 96, 128), true, false});
-  cases.push_back({"D96 GQA Hq=4 Hkv=2 Dv=64", shape(150, 4, 2, 96, 64), false, true});
-  cases.push_back({"D64 H6 fp32 factors", shape(130, 6, 6, 64, 128), true, false});
+  cases.push_back({"D128 H6 plain bf16 factors, qk", make_shape(256, 6, 6, 128, 128), false, true});
+  cases.push_back({"D128 H6 plain fp32 factors", make_shape(256, 6, 6, 128, 128), true, false});
+  cases.push_back({"D128 H6 T=300 (ragged last tile)", make_shape(300, 6, 6, 128, 128), false, true});
+  cases.push_back({"D64 H6 plain, qk", make_shape(200, 6, 6, 64, 128), false, true});
+  cases.push_back({"D96 H6 plain, qk", make_shape(200, 6, 6, 96, 128), false, true});
+  cases.push_back({"D96 H6 fp32 factors, T=129", make_shape(129, 6, 6, 96, 128), true, false});
+  cases.push_back({"D96 GQA Hq=4 Hkv=2 Dv=64", make_shape(150, 4, 2, 96, 64), false, true});
+  cases.push_back({"D64 H6 fp32 factors", make_shape(130, 6, 6, 64, 128), true, false});
   {
-    QkvShape s = shape(300, 6, 6, 128, 128);
+    QkvShape s = make_shape(300, 6, 6, 128, 128);
     s.key_offset = true;
     s.rotary_dim = 64;
     cases.push_back({"D128 key offset r=64", s, false, true});
     s.rotary_dim = 34;
     cases.push_back({"D128 key offset r=34 fp32", s, true, false});
-    QkvShape s64 = shape(260, 6, 6, 64, 128);
+    QkvShape s64 = make_shape(260, 6, 6, 64, 128);
     s64.key_offset = true;
     s64.rotary_dim = 32;
     cases.push_back({"D64 key offset r=32", s64, false, false});
-    QkvShape s96 = shape(260, 6, 6, 96, 128);
+    QkvShape s96 = make_shape(260, 6, 6, 96, 128);
     s96.key_offset = true;
     s96.rotary_dim = 48;
     cases.push_back({"D96 key offset r=48", s96, false, true});
@@ -520,25 +509,25 @@ int main() {
     cases.push_back({"D96 key offset r=44 fp32", s96, true, false});
   }
   {
-    QkvShape s = shape(200, 6, 6, 128, 128);
+    QkvShape s = make_shape(200, 6, 6, 128, 128);
     s.paired = true;
     cases.push_back({"D128 paired", s, false, true});
-    QkvShape s64 = shape(140, 6, 6, 64, 128);
+    QkvShape s64 = make_shape(140, 6, 6, 64, 128);
     s64.paired = true;
     cases.push_back({"D64 paired fp32", s64, true, false});
-    QkvShape s96 = shape(140, 6, 6, 96, 128);
+    QkvShape s96 = make_shape(140, 6, 6, 96, 128);
     s96.paired = true;
     cases.push_back({"D96 paired", s96, false, false});
   }
-  cases.push_back({"D128 GQA Hq=8 Hkv=2 Dv=128", shape(200, 8, 2, 128, 128), false, true});
-  cases.push_back({"D64 GQA Hq=6 Hkv=2 Dv=96", shape(150, 6, 2, 64, 96), false, true});
-  cases.push_back({"D64 Hq=3 Hkv=1 (Q and K head in a tile)", shape(150, 3, 1, 64, 128), false, true});
-  cases.push_back({"D128 Dv=64 (V tile of 2 heads)", shape(140, 4, 4, 128, 64), false, false});
+  cases.push_back({"D128 GQA Hq=8 Hkv=2 Dv=128", make_shape(200, 8, 2, 128, 128), false, true});
+  cases.push_back({"D64 GQA Hq=6 Hkv=2 Dv=96", make_shape(150, 6, 2, 64, 96), false, true});
+  cases.push_back({"D64 Hq=3 Hkv=1 (Q and K head in a tile)", make_shape(150, 3, 1, 64, 128), false, true});
+  cases.push_back({"D128 Dv=64 (V tile of 2 heads)", make_shape(140, 4, 4, 128, 64), false, false});
   {
-    QkvShape s = shape(180, 6, 6, 128, 128);
+    QkvShape s = make_shape(180, 6, 6, 128, 128);
     s.neox = true;
     cases.push_back({"D128 NeoX", s, false, false});
-    QkvShape s64 = shape(180, 6, 2, 64, 128);
+    QkvShape s64 = make_shape(180, 6, 2, 64, 128);
     s64.neox = true;
     cases.push_back({"D64 NeoX GQA fp32", s64, true, true});
   }
@@ -546,7 +535,7 @@ int main() {
   for (const Case& c : cases) check_case(c, seed++);
 
   {
-    QkvShape s = shape(70, 6, 6, 128, 128);
+    QkvShape s = make_shape(70, 6, 6, 128, 128);
     check_reference_against_library(s, false, 100);
     check_reference_against_library(s, true, 101);
     s.paired = true;
@@ -555,22 +544,22 @@ int main() {
     s.key_offset = true;
     s.rotary_dim = 64;
     check_reference_against_library(s, false, 103);
-    QkvShape s64 = shape(50, 4, 4, 64, 64);
+    QkvShape s64 = make_shape(50, 4, 4, 64, 64);
     s64.key_offset = true;
     s64.rotary_dim = 32;
     check_reference_against_library(s64, true, 104);
-    QkvShape s96 = shape(40, 6, 6, 96, 128);
+    QkvShape s96 = make_shape(40, 6, 6, 96, 128);
     s96.paired = true;
     check_reference_against_library(s96, false, 105);
     s96.paired = false;
     s96.key_offset = true;
     s96.rotary_dim = 44;  // r splits a chunk
     check_reference_against_library(s96, true, 106);
-    check_reference_against_library(shape(40, 8, 2, 128, 128), false, 107);  // GQA
-    QkvShape neox = shape(40, 6, 6, 128, 128);
+    check_reference_against_library(make_shape(40, 8, 2, 128, 128), false, 107);  // GQA
+    QkvShape neox = make_shape(40, 6, 6, 128, 128);
     neox.neox = true;
     check_reference_against_library(neox, false, 108);
-    QkvShape neox64 = shape(40, 6, 2, 64, 128);
+    QkvShape neox64 = make_shape(40, 6, 2, 64, 128);
     neox64.neox = true;
     check_reference_against_library(neox64, true, 109);
   }

@@ -32,6 +32,18 @@ struct QkvShape {
   int64_t factor_width() const { return paired ? 2 * head_dim : head_dim; }
 };
 
+/// A plain problem (interleaved, r = D, no pairing or key offset) of the given sizes.
+inline QkvShape make_shape(int64_t tokens, int64_t hq, int64_t hkv, int64_t d, int64_t dv) {
+  QkvShape s;
+  s.tokens = tokens;
+  s.q_heads = hq;
+  s.kv_heads = hkv;
+  s.head_dim = d;
+  s.v_dim = dv;
+  s.rotary_dim = d;
+  return s;
+}
+
 /// q [T_out, Hq_out, D] and k [T_out, Hkv_out, D] (contiguous, bf16 bits) from the pre-norm rows
 /// x (bf16 bits, row t at x + t * x_stride, columns [Q heads | K heads]) and the factor tables
 /// (fp32 values, [T, factor_width]).
