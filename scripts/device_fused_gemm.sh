@@ -14,12 +14,13 @@
 #                                                    and unpacks its headers; it is re-checked
 #                                                    against the pinned sha256 there)
 # No GoogleTest: the targets are plain executables. QKVFUSE_FG_ITERS sets the benchmark's
-# iterations (default 100).
+# iterations (default 100). QKVFUSE_FG_BUILD names a build folder already configured with CUTLASS
+# (e.g. scripts/device_run.sh's build-device): its three targets are built there, nothing else.
 set -uo pipefail
 source "$(dirname "$0")/common.sh"  # the repository root; nvcc on PATH
 OUT=${OUT:-/tmp/qkvfuse-fg-out}
 LOG=/tmp/qkvfuse-fg-logs
-build=build-fg
+build=${QKVFUSE_FG_BUILD:-build-fg}
 rm -rf "$LOG"; mkdir -p "$OUT" "$LOG"
 summary=$LOG/summary.txt
 : >"$summary"
@@ -40,6 +41,7 @@ note "cutlass: $inc"
 # ---- build: the library and the three targets only (ENABLE_CUTLASS=ON: an error, not a build
 # without the fused GEMM, if the headers are unusable) ----
 start=$SECONDS
+[ -n "${QKVFUSE_FG_BUILD:-}" ] && echo "using the configured build $build" >"$LOG/build.log" ||
 cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
   -DQKVFUSE_BUILD_TESTS=OFF -DQKVFUSE_BUILD_BENCH=ON -DQKVFUSE_BUILD_EXAMPLES=OFF \
   -DQKVFUSE_ENABLE_CUTLASS=ON -DQKVFUSE_CUTLASS_INCLUDE_DIR="$inc" >"$LOG/build.log" 2>&1 &&
