@@ -206,13 +206,18 @@ def hf_attention_input(attn, hidden_states, position_embeddings):
 
 
 def device_ms(prof, device):
-    """Summed self time of everything the profiler saw run on the device (CUDA: kernels, copies,
-    memsets), or of the CPU ops on the CPU."""
+    """Summed time of everything the profiler saw run on the device (CUDA: kernels, copies,
+    memsets), or of the CPU ops on the CPU. On CUDA only the device's own events count: the CPU op
+    that launched a kernel reports that kernel's time as its own "self device time" too, so a sum
+    over every event would count each kernel twice."""
+    from torch.autograd import DeviceType
+
     total = 0.0
     for event in prof.key_averages():
         if device.type == "cuda":
-            total += getattr(event, "self_device_time_total", None) or getattr(
-                event, "self_cuda_time_total", 0.0)
+            if event.device_type != DeviceType.CPU:
+                total += getattr(event, "self_device_time_total", None) or getattr(
+                    event, "self_cuda_time_total", 0.0)
         else:
             total += event.self_cpu_time_total
     return total / 1e3
