@@ -3,7 +3,8 @@
 // ways to compute the forward:
 //   unfused   fp8_gemm (cuBLASLt) into qkv [T, N], then qk_norm_rope on its Q/K columns with the
 //             same RopeLayout: the library's forward today (SPEC.md section 6); v is qkv's V
-//             columns
+//             columns. For a T that is not a multiple of 16 (cuBLASLt's FP8 rule) the GEMM runs
+//             over zero rows up to the next multiple (gemm_rows()) and only the first T are read
 //   cutlass   cutlass_fp8_gemm into qkv: the fused kernel's main loop with a plain epilogue
 //   fused     fused_qkv_gemm: q, k, v (and optionally the raw qk) straight from the GEMM
 // Everything runs on the caller's stream. Included by one translation unit per executable.
@@ -134,8 +135,8 @@ struct ProblemSpec {
 /// weight scale amax/448-like, qkv_scale 1.3.
 struct Problem {
   ProblemSpec spec;
-  DeviceBuffer x, w, scale_a, scale_b, alpha, f1, f2;  // inputs
-  DeviceBuffer qkv;                                     // unfused GEMM output [T, N]
+  DeviceBuffer x, w, scale_a, scale_b, alpha, f1, f2;  // inputs; x [gemm_rows(), C]
+  DeviceBuffer qkv;                                     // unfused GEMM output [gemm_rows(), N]
   DeviceBuffer q_ref, k_ref;                            // unfused q, k
   DeviceBuffer q, k, v, qk;                             // fused outputs
 
@@ -143,18 +144,20 @@ struct Problem {
     const QkvShape& sh = s.shape;
     const int64_t T = sh.tokens, C = s.channels, N = sh.n();
     const size_t fsize = s.fp32_factors ? 4 : 2;
-    x = device_alloc(size_t(T * C));
+    x = device_alloc(size_t(gemm_rows() * C));
     w = device_alloc(size_t(N * C));
     f1 = device_alloc(size_t(T * sh.factor_width()) * fsize);
     f2 = device_alloc(size_t(T * sh.factor_width()) * fsize);
-    qkv = device_alloc(size_t(T * N) * 2);
+    qkv = device_alloc(size_t(gemm_rows() * N) * 2);
     q_ref = device_alloc(q_elems() * 2);
     k_ref = device_alloc(k_elems() * 2);
     q = device_alloc(q_elems() * 2);
     k = device_alloc(k_elems() * 2);
     v = device_alloc(size_t(T * sh.kv_heads * sh.v_dim) * 2);
     qk = device_alloc(size_t(T * sh.qk_cols()) * 2);
-    // e4m3 operands: x about N(0, 6^2), w N(0, 24^2) (a weight quantized with amax/448).
+    // e4m3 operands: x about N(0, 6^2), w N(0, 24^2) (a weight quantized with amax/448); x's
+    // padding rows (gemm_rows()) zero.
+    FQ_CUDA(cudaMemsetAsync(x.get(), 0, size_t(gemm_rows() * C), stream));
     fill_e4m3(x.get(), size_t(T * C), 6.0f, stream);
     fill_e4m3(w.get(), size_t(N * C), 24.0f, stream);
     const float scales[3] = {8.0f / 448.0f, 0.25f / 448.0f, 1.3f};
@@ -178,6 +181,11 @@ struct Problem {
     FQ_CUDA(cudaStreamSynchronize(stream));
   }
 
+  /// Rows of the cuBLASLt GEMM: T rounded up to a multiple of 16, which cuBLASLt's FP8 GEMM
+  /// needs (fp8_gemm refuses other M). x and qkv have that many rows, x's past T zero, so qkv's
+  /// first T rows are the GEMM of the T tokens; everything else reads those first T rows only.
+  int64_t gemm_rows() const { return (spec.shape.tokens + 15) / 16 * 16; }
+
   /// Elements of q and k: T*Hq*D and T*Hkv*D in either placement ([2T, H/2, D] when paired).
   size_t q_elems() const {
     return size_t(spec.shape.tokens * spec.shape.q_heads * spec.shape.head_dim);
@@ -192,13 +200,13 @@ struct Problem {
     return make_view(b.get(), DType::kFloat32, kGpu, {});
   }
 
-  /// cuBLASLt GEMM into qkv.
-  void gemm_cublaslt(cudaStream_t stream) const {
-    Fp8GemmParams p = gemm_params(stream);
-    fp8_gemm(p);
+  /// cuBLASLt GEMM into qkv, over gemm_rows() rows (the padding rows come out zero).
+  void gemm_cublaslt(cudaStream_t stream) const { fp8_gemm(gemm_params(gemm_rows(), stream)); }
+  /// CUTLASS plain-epilogue GEMM into qkv's first T rows: any M (its edge tiles are predicated,
+  /// which a ragged T exercises).
+  void gemm_cutlass(cudaStream_t stream) const {
+    cuda::cutlass_fp8_gemm(gemm_params(spec.shape.tokens, stream));
   }
-  /// CUTLASS plain-epilogue GEMM into qkv.
-  void gemm_cutlass(cudaStream_t stream) const { cuda::cutlass_fp8_gemm(gemm_params(stream)); }
 
   /// The norm + rotary of this problem, for the fused GEMM and qk_norm_rope alike.
   RopeLayout layout() const {
@@ -244,15 +252,16 @@ struct Problem {
   }
 
  private:
-  Fp8GemmParams gemm_params(cudaStream_t stream) const {
-    const int64_t T = spec.shape.tokens, N = spec.shape.n();
+  /// x [rows, C] @ w^T into qkv [rows, N]; rows <= gemm_rows().
+  Fp8GemmParams gemm_params(int64_t rows, cudaStream_t stream) const {
+    const int64_t N = spec.shape.n();
     Fp8GemmParams p;
-    p.a = make_view(x.get(), DType::kFloat8E4M3, kGpu, {T, spec.channels});
+    p.a = make_view(x.get(), DType::kFloat8E4M3, kGpu, {rows, spec.channels});
     p.b = make_view(w.get(), DType::kFloat8E4M3, kGpu, {N, spec.channels});
     p.scale_a = scalar(scale_a);
     p.scale_b = scalar(scale_b);
     p.alpha = scalar(alpha);
-    p.d = make_view(qkv.get(), DType::kBFloat16, kGpu, {T, N});
+    p.d = make_view(qkv.get(), DType::kBFloat16, kGpu, {rows, N});
     p.fast_accum = true;
     p.stream = stream;
     return p;

@@ -125,6 +125,9 @@ struct UlpStats {
   double max_abs = 0.0;
   double max_abs_beyond1 = 0.0;  ///< the largest |diff| among the elements beyond 1 ulp
   int64_t first_bad = -1;  ///< first index beyond 1 ulp and beyond the slack
+  int64_t worst = -1;      ///< first index at max_ulps (when max_ulps > 0), and its two values:
+  uint16_t worst_got = 0;  ///< a large max_ulps with both values near zero is a cancellation
+  uint16_t worst_want = 0; ///< (a sign flip at +-2^-24 counts 2 x 0x3380 = 26368 ulps)
 
   void add(int64_t index, uint16_t got, uint16_t want) {
     const int64_t u = bf16_ulps(got, want);
@@ -134,10 +137,35 @@ struct UlpStats {
     within1 += u <= 1;
     if (u > 1 && diff <= kCancellationSlack) ++cancelled;
     if (u > 1 && !(diff <= max_abs_beyond1)) max_abs_beyond1 = std::isnan(diff) ? INFINITY : diff;
-    if (u > max_ulps) max_ulps = u;
+    if (u > max_ulps) {
+      max_ulps = u;
+      worst = index;
+      worst_got = got;
+      worst_want = want;
+    }
     if (u > 1 && !(diff <= kCancellationSlack) && first_bad < 0) first_bad = index;
     if (diff > max_abs || std::isnan(diff)) max_abs = std::isnan(diff) ? INFINITY : diff;
   }
+  /// Adds another comparison's counts (e.g. k's to q's); the worst element is the other's when it
+  /// is further apart (its index then refers to the other's elements).
+  void merge(const UlpStats& o) {
+    count += o.count;
+    exact += o.exact;
+    within1 += o.within1;
+    cancelled += o.cancelled;
+    if (!(o.max_abs <= max_abs)) max_abs = o.max_abs;
+    if (!(o.max_abs_beyond1 <= max_abs_beyond1)) max_abs_beyond1 = o.max_abs_beyond1;
+    if (first_bad < 0) first_bad = o.first_bad;
+    if (o.max_ulps > max_ulps) {
+      max_ulps = o.max_ulps;
+      worst = o.worst;
+      worst_got = o.worst_got;
+      worst_want = o.worst_want;
+    }
+  }
+  /// Elements more than 1 ulp apart, and those of them that are not cancellations.
+  int64_t beyond1() const { return count - within1; }
+  int64_t beyond_slack() const { return count - within1 - cancelled; }
   /// Every element within 1 ulp, or off by a cancellation (see kCancellationSlack).
   bool all_explained() const { return within1 + cancelled == count; }
   double exact_fraction() const { return count ? double(exact) / double(count) : 1.0; }
