@@ -153,8 +153,10 @@ struct Options {
   std::string csv;
   int64_t tokens = 49152;
   int iters = 100;
-  std::string kernel;  ///< --kernel NAME: only that kernel's rows (qkvfuse_bench_kernels)
-  int64_t head_dim = 0;  ///< --head-dim D: only shapes of that width (qkvfuse_bench_kernels)
+  std::string kernel;  ///< --kernel NAME: only that kernel's rows (qkvfuse_bench_kernels), that
+                       ///< variant's (qkvfuse_bench_fused_qkv_gemm)
+  int64_t head_dim = 0;  ///< --head-dim D: only shapes of that width (qkvfuse_bench_kernels,
+                         ///< qkvfuse_bench_fused_qkv_gemm)
 };
 
 /// Parses argv into `options`; prints the usage and returns false on anything else.

@@ -4,11 +4,20 @@
 //   cublaslt            fp8_gemm (cuBLASLt, autotuned, fast accumulation) -> qkv: the baseline
 //   cublaslt+rope       the same, then qk_norm_rope on qkv's Q/K columns: today's forward
 //   cutlass             cutlass_fp8_gemm: the fused kernel's main loop, stock TMA epilogue
+//   fused store-only    D = 128 only: the fused kernel with its epilogue cut down to the bf16
+//                       rounding and the stores of q, k (= x), v in their layouts (no factor
+//                       loads, no norm, no rotary; EpilogueWork::kStoreOnly, wrong q and k)
+//   fused norm-only     D = 128 only: also the row sums and rstd, q, k = x * rstd (kNormOnly)
 //   fused               fused_qkv_gemm -> q, k, v
 //   fused+qk            the same, also writing the raw qk for the backward
 //   fused alongM, N/sw2, N/sw4   the fused GEMM with other tile orders of the persistent scheduler
+// The differences cutlass -> store-only -> norm-only -> fused are what the epilogue's stores, its
+// norm, and its factor loads + rotary cost (fused_qkv_gemm_variants.cu).
 //
-//   qkvfuse_bench_fused_qkv_gemm [--csv PATH] [--tokens T] [--iters N]
+//   qkvfuse_bench_fused_qkv_gemm [--csv PATH] [--tokens T] [--iters N] [--head-dim D]
+//                                [--kernel VARIANT]
+// --head-dim runs one of the widths (128, 96, 64); --kernel runs one variant by its name (e.g.
+// "fused"), so that a profiler sees few launches (scripts/device_fused_gemm.sh's ncu step).
 //
 // Method (the "Benchmarks" section of ../shared/STYLE.md, as bench_fp8.cu): warm-up (which also
 // runs cuBLASLt's one-time algorithm timing), then one pair of CUDA events per iteration with a
@@ -50,8 +59,16 @@ void print_row(const Row& r) {
   std::fflush(stdout);
 }
 
+/// The fused GEMM with part of its epilogue (fused_qkv_gemm_variants.cu; D = 128 only), on the
+/// same validation and arguments as fused_qkv_gemm.
+template <cuda::EpilogueWork kWork>
+void fused_partial(const Problem& p, cudaStream_t stream) {
+  const cuda::FusedQkvKernelArgs args = cuda::fused_qkv_kernel_args(p.fused_params(stream, false));
+  cuda::launch_fused_qkv_gemm<128, kWork>(args, stream);
+}
+
 void bench_shape(int64_t tokens, int64_t head_dim, cudaStream_t stream, int iters,
-                 size_t l2_bytes) {
+                 size_t l2_bytes, const std::string& only) {
   ProblemSpec spec;
   spec.shape.tokens = tokens;
   spec.shape.q_heads = 6;
@@ -78,7 +95,7 @@ void bench_shape(int64_t tokens, int64_t head_dim, cudaStream_t stream, int iter
     std::function<void(const Problem&)> run;
     const char* note;
   };
-  const std::vector<Variant> variants = {
+  std::vector<Variant> variants = {
       {"cublaslt", [&](const Problem& p) { p.gemm_cublaslt(stream); }, "plain GEMM -> qkv"},
       {"cublaslt+rope",
        [&](const Problem& p) {
@@ -87,21 +104,32 @@ void bench_shape(int64_t tokens, int64_t head_dim, cudaStream_t stream, int iter
        },
        "today's forward (2 kernels)"},
       {"cutlass", [&](const Problem& p) { p.gemm_cutlass(stream); }, "ping-pong 128x128x128, TMA epilogue"},
+  };
+  if (head_dim == 128) {
+    variants.push_back({"fused store-only",
+                        [&](const Problem& p) { fused_partial<cuda::EpilogueWork::kStoreOnly>(p, stream); },
+                        "epilogue: bf16 x stored as q, k, v; no factors, norm, rotary"});
+    variants.push_back({"fused norm-only",
+                        [&](const Problem& p) { fused_partial<cuda::EpilogueWork::kNormOnly>(p, stream); },
+                        "epilogue: q, k = x * rstd; no factors, rotary"});
+  }
+  variants.insert(variants.end(), {
       {"fused", [&](const Problem& p) { p.fused(stream, false); }, "GEMM + norm + rotary -> q, k, v"},
       {"fused+qk", [&](const Problem& p) { p.fused(stream, true); }, "also writes the raw qk"},
       // The scheduler's tile order (no recompile): which CTAs share A rows and factor rows in L2.
       {"fused alongM", [&](const Problem& p) { p.fused(stream, false, 1, 1); }, "raster along M"},
       {"fused N/sw2", [&](const Problem& p) { p.fused(stream, false, 2, 2); }, "raster along N, swizzle 2"},
       {"fused N/sw4", [&](const Problem& p) { p.fused(stream, false, 2, 4); }, "raster along N, swizzle 4"},
-  };
-  double baseline = NAN;
+  });
+  double baseline = NAN;  // cuBLASLt's time (NaN when --kernel leaves it out)
   for (const Variant& variant : variants) {
+    if (!only.empty() && only != variant.name) continue;
     Row row{shape, variant.name};
     try {
       row.ms = bench::time_median([&](int i) { variant.run(*problems[size_t(i % sets)]); }, stream,
                                   iters, /*prequeue=*/true);
       row.tflops = flops / (row.ms * 1e-3) / 1e12;
-      if (std::isnan(baseline)) baseline = row.ms;
+      if (std::string(variant.name) == "cublaslt") baseline = row.ms;
       row.ratio = row.ms / baseline;
       row.note = variant.note;
     } catch (const std::exception& e) {
@@ -134,9 +162,15 @@ int run(int argc, char** argv) {
   cudaStream_t stream;
   BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   for (int64_t d : {128, 96, 64}) {
-    bench_shape(options.tokens, d, stream, options.iters, size_t(prop.l2CacheSize));
+    if (options.head_dim != 0 && d != options.head_dim) continue;
+    bench_shape(options.tokens, d, stream, options.iters, size_t(prop.l2CacheSize), options.kernel);
   }
   BENCH_CUDA(cudaStreamDestroy(stream));
+  if (g_rows.empty()) {
+    std::fprintf(stderr, "no variant named \"%s\" at D = %lld\n", options.kernel.c_str(),
+                 (long long)options.head_dim);
+    return 2;
+  }
   if (!options.csv.empty()) {
     FILE* f = std::fopen(options.csv.c_str(), "w");
     if (f) {

@@ -262,11 +262,14 @@ CUTE_HOST_DEVICE void transpose_receive(uint32_t* w, int lane, const uint32_t (&
 /// One thread's share of a kTileM x kTileN tile, and what it does with it: kRows rows per thread.
 /// Before the quad transpose x[r][j] holds columns col0 + 8j + {0, 1}; after it, x[r][4b + w]
 /// holds columns chunk_col(b) + 2w + {0, 1}, chunk_col(b) = 8 (4b + lane), lane = col0 / 2.
-template <int kTileN_, int kHeadDim_, int kRows_>
+/// kWork: the whole norm + rotary, or only parts of it for the benchmark's attribution
+/// (EpilogueWork, fused_qkv_gemm_args.hpp); the stores are the same in every case.
+template <int kTileN_, int kHeadDim_, int kRows_, EpilogueWork kWork_ = EpilogueWork::kFull>
 struct TileMath {
   static constexpr int kTileN = kTileN_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kRows = kRows_;
+  static constexpr EpilogueWork kWork = kWork_;
   static constexpr int kGroups = kTileN / 8;       ///< 8-column groups: words per row per thread
   static constexpr int kBlocks = kGroups / 4;      ///< blocks of 4 groups: chunks per row per thread
   static constexpr int kHeadsPerTile = kTileN / kHeadDim;
@@ -395,7 +398,10 @@ struct TileMath {
         const int r = r0 + i;
         const int t = m0 + f.rows[r];
         if (t >= a.tokens) continue;
-        const float rstd = rms_rstd<kHeadDim>(sums[r][hh], a.eps);
+        [[maybe_unused]] float rstd = 1.0f;  // kStoreOnly: no row sums
+        if constexpr (kWork != EpilogueWork::kStoreOnly) {
+          rstd = rms_rstd<kHeadDim>(sums[r][hh], a.eps);
+        }
         uint16_t* out = p.out + int64_t(p.token_mul * t + p.token_add) * p.stride_t + p.head_offset;
         // Key offset: this row's pass-through lanes also go to row t+1 (plain layout: + stride_t).
         const bool has_next = p.shift && t + 1 < a.tokens;
@@ -408,24 +414,33 @@ struct TileMath {
           CUTE_UNROLL
           for (int w = 0; w < 4; ++w) {
             const uint32_t x = f.x[r][4 * b + w];
-            const float n_lo = mul_rn(bf16x2_lo(x), rstd);
-            const float n_hi = mul_rn(bf16x2_hi(x), rstd);
-            // The rotary partners: interleaved, the other half of the word; NeoX, the same word
-            // of the chunk D/2 columns away (recomputed: the same product gives the same bits).
-            float p_lo = n_hi;
-            float p_hi = n_lo;
-            if constexpr (kNeoxInThread) {
-              if (a.neox) {
-                const int bp = hh * kBlocksPerHead + (bb + kBlocksPerHead / 2) % kBlocksPerHead;
-                const uint32_t xp = f.x[r][4 * bp + w];
-                p_lo = mul_rn(bf16x2_lo(xp), rstd);
-                p_hi = mul_rn(bf16x2_hi(xp), rstd);
+            if constexpr (kWork == EpilogueWork::kStoreOnly) {
+              y.w[w] = n.w[w] = x;
+            } else {
+              const float n_lo = mul_rn(bf16x2_lo(x), rstd);
+              const float n_hi = mul_rn(bf16x2_hi(x), rstd);
+              n.w[w] = pack_bf16x2(n_lo, n_hi);
+              if constexpr (kWork == EpilogueWork::kNormOnly) {
+                y.w[w] = n.w[w];
+              } else {
+                // The rotary partners: interleaved, the other half of the word; NeoX, the same
+                // word of the chunk D/2 columns away (recomputed: the same product gives the same
+                // bits).
+                float p_lo = n_hi;
+                float p_hi = n_lo;
+                if constexpr (kNeoxInThread) {
+                  if (a.neox) {
+                    const int bp = hh * kBlocksPerHead + (bb + kBlocksPerHead / 2) % kBlocksPerHead;
+                    const uint32_t xp = f.x[r][4 * bp + w];
+                    p_lo = mul_rn(bf16x2_lo(xp), rstd);
+                    p_hi = mul_rn(bf16x2_hi(xp), rstd);
+                  }
+                }
+                const float y_lo = add_rn(mul_rn(f1[i][b].lo(w), n_lo), mul_rn(f2[i][b].lo(w), p_lo));
+                const float y_hi = add_rn(mul_rn(f1[i][b].hi(w), n_hi), mul_rn(f2[i][b].hi(w), p_hi));
+                y.w[w] = pack_bf16x2(y_lo, y_hi);
               }
             }
-            const float y_lo = add_rn(mul_rn(f1[i][b].lo(w), n_lo), mul_rn(f2[i][b].lo(w), p_lo));
-            const float y_hi = add_rn(mul_rn(f1[i][b].hi(w), n_hi), mul_rn(f2[i][b].hi(w), p_hi));
-            y.w[w] = pack_bf16x2(y_lo, y_hi);
-            n.w[w] = pack_bf16x2(n_lo, n_hi);
           }
           // Lanes >= r pass through (y = n): at r = D, every layout but key offset's, no chunk
           // takes the last two branches. Key offset: row t's pass-through lanes go to row t + 1;
@@ -465,7 +480,7 @@ struct TileMath {
     static_assert(kRows % kBatch == 0, "whole batches of rows");
     CUTE_UNROLL
     for (int r0 = 0; r0 < kRows; r0 += kBatch) {
-      if (r0 > 0) {
+      if (r0 > 0 && kWork == EpilogueWork::kFull) {
         // Keep each batch's loads behind the previous batch's stores: hoisted (the read-only
         // loads may legally move past stores), every batch's factors could be live at once,
         // beyond the register budget. (Not measured either way yet.)
@@ -597,7 +612,7 @@ CUTLASS_DEVICE void quad_transpose(typename Math::Fragment& f) {
 /// cutlass::epilogue::collective::DefaultEpilogue: the kernel hands it each finished tile's
 /// accumulators (wrapped in Sm90TmaWarpSpecializedAdapter, which supplies the empty load/store
 /// pipelines a register epilogue does not use). No shared memory, no source tensor C.
-template <class TileShape_, int kHeadDim_>
+template <class TileShape_, int kHeadDim_, EpilogueWork kWork = EpilogueWork::kFull>
 class FusedQkvEpilogue {
  public:
   using TileShape = TileShape_;
@@ -605,7 +620,7 @@ class FusedQkvEpilogue {
   static constexpr int kTileN = cute::size<1>(TileShape{});
   static constexpr int kHeadDim = kHeadDim_;
   static_assert(kTileM % 64 == 0, "the tile's M is a whole number of 64-row WGMMA atoms");
-  using Math = TileMath<kTileN, kHeadDim, 2 * (kTileM / 64)>;
+  using Math = TileMath<kTileN, kHeadDim, 2 * (kTileM / 64), kWork>;
 
   // What the kernel reads off its epilogue: the element and stride types of C (absent) and D.
   using ElementC = void;
@@ -691,23 +706,27 @@ class FusedQkvEpilogue {
     FactorGroup<FactorT> f1[kBatch][Math::kBlocks];
     FactorGroup<FactorT> f2[kBatch][Math::kBlocks];
     // The first batch's factors are in flight during the raw stores, the sums and the butterfly.
-    Math::template load_factors<FactorT, kBatch>(a, m0, n0, f, 0, f1, f2);
+    if constexpr (kWork == EpilogueWork::kFull) {
+      Math::template load_factors<FactorT, kBatch>(a, m0, n0, f, 0, f1, f2);
+    }
     // The raw output first: at the end it would keep every x word of the tile live to the last
     // batch (ptxas spilled them).
     Math::store_raw_qk(a, m0, n0, f);
     typename Math::Sums sums;
-    Math::row_sums(f, sums);
-    // The quad butterfly: lanes 4g..4g+3 hold one row; every lane ends with the same bits
-    // ((a + b) + (c + d) on lanes 0 and 1, (c + d) + (a + b) on lanes 2 and 3: IEEE addition
-    // commutes).
-    CUTE_UNROLL
-    for (int r = 0; r < Math::kRows; ++r) {
+    if constexpr (kWork != EpilogueWork::kStoreOnly) {
+      Math::row_sums(f, sums);
+      // The quad butterfly: lanes 4g..4g+3 hold one row; every lane ends with the same bits
+      // ((a + b) + (c + d) on lanes 0 and 1, (c + d) + (a + b) on lanes 2 and 3: IEEE addition
+      // commutes).
       CUTE_UNROLL
-      for (int hh = 0; hh < Math::kHeadsPerTile; ++hh) {
-        float s = sums[r][hh];
-        s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 1));
-        s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 2));
-        sums[r][hh] = s;
+      for (int r = 0; r < Math::kRows; ++r) {
+        CUTE_UNROLL
+        for (int hh = 0; hh < Math::kHeadsPerTile; ++hh) {
+          float s = sums[r][hh];
+          s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 1));
+          s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 2));
+          sums[r][hh] = s;
+        }
       }
     }
     Math::template store_qk_batches<FactorT, kBatch>(a, m0, n0, f, sums, f1, f2);
@@ -718,9 +737,9 @@ class FusedQkvEpilogue {
 
 /// The collective the kernel instantiates: the register epilogue behind the adapter that gives it
 /// the TMA warp-specialized interface (empty pipelines, no producer load).
-template <class TileShape, int kHeadDim>
+template <class TileShape, int kHeadDim, EpilogueWork kWork = EpilogueWork::kFull>
 using FusedQkvCollectiveEpilogue =
     cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
-        FusedQkvEpilogue<TileShape, kHeadDim>>;
+        FusedQkvEpilogue<TileShape, kHeadDim, kWork>>;
 
 }  // namespace qkvfuse::cuda::fused

@@ -215,14 +215,21 @@ FusedQkvKernelArgs validate_and_translate(const FusedQkvGemmParams& p, Device& d
 
 }  // namespace
 
+FusedQkvKernelArgs fused_qkv_kernel_args(const FusedQkvGemmParams& params) {
+  Device device;
+  FusedQkvKernelArgs args = validate_and_translate(params, device);
+  if (args.m == 0) return args;
+  DeviceGuard guard(device);
+  args.sm_count = multiprocessor_count();
+  return args;
+}
+
 #if QKVFUSE_WITH_CUTLASS
 
 void fused_qkv_gemm(const FusedQkvGemmParams& params) {
-  Device device;
-  FusedQkvKernelArgs args = validate_and_translate(params, device);
+  const FusedQkvKernelArgs args = fused_qkv_kernel_args(params);
   if (args.m == 0) return;
-  DeviceGuard guard(device);
-  args.sm_count = multiprocessor_count();
+  DeviceGuard guard(Device{DeviceType::kCUDA, args.device});
   switch (args.epilogue.head_dim) {
     case 128: launch_fused_qkv_gemm<128>(args, params.stream); break;
     case 96: launch_fused_qkv_gemm<96>(args, params.stream); break;

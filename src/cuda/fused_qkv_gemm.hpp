@@ -14,6 +14,7 @@
 
 #include <cstdint>
 
+#include "cuda/fused_qkv_gemm_args.hpp"
 #include "qkvfuse/fp8_gemm.hpp"
 #include "qkvfuse/qk_norm_rope.hpp"
 #include "qkvfuse/tensor.hpp"
@@ -83,5 +84,11 @@ struct FusedQkvGemmParams {
 /// Validates (throwing qkvfuse::Error naming the argument) and launches on params.stream.
 /// T = 0 is a no-op.
 void fused_qkv_gemm(const FusedQkvGemmParams& params);
+
+/// fused_qkv_gemm's validation and its translation into the kernel's arguments, without the
+/// launch: for the benchmark's partial epilogues (launch_fused_qkv_gemm<128, EpilogueWork::...>,
+/// fused_qkv_gemm_args.hpp), which it launches itself. m = 0: nothing to launch. The caller
+/// makes args.device current for the launch.
+FusedQkvKernelArgs fused_qkv_kernel_args(const FusedQkvGemmParams& params);
 
 }  // namespace qkvfuse::cuda

@@ -75,9 +75,20 @@ struct FusedQkvKernelArgs {
 /// The CTA tile's columns for head width D: 96 for D = 96, else 128 (fused_qkv_gemm_kernel.cuh).
 inline constexpr int fused_tile_n(int head_dim) { return head_dim == 96 ? 96 : 128; }
 
+/// What the epilogue computes. The library instantiates kFull only; the other two write wrong q
+/// and k and exist for the benchmark, which times them at D = 128 to tell where the epilogue's
+/// time goes (bench/fused_qkv_gemm_variants.cu). V tiles and the raw qk are the same in all three.
+enum class EpilogueWork {
+  kFull,       ///< q, k = rotary(rms_norm(x)): the op
+  kStoreOnly,  ///< q, k = x, the bf16 GEMM output, stored in their layouts: no factor loads, no
+               ///< row sums, no rotary
+  kNormOnly,   ///< q, k = x * rstd: the row sums, their quad butterfly and rstd, no factor loads,
+               ///< no rotary
+};
+
 /// Launches the fused GEMM for head width kHeadDim (defined in fused_qkv_gemm_d<D>.cu, one
 /// instantiation per file so that they compile in parallel).
-template <int kHeadDim>
+template <int kHeadDim, EpilogueWork kWork = EpilogueWork::kFull>
 void launch_fused_qkv_gemm(const FusedQkvKernelArgs& args, Stream stream);
 
 }  // namespace qkvfuse::cuda

@@ -232,6 +232,11 @@ struct Problem {
   }
 
   void fused(cudaStream_t stream, bool raw_qk, int raster = 0, int swizzle = 1) const {
+    cuda::fused_qkv_gemm(fused_params(stream, raw_qk, raster, swizzle));
+  }
+  /// The arguments of fused(): x, w and the scales in, q, k, v (and qk when raw_qk) out.
+  cuda::FusedQkvGemmParams fused_params(cudaStream_t stream, bool raw_qk, int raster = 0,
+                                        int swizzle = 1) const {
     const QkvShape& sh = spec.shape;
     const int64_t T = sh.tokens, D = sh.head_dim;
     cuda::FusedQkvGemmParams p;
@@ -248,7 +253,7 @@ struct Problem {
     p.raster = raster;
     p.swizzle = swizzle;
     p.stream = stream;
-    cuda::fused_qkv_gemm(p);
+    return p;
   }
 
  private:
