@@ -325,6 +325,127 @@ TEST(CpuSpecialValues, BackwardInfiniteGradientsFollowTheModel) {
   }
 }
 
+// ---- norm weights' gradients -----------------------------------------------------------------------
+
+/// grad_w[d] is the fp32 sum over that weight's rows of gw[d] * n[d] (SPEC.md section 8), each
+/// term under IEEE rules. The pattern of fuzz seed 20261203, cases 2363, 4705 and 8618: Hq = 2,
+/// Hkv = 1 (an odd number of rows a token), D = 16, factor tables, both weights; token 2 reads an
+/// infinite f1 at lane kInfLane, token 4 one at lane kZeroLane, and token 4's key row is all
+/// zeros. Every row has qk = +1 and gradient +1 at both lanes, so gw = +inf there and n > 0:
+/// every term at those lanes is +inf, but the zero row's is inf * 0 = NaN.
+constexpr int64_t kInfLane = 5, kZeroLane = 10;
+
+RopeData infinite_angle_data(int64_t tokens) {
+  ref::Rope rope;
+  rope.tokens = tokens;
+  rope.heads = 2;
+  rope.kv_heads = 1;
+  rope.head_dim = 16;
+  RopeSpec spec;
+  spec.q_weight = spec.k_weight = true;
+  spec.weight_dtype = DType::kFloat32;
+  std::mt19937_64 rng(20261203);
+  RopeData data(rope, spec, rng);
+  const int64_t D = rope.head_dim, rows = rope.input_heads();
+  data.tensors.factor1[size_t(2 * D + kInfLane)] = INFINITY;
+  data.tensors.factor1[size_t(4 * D + kZeroLane)] = INFINITY;
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t h2 = 0; h2 < rows; ++h2) {
+      for (int64_t d : {kInfLane, kZeroLane}) data.qk[size_t((t * rows + h2) * D + d)] = 1.0;
+    }
+  }
+  for (int64_t d = 0; d < D; ++d) data.qk[size_t((4 * rows + rope.heads) * D + d)] = 0.0;
+  data.refresh();
+  return data;
+}
+
+/// grad_q or grad_k of `data` (dense), random but +1 at kInfLane and kZeroLane.
+std::vector<double> plus_one_grads(std::mt19937_64& rng, const RopeData& data, bool keys) {
+  const ref::Rope& r = data.rope;
+  std::vector<double> g = random_values(rng, keys ? r.k_count() : r.q_count(), DType::kBFloat16);
+  for (size_t row = 0; row < g.size() / size_t(r.head_dim); ++row) {
+    for (int64_t d : {kInfLane, kZeroLane}) g[row * size_t(r.head_dim) + size_t(d)] = 1.0;
+  }
+  return g;
+}
+
+/// The expected classes at the two lanes, and the other lanes against the float64 model.
+void expect_infinite_angle_weight_grads(const RopeData& data, const HostTensor& got_q,
+                                        const HostTensor& got_k, const ref::RopeGradients& want) {
+  const std::vector<double> q = got_q.get(), k = got_k.get();
+  // The model, with the same IEEE rules, says the same.
+  EXPECT_EQ(want.grad_q_weight[kInfLane], INFINITY);
+  EXPECT_EQ(want.grad_k_weight[kInfLane], INFINITY);
+  EXPECT_EQ(want.grad_q_weight[kZeroLane], INFINITY);
+  EXPECT_TRUE(std::isnan(want.grad_k_weight[kZeroLane]));
+  EXPECT_EQ(q[kInfLane], INFINITY) << "sum of +inf terms and finite ones";
+  EXPECT_EQ(k[kInfLane], INFINITY) << "the one key row of token 2 gives +inf: not NaN";
+  EXPECT_EQ(q[kZeroLane], INFINITY);
+  EXPECT_TRUE(std::isnan(k[kZeroLane])) << "the zero key row's term is inf * 0 = NaN, got "
+                                        << k[kZeroLane];
+  const std::vector<double> tol_q = fp32_sum_tolerance(want.q_weight_magnitude, want.q_weight_terms);
+  const std::vector<double> tol_k = fp32_sum_tolerance(want.k_weight_magnitude, want.k_weight_terms);
+  for (int64_t d = 0; d < data.rope.head_dim; ++d) {
+    if (d == kInfLane || d == kZeroLane) continue;
+    EXPECT_NEAR(q[size_t(d)], want.grad_q_weight[size_t(d)], tol_q[size_t(d)]) << "lane " << d;
+    EXPECT_NEAR(k[size_t(d)], want.grad_k_weight[size_t(d)], tol_k[size_t(d)]) << "lane " << d;
+  }
+}
+
+TEST(CpuSpecialValues, WeightGradientsOfAnInfiniteAngle) {
+  // Each weight-gradient lane is the plain IEEE sum of its rows' terms: +inf where every
+  // non-finite term is +inf, NaN only where a term is (here the zero row's inf * 0). The CUDA
+  // kernels must agree (test_cuda_rope_layouts.cpp, CudaRopeLayouts.InfiniteAngleWeightGradients).
+  std::mt19937_64 rng(4705);
+  for (int64_t tokens : {5, 70}) {  // 70: more than one of the CPU's 64-token blocks
+    SCOPED_TRACE(::testing::Message() << "T=" << tokens);
+    RopeData data = infinite_angle_data(tokens);
+    const ref::Rope& r = data.rope;
+    const std::vector<double> grad_q = plus_one_grads(rng, data, false);
+    const std::vector<double> grad_k = plus_one_grads(rng, data, true);
+    HostTensor gq(DType::kBFloat16, {r.tokens, r.heads, r.head_dim});
+    HostTensor gk(DType::kBFloat16, {r.tokens, r.k_heads(), r.head_dim});
+    gq.set(grad_q);
+    gk.set(grad_k);
+    const ref::RopeGradients want = ref::rope_gradients(r, grad_q, grad_k, data.qk, data.tensors);
+    {
+      SCOPED_TRACE("qk_norm_rope_backward");
+      HostTensor dx(DType::kBFloat16, {r.tokens, r.input_heads(), r.head_dim});
+      HostTensor wq(DType::kFloat32, {r.head_dim}), wk(DType::kFloat32, {r.head_dim});
+      qk_norm_rope_backward({.grad_q = gq.view(),
+                             .grad_k = gk.view(),
+                             .qk = data.qk_tensor->view(),
+                             .grad_qk = dx.view(),
+                             .grad_q_weight = wq.view(),
+                             .grad_k_weight = wk.view(),
+                             .layout = data.layout()});
+      expect_infinite_angle_weight_grads(data, wq, wk, want);
+    }
+    {
+      SCOPED_TRACE("qkv_backward_fp8");
+      const int64_t v_dim = 8, features = ref::qkv_dim(r, v_dim);
+      HostTensor gv(DType::kBFloat16, {r.tokens, r.k_heads(), v_dim});
+      gv.set(random_values(rng, size_t(r.tokens * r.k_heads() * v_dim), DType::kBFloat16));
+      HostTensor scale(DType::kFloat32, {});
+      scale.set({1.0f / 64});
+      HostTensor row(DType::kFloat8E4M3, {r.tokens, features});
+      HostTensor t(DType::kFloat8E4M3, {features, r.tokens});
+      HostTensor wq(DType::kFloat32, {r.head_dim}), wk(DType::kFloat32, {r.head_dim});
+      qkv_backward_fp8({.grad_q = gq.view(),
+                        .grad_k = gk.view(),
+                        .grad_v = gv.view(),
+                        .qk = data.qk_tensor->view(),
+                        .grad_scale = scale.view(),
+                        .grad_row = row.view(),
+                        .grad_t = t.view(),
+                        .grad_q_weight = wq.view(),
+                        .grad_k_weight = wk.view(),
+                        .layout = data.layout()});
+      expect_infinite_angle_weight_grads(data, wq, wk, want);
+    }
+  }
+}
+
 // ---- fused FP8 backward --------------------------------------------------------------------------
 
 /// qkv_backward_fp8 with H = 1, D = 8, Dv = 8, T tokens; returns grad_row codes [T, 24].

@@ -31,6 +31,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gpu_util.hpp"
@@ -757,6 +758,52 @@ TEST(CudaRopeLayouts, OutOfRangePositionsGiveNaNWhereTheCpuDoes) {
       data.refresh();
       const DeviceView good = to_device(data.positions->view());
       EXPECT_NO_THROW(check_positions(good.view, P, stream.get()));
+    }
+  }
+}
+
+/// The pattern of fuzz seed 20261203, cases 2363, 4705 and 8618: an infinite angle (f1, or the
+/// cos of the lane's frequency) at lane `inf_lane` of token 2 and at lane `zero_lane` of token 4,
+/// whose first key row is all zeros.
+void plant_infinite_angles(RopeData& data, int64_t inf_lane, int64_t zero_lane) {
+  const ref::Rope& r = data.rope;
+  const int64_t D = r.head_dim, rows = r.input_heads(), rotary = r.rotary();
+  for (const auto& [t, d] : {std::pair<int64_t, int64_t>{2, inf_lane}, {4, zero_lane}}) {
+    if (data.spec.cache) {
+      const int64_t i = r.neox ? d % (rotary / 2) : d / 2;  // the lane's frequency
+      data.tensors.cos_sin[size_t(data.tensors.positions[size_t(t)] * rotary + i)] = INFINITY;
+    } else {
+      data.tensors.factor1[size_t(t * r.factor_width() + d)] = INFINITY;
+    }
+  }
+  for (int64_t d = 0; d < D; ++d) data.qk[size_t((4 * rows + r.heads) * D + d)] = 0.0;
+  data.refresh();
+}
+
+TEST(CudaRopeLayouts, InfiniteAngleWeightGradients) {
+  // Fuzz seed 20261203, cases 2363, 4705 and 8618 (GPU NaN, CPU +-inf in grad_k_weight): the
+  // kernels give a token's rows fixed slots (the bf16 backward: sets of K rows, NS * K >= Hq +
+  // Hkv; qkv_backward_fp8: pairs of rows, one absent when Hq + Hkv is odd), and a slot past the
+  // last head loads zeros but shares the token's angles. Under an infinite angle its gw * n was
+  // inf * 0 = NaN, added to the key weight's sums. Only the op's rows add terms; a real zero row
+  // under an infinite angle does give NaN (CpuSpecialValues.WeightGradientsOfAnInfiniteAngle).
+  QKVF_REQUIRE_GPU();
+  std::mt19937_64 rng(20261203);
+  const int64_t heads[][2] = {{1, 1}, {2, 1}, {3, 3}, {6, 1}};
+  for (int64_t head_dim : {64, 100, 34}) {  // 16-byte vectors; the narrow accesses
+    for (const auto& h : heads) {
+      for (bool cache : {false, true}) {
+        for (bool neox : {false, true}) {
+          const Options o{h[0], h[1], -1, neox, true, true, true, cache ? 1.0 : 0.0,
+                          double(1e-6f), cache, DType::kBFloat16, DType::kInt32,
+                          cache ? DType::kBFloat16 : DType::kFloat32};
+          RopeData data = make_data(rng, 19, head_dim, o);
+          plant_infinite_angles(data, 5, 10);
+          SCOPED_TRACE(describe(data));
+          check_backward(data, rng);
+          check_fp8(data, rng, 104, 1.0f / 448);
+        }
+      }
     }
   }
 }

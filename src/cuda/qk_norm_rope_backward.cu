@@ -168,16 +168,17 @@ __device__ __forceinline__ void backward_unit(const BackwardArgs& p, int64_t uni
     float dx[C][V];
     constexpr bool kBranchFree = backward_branch_free<Geom, kKeyOffset>();
     if constexpr (Features::kGeneral) {
-      // Rows past the unit's heads add zeros to the sums (their loads were 0).
+      // Rows past the unit's heads (loads 0, the token's angles) add nothing to the sums.
+      const bool row_ok = token_ok && head2 < heads2;
       rope::backward_row<Geom, Features, kBranchFree>(in, g[k], x[k], angles, g_next[k], lanes,
                                                       exchange ? &partners : nullptr, &weights,
-                                                      is_key, shift_row, t == 0, width,
+                                                      is_key, row_ok, shift_row, t == 0, width,
                                                       weight_grad, dx);
     } else {
       rope::backward_row<Geom, Features, kBranchFree>(in, g[k], x[k], angles, g_next[k], lanes,
                                                       exchange ? &partners : nullptr, nullptr,
-                                                      is_key, shift_row, t == 0, width, nullptr,
-                                                      dx);
+                                                      is_key, /*row_present=*/true, shift_row,
+                                                      t == 0, width, nullptr, dx);
     }
     if (!(token_ok && head2 < heads2)) continue;
     uint16_t* out = p.grad_qk + (t * heads2 + head2) * int64_t(D);

@@ -354,14 +354,16 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
       auto emit_row = [&](const int slot, const PartRows& part, const RowLoads& r) {
         float dx[C][V];
         if constexpr (Features::kGeneral) {
+          // An absent part (loads 0, the token's angles) adds nothing to the weight sums.
           rope::backward_row<Geom, Features, kBranchFree>(
               in, r.g, r.x, angles, r.g_next, lanes, exchange ? &partners : nullptr, &weights,
-              part.is_key, kKeyOffset && slot == 1, t == 0, width,
+              part.is_key, token_ok && part.present, kKeyOffset && slot == 1, t == 0, width,
               kWeightGrad ? sums : nullptr, dx);
         } else {
           rope::backward_row<Geom, Features, kBranchFree>(
               in, r.g, r.x, angles, r.g_next, lanes, exchange ? &partners : nullptr, nullptr,
-              part.is_key, kKeyOffset && slot == 1, t == 0, width, nullptr, dx);
+              part.is_key, /*row_present=*/true, kKeyOffset && slot == 1, t == 0, width, nullptr,
+              dx);
         }
         if (!(token_ok && part.present)) return;
         uint8_t* out_row = p.grad_row + t * p.qkv_dim + int64_t(part.h2) * D;

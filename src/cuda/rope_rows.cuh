@@ -506,15 +506,19 @@ __device__ __forceinline__ void forward_row(const RopeInputs& in,
 ///   gw[d] = f1[d] * g[d] + f2p[d] * g[p(d)]                    (rotary lanes)
 ///   gw[d] = g[d], or for a key row under key offset g_next[d] + (t == 0 ? g[d] : 0)
 ///   with a weight: grad_w[d] += gw[d] * n[d] (into `weight_grad`: [0] for query rows, [1] for
-///   key rows, as `is_key` says), dn = gw * w
+///   key rows, as `is_key` says; only when `row_present`), dn = gw * w
 ///   dx    = rstd * (dn - n * (sum(dn * n) / D))                (dx = dn without the norm)
+/// `row_present`: the row is one of the op's (a real head of a real token). The kernels also run
+/// this on rows that are not (the slots past Hq + Hkv of a token's last unit or job, tokens past
+/// the end): their g and x loads are 0 but they share the token's angles, so an inf or NaN angle
+/// would make their gw * n = inf * 0 = NaN; such rows must add nothing to the weight sums.
 /// kBranchFree as row_rstd. Every lane of the warp must call it (shuffles).
 template <class Geom, class Features, bool kBranchFree, typename AngleT, typename Width>
 __device__ __forceinline__ void backward_row(
     const RopeInputs& in, const Chunk<Geom::V> (&g)[Geom::C], const Chunk<Geom::V> (&x)[Geom::C],
     const TokenAngles<Geom, AngleT, Features>& angles, const Chunk<Geom::V> (&g_next)[Geom::C],
     const LaneChunks<Geom>& lanes, const Partners<Geom>* partners, const LaneWeights<Geom>* weight,
-    bool is_key, bool shift_row, bool first_token, const Width& width,
+    bool is_key, bool row_present, bool shift_row, bool first_token, const Width& width,
     float (*weight_grad)[Geom::C][Geom::V], float (&dx)[Geom::C][Geom::V]) {
   constexpr int G = Geom::G;
   constexpr int V = Geom::V;
@@ -540,11 +544,14 @@ __device__ __forceinline__ void backward_row(
       float gw = i < lanes.rot_end[c] ? rotated : passed;
       if (weight != nullptr) {
         if (weight_grad != nullptr) {
-          // Constant indices on both sides, so the sums stay in registers.
+          // Constant indices on both sides, so the sums stay in registers; a select, not a
+          // branch, keeps absent rows out (see row_present above).
           if (is_key) {
-            weight_grad[1][c][i] = fmaf(gw, n, weight_grad[1][c][i]);
+            const float sum = weight_grad[1][c][i];
+            weight_grad[1][c][i] = row_present ? fmaf(gw, n, sum) : sum;
           } else {
-            weight_grad[0][c][i] = fmaf(gw, n, weight_grad[0][c][i]);
+            const float sum = weight_grad[0][c][i];
+            weight_grad[0][c][i] = row_present ? fmaf(gw, n, sum) : sum;
           }
         }
         gw = __fmul_rn(gw, weight->at(is_key, c, i));
