@@ -5,7 +5,8 @@
 //             same RopeLayout: the library's forward today (SPEC.md section 6); v is qkv's V
 //             columns. For a T that is not a multiple of 16 (cuBLASLt's FP8 rule) the GEMM runs
 //             over zero rows up to the next multiple (gemm_rows()) and only the first T are read
-//   cutlass   cutlass_fp8_gemm into qkv: the fused kernel's main loop with a plain epilogue
+//   cutlass   cutlass_fp8_gemm into qkv (over gemm_rows() too): the fused kernel's main loop with
+//             a plain epilogue
 //   fused     fused_qkv_gemm: q, k, v (and optionally the raw qk) straight from the GEMM
 // Everything runs on the caller's stream. Included by one translation unit per executable.
 #pragma once
@@ -202,10 +203,11 @@ struct Problem {
 
   /// cuBLASLt GEMM into qkv, over gemm_rows() rows (the padding rows come out zero).
   void gemm_cublaslt(cudaStream_t stream) const { fp8_gemm(gemm_params(gemm_rows(), stream)); }
-  /// CUTLASS plain-epilogue GEMM into qkv's first T rows: any M (its edge tiles are predicated,
-  /// which a ragged T exercises).
+  /// CUTLASS plain-epilogue GEMM into qkv, over gemm_rows() rows as well: cutlass_fp8_gemm
+  /// shares fp8_gemm's validation, which asks for M % 16 == 0. Ragged T's edge tiles are the
+  /// fused kernel's to exercise.
   void gemm_cutlass(cudaStream_t stream) const {
-    cuda::cutlass_fp8_gemm(gemm_params(spec.shape.tokens, stream));
+    cuda::cutlass_fp8_gemm(gemm_params(gemm_rows(), stream));
   }
 
   /// The norm + rotary of this problem, for the fused GEMM and qk_norm_rope alike.
