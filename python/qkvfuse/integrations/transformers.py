@@ -182,16 +182,15 @@ def _looks_like_attention(module: nn.Module) -> bool:
 # ---- the per-model state: the FP8 weight cache and the rotary caches of one forward -------------
 
 class _Fp8Weights:
-    """The e4m3 packed [Wq; Wk; Wv] of every patched layer (what qkvfuse.PackedWeightCache keeps,
-    for three row blocks per layer instead of two), rebuilt when the weights move and refreshed
-    when they change (see the module docstring)."""
+    """The e4m3 packed [Wq; Wk; Wv] of every patched layer: a qkvfuse.PackedWeightCache over the
+    layers' (Wq, Wk, Wv), rebuilt when the weights move and refreshed when they change (see the
+    module docstring)."""
 
     def __init__(self, modules: List[nn.Module]):
         self._modules = modules
         self._layout = None   # per layer: (data pointer, device, dtype, shape) of each weight
         self._seen = None     # per layer: the version counters the entries were quantized from
-        self._groups = []
-        self._entries = [None] * len(modules)
+        self._cache = None
         self.refreshes = 0    # how many times the cache was (re)quantized
 
     def _weights(self, i):
@@ -206,24 +205,7 @@ class _Fp8Weights:
         """Layer i's cached weight, refreshed first if any layer's weights changed since."""
         if self._seen is None or self._versions(self._weights(i)) != self._seen[i]:
             self.refresh()
-        return self._entries[i]
-
-    def _build(self, weights):
-        groups = {}
-        for i, (wq, wk, wv) in enumerate(weights):
-            key = (tuple(wq.shape), tuple(wk.shape), tuple(wv.shape), wq.device)
-            groups.setdefault(key, []).append(i)
-        self._groups = []
-        for (q_shape, k_shape, v_shape, device), indices in groups.items():
-            rows = (q_shape[0], k_shape[0], v_shape[0])
-            bank = torch.empty((len(indices), sum(rows), q_shape[1]), dtype=torch.bfloat16,
-                               device=device)
-            sources, targets = [], []
-            for b, i in enumerate(indices):
-                for part, source in zip(bank[b].split(rows), weights[i]):
-                    sources.append(source)
-                    targets.append(part)
-            self._groups.append((indices, bank, sources, targets))
+        return self._cache[i]
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -231,13 +213,10 @@ class _Fp8Weights:
         layout = [tuple((w.data_ptr(), w.device, w.dtype, tuple(w.shape)) for w in ws)
                   for ws in weights]
         if layout != self._layout:
-            self._build(weights)
+            self._cache = qkvfuse.PackedWeightCache(weights)  # quantizes once
             self._layout = layout
-        for indices, bank, sources, targets in self._groups:
-            torch._foreach_copy_(targets, sources)
-            row, t, scale = qkvfuse.quantize_weight_bank(bank)
-            for b, i in enumerate(indices):
-                self._entries[i] = qkvfuse.PackedWeight(row[b], t[b], scale[b])
+        else:
+            self._cache.refresh()
         self._seen = [self._versions(ws) for ws in weights]
         self.refreshes += 1
 
