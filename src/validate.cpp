@@ -1,6 +1,7 @@
 // validate.cpp: the argument checks shared by the public entry points (see validate.hpp).
 #include "validate.hpp"
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -315,8 +316,9 @@ RopeShape rope_inputs(const Checker& check, const TensorView& qk, const RopeLayo
     }
   } else {
     float_dtypes(layout.cos_sin, "layout.cos_sin");
-    QKVF_CHECK(layout.cos_sin.sizes[0] >= 1, check.op(),
-               ": layout.cos_sin: expected at least one position P >= 1, got ",
+    // The CUDA kernels address a cache row with a 32-bit index.
+    QKVF_CHECK(layout.cos_sin.sizes[0] >= 1 && layout.cos_sin.sizes[0] <= INT32_MAX, check.op(),
+               ": layout.cos_sin: expected 1 <= P <= 2^31 - 1 positions, got ",
                layout.cos_sin.describe());
     check.last_dim_contiguous(layout.cos_sin, "layout.cos_sin");
     check.element_aligned(layout.cos_sin, "layout.cos_sin");

@@ -851,7 +851,9 @@ TEST(ValidationLayout, CacheTensors) {
       [&](RopeLayout& l) { l.cos_sin = retyped(l.cos_sin, DType::kFloat8E4M3); },
       {"layout.cos_sin: expected dtype bfloat16 or float32, got float8_e4m3fn"});
   expect_layout_refused([](RopeLayout& l) { l.cos_sin.sizes[0] = 0; },
-                        {"layout.cos_sin: expected at least one position P >= 1"});
+                        {"layout.cos_sin: expected 1 <= P <= 2^31 - 1 positions"});
+  expect_layout_refused([](RopeLayout& l) { l.cos_sin.sizes[0] = int64_t(1) << 31; },
+                        {"layout.cos_sin: expected 1 <= P <= 2^31 - 1 positions"});
   expect_layout_refused(
       [](RopeLayout& l) {
         l.cos_sin.sizes[0] = 2;

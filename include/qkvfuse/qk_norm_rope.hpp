@@ -28,8 +28,9 @@ enum class RotaryStyle : int8_t {
 ///                  dtype on the CPU), last dim contiguous: y[d] = f1[d] * n[d] + f2[d] * n[p(d)]
 ///                  for the rotary lanes d < r, p the partner of the style; the tables carry the
 ///                  signs (SPEC.md section 1).
-///   cos/sin cache  cos_sin [P, r] (bf16 or float32, last dim contiguous; columns [0, r/2) are
-///                  cos, [r/2, r) sin of frequency i) read at positions[t] (int32 or int64 [T]):
+///   cos/sin cache  cos_sin [P, r] (1 <= P <= 2^31 - 1; bf16 or float32, last dim contiguous;
+///                  columns [0, r/2) are cos, [r/2, r) sin of frequency i) read at positions[t]
+///                  (int32 or int64 [T]):
 ///                  y[d] = cos_i * n[d] - sin_i * n[p(d)] for the first lane of a pair and
 ///                  + for the second. A position outside [0, P) reads nothing: its token's
 ///                  rotary lanes come out NaN (check_positions raises instead).

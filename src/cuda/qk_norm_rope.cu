@@ -99,15 +99,12 @@ __global__ void __launch_bounds__(kRowThreads, forward_min_blocks<Geom, AngleT, 
                                       Features::kGeneral && in.dims.neox);
 
   // ---- loads: the K rows of the set (row k is input head set + NS*k; rows past Hq + Hkv are
-  // masked), the token's angles and the norm weights, all issued before any use. The general
-  // layouts load the angles first: a cos/sin cache's row waits for the token's position. ----
+  // masked), the norm weights and the token's angles, all issued before any use. A cos/sin
+  // cache's row waits for the token's position: the position goes first, then what need not
+  // wait, the angles last. ----
   // Paired: every head of the set has the set's parity, hence one angle half for all its rows.
-  rope::TokenAngles<Geom, AngleT, Features> angles;
-  const auto load_angles = [&] {
-    angles.load(in, t, qkvfuse::rope::place(in.dims, t, set).angle_offset, lanes, token_ok,
-                /*backward=*/false);
-  };
-  if constexpr (Features::kGeneral) load_angles();
+  using Angles = rope::TokenAngles<Geom, AngleT, Features>;
+  const int row = Angles::cache_row(in, t, token_ok);
   const uint16_t* qk_token = in.qk + t * in.qk_stride_t + int64_t(set) * in.qk_stride_h;
   const int64_t qk_row_step = int64_t(p.row_sets) * in.qk_stride_h;
   Chunk<V> x[K][C];
@@ -120,9 +117,11 @@ __global__ void __launch_bounds__(kRowThreads, forward_min_blocks<Geom, AngleT, 
                                                              qk_token + k * qk_row_step + lanes.d0[c]);
     }
   }
-  if constexpr (!Features::kGeneral) load_angles();
   rope::LaneWeights<Geom> weights;
   if constexpr (Features::kGeneral) weights.load(in, lanes);
+  Angles angles;
+  angles.load(in, t, row, qkvfuse::rope::place(in.dims, t, set).angle_offset, lanes, token_ok,
+              /*backward=*/false);
 
   // ---- per row: norm, rotate, store ----
 #pragma unroll

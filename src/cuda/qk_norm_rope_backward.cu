@@ -122,14 +122,18 @@ __device__ __forceinline__ void backward_unit(const BackwardArgs& p, int64_t uni
   Chunk<V> g[K][C];
   Chunk<V> x[K][C];
   Chunk<V> g_next[K][C];
-  rope::TokenAngles<Geom, AngleT, Features> angles;
+  using Angles = rope::TokenAngles<Geom, AngleT, Features>;
+  Angles angles;
   const int angle_offset = qkvfuse::rope::place(in.dims, t, set).angle_offset;
-  // Issue order, for ptxas's schedule: at C = 3 and under key offset the angles go first, so that
-  // every row load precedes the rstd shuffles; the plain and paired kernels of one chunk per lane
-  // keep the rows first (their SASS as measured; perf_notes.md).
-  constexpr bool kAnglesFirst = Geom::C == 3 || kKeyOffset || Features::kGeneral;
+  // Issue order, for ptxas's schedule: the speedrun's kernels at C = 3 and under key offset load
+  // the angles first, so that every row load precedes the rstd shuffles; its plain and paired
+  // kernels of one chunk per lane keep the rows first (their SASS as measured; perf_notes.md).
+  // The general layouts issue the token's position, then the rows, then the angles: a cos/sin
+  // cache's row waits for the position, the rows need not.
+  constexpr bool kAnglesFirst = !Features::kGeneral && (Geom::C == 3 || kKeyOffset);
+  const int row = Angles::cache_row(in, t, token_ok);
   if constexpr (kAnglesFirst) {
-    angles.load(in, t, angle_offset, lanes, token_ok, /*backward=*/true);
+    angles.load(in, t, row, angle_offset, lanes, token_ok, /*backward=*/true);
   }
 #pragma unroll
   for (int k = 0; k < K; ++k) {
@@ -156,7 +160,7 @@ __device__ __forceinline__ void backward_unit(const BackwardArgs& p, int64_t uni
     }
   }
   if constexpr (!kAnglesFirst) {
-    angles.load(in, t, angle_offset, lanes, token_ok, /*backward=*/true);
+    angles.load(in, t, row, angle_offset, lanes, token_ok, /*backward=*/true);
   }
 
   // ---- per row: dx, store ----

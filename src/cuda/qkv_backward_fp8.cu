@@ -304,6 +304,16 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
       for (int d = 64 * lane; d < Dv; d += 64 * G) rope::prefetch_l2(v_row + d);
     };
 
+    // A cos/sin cache: the positions of the group's tokens, one per lane, loaded once, so that a
+    // step's cache row waits for a shuffle instead of a load.
+    using Angles = rope::TokenAngles<Geom, AngleT, Features>;
+    static_assert(kTokensPerGroup <= G, "one token position per lane");
+    int lane_row = 0;
+    if constexpr (Features::kGeneral) {
+      const int64_t t_lane = job.t0 + group + int64_t(kGroups) * lane;
+      lane_row = Angles::cache_row(in, t_lane, lane < kTokensPerGroup && t_lane < in.tokens);
+    }
+
 #pragma unroll 1
     for (int step = 0; step < kTokensPerGroup; ++step) {  // block-uniform trip count
       const int row = group + kGroups * step;              // consecutive groups: consecutive tokens
@@ -314,9 +324,11 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
         prefetch_v_row(t);
       }
 
-      rope::TokenAngles<Geom, AngleT, Features> angles;
-      angles.load(in, t, qkvfuse::rope::place(in.dims, t, part0.h2).angle_offset, lanes, token_ok,
-                  /*backward=*/true);
+      int cache_row = 0;
+      if constexpr (Features::kGeneral) cache_row = __shfl_sync(0xffffffffu, lane_row, step, G);
+      Angles angles;
+      angles.load(in, t, cache_row, qkvfuse::rope::place(in.dims, t, part0.h2).angle_offset, lanes,
+                  token_ok, /*backward=*/true);
 
       // One row: part 0 or part 1 of the token; both share the angles. With one chunk per lane
       // the loads of both rows are issued before either is computed; wider rows go one at a time.

@@ -197,11 +197,27 @@ struct TokenAngles {
   float f2pv[kWords ? 1 : C][V];
   bool lead[C];  ///< cache, V = 8: the chunk's lanes lead their pairs (NeoX: d < r/2)
 
+  /// The cos/sin cache row of token t: positions[t], or -1 outside [0, P) (validation keeps P
+  /// below 2^31); 0 for tables and for a token past the end. Its own step because the cache row
+  /// waits for it: kernels issue it before their row loads, which need not wait (perf_notes.md,
+  /// "The general layouts").
+  __device__ __forceinline__ static int cache_row(const RopeInputs& in, int64_t t, bool token_ok) {
+    if (!Features::kGeneral || !in.angles.cache || !token_ok) return 0;
+    const int64_t position =
+        in.angles.positions_int64
+            ? __ldg(static_cast<const long long*>(in.angles.positions) +
+                    t * in.angles.positions_stride)
+            : int64_t(__ldg(static_cast<const int*>(in.angles.positions) +
+                            t * in.angles.positions_stride));
+    return position >= 0 && position < in.angles.num_positions ? int(position) : -1;
+  }
+
   /// Loads the angles of token t for rows whose table columns start at `angle_offset` (paired
-  /// heads). `backward` also loads what f2p needs. Only the rotary chunks load.
-  __device__ __forceinline__ void load(const RopeInputs& in, int64_t t, int angle_offset,
-                                       const LaneChunks<Geom>& lanes, bool token_ok,
-                                       bool backward) {
+  /// heads); `row` is cache_row's for t. `backward` also loads what f2p needs. Only the rotary
+  /// chunks load.
+  __device__ __forceinline__ void load(const RopeInputs& in, int64_t t, int row,
+                                       int angle_offset, const LaneChunks<Geom>& lanes,
+                                       bool token_ok, bool backward) {
     const int r = in.dims.rotary_dim;
     const bool neox = Features::kGeneral && in.dims.neox;
     if (!Features::kGeneral || !in.angles.cache) {
@@ -235,17 +251,9 @@ struct TokenAngles {
       return;
     }
     // The cos/sin cache row of the token's position.
-    int64_t position = 0;
-    if (token_ok) {
-      position = in.angles.positions_int64
-                     ? __ldg(static_cast<const long long*>(in.angles.positions) +
-                             t * in.angles.positions_stride)
-                     : int64_t(__ldg(static_cast<const int*>(in.angles.positions) +
-                                     t * in.angles.positions_stride));
-    }
-    const bool inside = position >= 0 && position < in.angles.num_positions;
+    const bool inside = row >= 0;
     const T* cos = static_cast<const T*>(in.angles.cos_sin) +
-                   (inside ? position : 0) * in.angles.cos_sin_stride;
+                   int64_t(inside ? row : 0) * in.angles.cos_sin_stride;
     const T* sin = cos + r / 2;
     const float nan = __uint_as_float(0x7fc00000u);
 #pragma unroll
