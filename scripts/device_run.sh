@@ -28,6 +28,18 @@ note "device: $(nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem 
 commit=${QKVFUSE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 note "commit: $commit  date: $(date -u +%F)"
 
+# The A/B's old side from source: .device/old-src holds another commit's tree (written by
+# scripts/device_prepare.sh COMMIT); its benchmark builds in the background beside the build stage.
+old_src=.device/old-src
+old_build=build-old
+if has ab && [ -z "${QKVFUSE_AB_OLD:-}" ] && [ -f $old_src/CMakeLists.txt ]; then
+  (cmake -S $old_src -B $old_build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+     -DCMAKE_CUDA_ARCHITECTURES=90a -DQKVFUSE_BUILD_TESTS=OFF -DQKVFUSE_BUILD_EXAMPLES=OFF &&
+     ninja -C $old_build qkvfuse_bench_kernels) >"$LOG/build_old.log" 2>&1 &
+  old_builder=$!
+  export QKVFUSE_AB_OLD=$old_build/bench/qkvfuse_bench_kernels
+fi
+
 if has build; then
   torch_prefix=$(python_outside -c 'import torch; print(torch.utils.cmake_prefix_path)')
   start=$SECONDS
@@ -119,15 +131,23 @@ fi
 
 if has ab; then
   # Same-run A/B of the rope kernels against another build's benchmark binary ($QKVFUSE_AB_OLD,
-  # e.g. carried in .device/old/): QKVFUSE_AB_ROUNDS interleaved rounds (old, new, old, new, ...);
-  # bench/ab_kernels.py takes the best round of each.
+  # or the one built from .device/old-src above): QKVFUSE_AB_ROUNDS interleaved rounds (old, new,
+  # old, new, ...); bench/ab_kernels.py takes the best round of each. QKVFUSE_AB_ARGS adds
+  # arguments to both (e.g. --kernel NAME); QKVFUSE_BENCH_VARIANTS=1 adds the Qwen3-8B variants.
   start=$SECONDS
+  if [ -n "${old_builder:-}" ]; then
+    wait $old_builder
+    rc=$?
+    note "old build ($(cat $old_src/COMMIT 2>/dev/null || echo '?')): rc=$rc by $((SECONDS - start)) s"
+  fi
   old_csvs=() new_csvs=()
   for round in $(seq 1 "${QKVFUSE_AB_ROUNDS:-2}"); do
     for side in old new; do
       binary=$build/bench/qkvfuse_bench_kernels
       [ $side = old ] && binary=${QKVFUSE_AB_OLD:-.device/old/qkvfuse_bench_kernels}
-      "$binary" --iters "${QKVFUSE_AB_ITERS:-100}" --csv "$LOG/ab_${side}_$round.csv" \
+      # shellcheck disable=SC2086
+      "$binary" --iters "${QKVFUSE_AB_ITERS:-100}" ${QKVFUSE_AB_ARGS:-} \
+        --csv "$LOG/ab_${side}_$round.csv" \
         >"$LOG/ab_${side}_$round.txt" 2>&1
       note "ab $side round $round: rc=$? ($((SECONDS - start)) s)"
       [ $side = old ] && old_csvs+=("$LOG/ab_old_$round.csv") || new_csvs+=("$LOG/ab_new_$round.csv")
