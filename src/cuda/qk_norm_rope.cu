@@ -54,9 +54,15 @@ struct ForwardArgs {
 /// Register budget, as resident 128-thread blocks per SM: 8 (32 warps, <= 64 registers) for the
 /// speedrun's 16-byte kernels with bf16 factors; fp32 factor chunks take twice the registers, so
 /// those get 6 (<= 80), and 5 (<= 96) at C = 3. The general layouts hold a row's weights and its
-/// partners besides: 6 blocks. Chosen so that ptxas spills nothing (check with -Xptxas -v).
+/// partners besides: 6 blocks, and 8 for one bf16 chunk per lane on 16 lanes (D in (64, 128], the
+/// models' width), which fits 64 registers there but spills at 8 and 4 lanes. Chosen so that
+/// ptxas spills nothing (check with -Xptxas -warn-spills).
 template <class Geom, typename AngleT, class Features>
 constexpr int forward_min_blocks() {
+  if constexpr (Features::kGeneral && Geom::V == 8 && Geom::C == 1 && Geom::G == 16 &&
+                sizeof(AngleT) == 2) {
+    return 8;
+  }
   if constexpr (Features::kGeneral || Geom::V != 8) return Geom::V * Geom::C > 8 ? 4 : 6;
   return sizeof(AngleT) == 4 ? (Geom::C == 3 ? 5 : 6) : 8;
 }
