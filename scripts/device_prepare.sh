@@ -6,10 +6,10 @@
 #   .seed/reference_triton.py   the reference implementation, for side-by-side runs
 #                               (QKVFUSE_SEED_DIR, default ../shared/seed: its one file)
 #   .whl/                       the Liger-Kernel wheel (bench_torch.py's side-by-side rows)
-#   .device/old-src/            with a COMMIT argument: that commit's tree, the old side of
+#   .device/old-src-N/          per COMMIT argument: that commit's tree, an old side of
 #                               device_run.sh's ab stage (built there beside the new tree)
 #
-#   scripts/device_prepare.sh [COMMIT]
+#   scripts/device_prepare.sh [COMMIT ...]
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
@@ -27,12 +27,13 @@ mkdir -p .whl
 ls .whl/liger_kernel-*.whl >/dev/null 2>&1 ||
   python3 -m pip download -q --no-deps --only-binary=:all: liger-kernel -d .whl
 carry=(.gtest .deps .seed .whl)
-if [ $# -ge 1 ]; then
-  commit=$(git rev-parse --short "$1^{commit}")
-  rm -rf .device/old-src && mkdir -p .device/old-src
-  git archive "$commit" | tar -x -C .device/old-src
-  echo "$commit" >.device/old-src/COMMIT
-  carry+=(.device)
-fi
+rm -rf .device/old-src*
+for i in $(seq 1 $#); do
+  commit=$(git rev-parse --short "${!i}^{commit}")
+  mkdir -p ".device/old-src-$i"
+  git archive "$commit" | tar -x -C ".device/old-src-$i"
+  echo "$commit" >".device/old-src-$i/COMMIT"
+done
+[ $# -ge 1 ] && carry+=(.device)
 du -sh "${carry[@]}" >&2
 printf '%s\n' "${carry[@]}"

@@ -28,17 +28,22 @@ note "device: $(nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem 
 commit=${QKVFUSE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 note "commit: $commit  date: $(date -u +%F)"
 
-# The A/B's old side from source: .device/old-src holds another commit's tree (written by
-# scripts/device_prepare.sh COMMIT); its benchmark builds in the background beside the build stage.
-old_src=.device/old-src
-old_build=build-old
-if has ab && [ -z "${QKVFUSE_AB_OLD:-}" ] && [ -f $old_src/CMakeLists.txt ]; then
-  (cmake -S $old_src -B $old_build -G Ninja -DCMAKE_BUILD_TYPE=Release \
-     -DCMAKE_CUDA_ARCHITECTURES=90a -DQKVFUSE_BUILD_TESTS=OFF -DQKVFUSE_BUILD_EXAMPLES=OFF &&
-     ninja -C $old_build qkvfuse_bench_kernels) >"$LOG/build_old.log" 2>&1 &
-  old_builder=$!
-  export QKVFUSE_AB_OLD=$old_build/bench/qkvfuse_bench_kernels
+# The A/B's old sides from source: each .device/old-src*/ holds another commit's tree (written by
+# scripts/device_prepare.sh COMMIT ...); their benchmarks build in the background beside the build
+# stage. QKVFUSE_AB_OLD names one prebuilt binary instead.
+old_bins=() old_builders=()
+if has ab && [ -z "${QKVFUSE_AB_OLD:-}" ]; then
+  for src in .device/old-src*/; do
+    [ -f "$src/CMakeLists.txt" ] || continue
+    name=$(cat "$src/COMMIT")
+    (cmake -S "$src" -B "build-old-$name" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+       -DCMAKE_CUDA_ARCHITECTURES=90a -DQKVFUSE_BUILD_TESTS=OFF -DQKVFUSE_BUILD_EXAMPLES=OFF &&
+       ninja -C "build-old-$name" qkvfuse_bench_kernels) >"$LOG/build_old_$name.log" 2>&1 &
+    old_builders+=($!)
+    old_bins+=("build-old-$name/bench/qkvfuse_bench_kernels")
+  done
 fi
+[ -n "${QKVFUSE_AB_OLD:-}" ] && old_bins=("$QKVFUSE_AB_OLD")
 
 if has build; then
   torch_prefix=$(python_outside -c 'import torch; print(torch.utils.cmake_prefix_path)')
@@ -130,33 +135,31 @@ if has profile; then
 fi
 
 if has ab; then
-  # Same-run A/B of the rope kernels against another build's benchmark binary ($QKVFUSE_AB_OLD,
-  # or the one built from .device/old-src above): QKVFUSE_AB_ROUNDS interleaved rounds (old, new,
-  # old, new, ...); bench/ab_kernels.py takes the best round of each. QKVFUSE_AB_ARGS adds
-  # arguments to both (e.g. --kernel NAME); QKVFUSE_BENCH_VARIANTS=1 adds the Qwen3-8B variants.
+  # Same-run A/B of the rope kernels, each old build against this one: QKVFUSE_AB_ROUNDS
+  # interleaved rounds (every old build, then the new one, ...); bench/ab_kernels.py takes the best
+  # round of each. QKVFUSE_AB_ARGS adds arguments to every run (e.g. --head-dim 128);
+  # QKVFUSE_BENCH_VARIANTS=1 adds the Qwen3-8B variants.
   start=$SECONDS
-  if [ -n "${old_builder:-}" ]; then
-    wait $old_builder
+  for i in "${!old_builders[@]}"; do
+    wait "${old_builders[$i]}"
     rc=$?
-    note "old build ($(cat $old_src/COMMIT 2>/dev/null || echo '?')): rc=$rc by $((SECONDS - start)) s"
-  fi
-  old_csvs=() new_csvs=()
+    note "old build ${old_bins[$i]}: rc=$rc by $((SECONDS - start)) s"
+  done
+  sides=("${old_bins[@]}" "$build/bench/qkvfuse_bench_kernels")
   for round in $(seq 1 "${QKVFUSE_AB_ROUNDS:-2}"); do
-    for side in old new; do
-      binary=$build/bench/qkvfuse_bench_kernels
-      [ $side = old ] && binary=${QKVFUSE_AB_OLD:-.device/old/qkvfuse_bench_kernels}
+    for i in "${!sides[@]}"; do
       # shellcheck disable=SC2086
-      "$binary" --iters "${QKVFUSE_AB_ITERS:-100}" ${QKVFUSE_AB_ARGS:-} \
-        --csv "$LOG/ab_${side}_$round.csv" \
-        >"$LOG/ab_${side}_$round.txt" 2>&1
-      note "ab $side round $round: rc=$? ($((SECONDS - start)) s)"
-      [ $side = old ] && old_csvs+=("$LOG/ab_old_$round.csv") || new_csvs+=("$LOG/ab_new_$round.csv")
+      "${sides[$i]}" --iters "${QKVFUSE_AB_ITERS:-100}" ${QKVFUSE_AB_ARGS:-} \
+        --csv "$LOG/ab_${i}_$round.csv" >"$LOG/ab_${i}_$round.txt" 2>&1
+      note "ab ${sides[$i]} round $round: rc=$? ($((SECONDS - start)) s)"
     done
   done
-  python3 bench/ab_kernels.py --old "${old_csvs[@]}" --new "${new_csvs[@]}" --out "$LOG/ab.md" |
-    tee -a "$summary"
-  # The new build's rows the old one does not have (the general layouts' model shapes).
-  grep -E "Qwen|Gemma|D=100" "$LOG/ab_new_1.txt" | tee -a "$summary"
+  new=$((${#sides[@]} - 1))
+  for i in $(seq 0 $((new - 1))); do
+    note "ab: ${sides[$i]} (old) against this build (new)"
+    python3 bench/ab_kernels.py --old "$LOG"/ab_"${i}"_*.csv --new "$LOG"/ab_"${new}"_*.csv \
+      --out "$LOG/ab_$i.md" | tee -a "$summary"
+  done
   pack
 fi
 
