@@ -64,7 +64,7 @@ void print_row(const Row& r) {
 template <cuda::EpilogueWork kWork>
 void fused_partial(const Problem& p, cudaStream_t stream) {
   const cuda::FusedQkvKernelArgs args = cuda::fused_qkv_kernel_args(p.fused_params(stream, false));
-  cuda::launch_fused_qkv_gemm<128, kWork>(args, stream);
+  cuda::launch_fused_qkv_gemm<128, cuda::FusedFactor, kWork>(args, stream);
 }
 
 void bench_shape(int64_t tokens, int64_t head_dim, cudaStream_t stream, int iters,

@@ -7,8 +7,8 @@
 #include "cuda/fused_qkv_gemm_kernel.cuh"
 
 namespace qkvfuse::cuda {
-template void launch_fused_qkv_gemm<128, EpilogueWork::kStoreOnly>(const FusedQkvKernelArgs& args,
+template void launch_fused_qkv_gemm<128, FusedFactor, EpilogueWork::kStoreOnly>(const FusedQkvKernelArgs& args,
                                                                     Stream stream);
-template void launch_fused_qkv_gemm<128, EpilogueWork::kNormOnly>(const FusedQkvKernelArgs& args,
+template void launch_fused_qkv_gemm<128, FusedFactor, EpilogueWork::kNormOnly>(const FusedQkvKernelArgs& args,
                                                                    Stream stream);
 }  // namespace qkvfuse::cuda

@@ -262,14 +262,20 @@ CUTE_HOST_DEVICE void transpose_receive(uint32_t* w, int lane, const uint32_t (&
 /// One thread's share of a kTileM x kTileN tile, and what it does with it: kRows rows per thread.
 /// Before the quad transpose x[r][j] holds columns col0 + 8j + {0, 1}; after it, x[r][4b + w]
 /// holds columns chunk_col(b) + 2w + {0, 1}, chunk_col(b) = 8 (4b + lane), lane = col0 / 2.
+/// FactorT: the factor tables' element type, uint16_t (bf16 bits) or float; a template parameter
+/// so that a kernel carries the loads and conversions of one dtype only.
 /// kWork: the whole norm + rotary, or only parts of it for the benchmark's attribution
 /// (EpilogueWork, fused_qkv_gemm_args.hpp); the stores are the same in every case.
-template <int kTileN_, int kHeadDim_, int kRows_, EpilogueWork kWork_ = EpilogueWork::kFull>
+template <int kTileN_, int kHeadDim_, int kRows_, typename FactorT_,
+          EpilogueWork kWork_ = EpilogueWork::kFull>
 struct TileMath {
   static constexpr int kTileN = kTileN_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kRows = kRows_;
+  using FactorT = FactorT_;
   static constexpr EpilogueWork kWork = kWork_;
+  static_assert(std::is_same_v<FactorT, uint16_t> || std::is_same_v<FactorT, float>,
+                "factor tables are bf16 (uint16_t bits) or fp32");
   static constexpr int kGroups = kTileN / 8;       ///< 8-column groups: words per row per thread
   static constexpr int kBlocks = kGroups / 4;      ///< blocks of 4 groups: chunks per row per thread
   static constexpr int kHeadsPerTile = kTileN / kHeadDim;
@@ -286,8 +292,8 @@ struct TileMath {
   /// Rows whose factors are in registers at once: 2 with bf16 tables (2 x 2 tables x kBlocks
   /// chunks: 64 registers at N = 128), 1 with fp32 tables (the same 64). More would not fit next
   /// to the tile's 64 x words in a ping-pong consumer's 232 registers.
-  template <typename FactorT>
   static constexpr int kFactorBatch = sizeof(FactorT) == 2 ? 2 : 1;
+  using Factors = FactorGroup<FactorT>[kFactorBatch][kBlocks];
 
   struct Fragment {
     uint32_t x[kRows][kGroups];  ///< bf16x2 words (layout above), the low half the even column
@@ -358,14 +364,11 @@ struct TileMath {
     return f.chunk_col(b) - (b / kBlocksPerHead) * kHeadDim;
   }
 
-  /// The factor groups of fragment rows [r0, r0 + kBatch), one per chunk (zeros past T).
-  template <typename FactorT, int kBatch>
+  /// The factor groups of fragment rows [r0, r0 + kFactorBatch), one per chunk (zeros past T).
   CUTE_HOST_DEVICE static void load_factors(const FusedQkvEpilogueArgs& a, int m0, int n0,
-                                            const Fragment& f, int r0,
-                                            FactorGroup<FactorT> (&f1)[kBatch][kBlocks],
-                                            FactorGroup<FactorT> (&f2)[kBatch][kBlocks]) {
+                                            const Fragment& f, int r0, Factors& f1, Factors& f2) {
     CUTE_UNROLL
-    for (int i = 0; i < kBatch; ++i) {
+    for (int i = 0; i < kFactorBatch; ++i) {
       const int t = m0 + f.rows[r0 + i];
       const bool valid = t < a.tokens;
       CUTE_UNROLL
@@ -384,17 +387,15 @@ struct TileMath {
     }
   }
 
-  /// Normalize, rotate and store fragment rows [r0, r0 + kBatch) of a Q/K tile.
-  template <typename FactorT, int kBatch>
+  /// Normalize, rotate and store fragment rows [r0, r0 + kFactorBatch) of a Q/K tile.
   CUTE_HOST_DEVICE static void rotate_store(const FusedQkvEpilogueArgs& a, int m0, int n0,
                                             const Fragment& f, const Sums& sums, int r0,
-                                            const FactorGroup<FactorT> (&f1)[kBatch][kBlocks],
-                                            const FactorGroup<FactorT> (&f2)[kBatch][kBlocks]) {
+                                            const Factors& f1, const Factors& f2) {
     CUTE_UNROLL
     for (int hh = 0; hh < kHeadsPerTile; ++hh) {
       const HeadPlace p = place(a, n0, hh);
       CUTE_UNROLL
-      for (int i = 0; i < kBatch; ++i) {
+      for (int i = 0; i < kFactorBatch; ++i) {
         const int r = r0 + i;
         const int t = m0 + f.rows[r];
         if (t >= a.tokens) continue;
@@ -472,22 +473,20 @@ struct TileMath {
   /// A whole Q/K tile after the quad reduction: batches of rows, each batch's factor loads
   /// issued before its arithmetic; f1 / f2 arrive holding batch 0's factors (loaded by the
   /// caller before the reduction).
-  template <typename FactorT, int kBatch>
   CUTE_HOST_DEVICE static void store_qk_batches(const FusedQkvEpilogueArgs& a, int m0, int n0,
-                                                const Fragment& f, const Sums& sums,
-                                                FactorGroup<FactorT> (&f1)[kBatch][kBlocks],
-                                                FactorGroup<FactorT> (&f2)[kBatch][kBlocks]) {
-    static_assert(kRows % kBatch == 0, "whole batches of rows");
+                                                const Fragment& f, const Sums& sums, Factors& f1,
+                                                Factors& f2) {
+    static_assert(kRows % kFactorBatch == 0, "whole batches of rows");
     CUTE_UNROLL
-    for (int r0 = 0; r0 < kRows; r0 += kBatch) {
+    for (int r0 = 0; r0 < kRows; r0 += kFactorBatch) {
       if (r0 > 0 && kWork == EpilogueWork::kFull) {
         // Keep each batch's loads behind the previous batch's stores: hoisted (the read-only
         // loads may legally move past stores), every batch's factors could be live at once,
         // beyond the register budget. (Not measured either way yet.)
         compiler_fence();
-        load_factors<FactorT, kBatch>(a, m0, n0, f, r0, f1, f2);
+        load_factors(a, m0, n0, f, r0, f1, f2);
       }
-      rotate_store<FactorT, kBatch>(a, m0, n0, f, sums, r0, f1, f2);
+      rotate_store(a, m0, n0, f, sums, r0, f1, f2);
     }
   }
 
@@ -612,7 +611,7 @@ CUTLASS_DEVICE void quad_transpose(typename Math::Fragment& f) {
 /// cutlass::epilogue::collective::DefaultEpilogue: the kernel hands it each finished tile's
 /// accumulators (wrapped in Sm90TmaWarpSpecializedAdapter, which supplies the empty load/store
 /// pipelines a register epilogue does not use). No shared memory, no source tensor C.
-template <class TileShape_, int kHeadDim_, EpilogueWork kWork = EpilogueWork::kFull>
+template <class TileShape_, int kHeadDim_, typename FactorT, EpilogueWork kWork = EpilogueWork::kFull>
 class FusedQkvEpilogue {
  public:
   using TileShape = TileShape_;
@@ -620,7 +619,7 @@ class FusedQkvEpilogue {
   static constexpr int kTileN = cute::size<1>(TileShape{});
   static constexpr int kHeadDim = kHeadDim_;
   static_assert(kTileM % 64 == 0, "the tile's M is a whole number of 64-row WGMMA atoms");
-  using Math = TileMath<kTileN, kHeadDim, 2 * (kTileM / 64), kWork>;
+  using Math = TileMath<kTileN, kHeadDim, 2 * (kTileM / 64), FactorT, kWork>;
 
   // What the kernel reads off its epilogue: the element and stride types of C (absent) and D.
   using ElementC = void;
@@ -690,24 +689,17 @@ class FusedQkvEpilogue {
       Math::store_v(a, m0, n0, f);
       return;
     }
-    if (a.factor_fp32) {
-      qk_tile<float>(a, m0, n0, f);
-    } else {
-      qk_tile<uint16_t>(a, m0, n0, f);
-    }
+    qk_tile(a, m0, n0, f);
   }
 
  private:
   /// A Q/K tile; tests/fused_qkv_gemm/epilogue_host_test.cu replays these steps on the host.
-  template <typename FactorT>
   CUTLASS_DEVICE void qk_tile(const FusedQkvEpilogueArgs& a, int m0, int n0,
                               const typename Math::Fragment& f) {
-    constexpr int kBatch = Math::template kFactorBatch<FactorT>;
-    FactorGroup<FactorT> f1[kBatch][Math::kBlocks];
-    FactorGroup<FactorT> f2[kBatch][Math::kBlocks];
+    typename Math::Factors f1, f2;
     // The first batch's factors are in flight during the raw stores, the sums and the butterfly.
     if constexpr (kWork == EpilogueWork::kFull) {
-      Math::template load_factors<FactorT, kBatch>(a, m0, n0, f, 0, f1, f2);
+      Math::load_factors(a, m0, n0, f, 0, f1, f2);
     }
     // The raw output first: at the end it would keep every x word of the tile live to the last
     // batch (ptxas spilled them).
@@ -729,7 +721,7 @@ class FusedQkvEpilogue {
         }
       }
     }
-    Math::template store_qk_batches<FactorT, kBatch>(a, m0, n0, f, sums, f1, f2);
+    Math::store_qk_batches(a, m0, n0, f, sums, f1, f2);
   }
 
   Params params_;
@@ -737,9 +729,9 @@ class FusedQkvEpilogue {
 
 /// The collective the kernel instantiates: the register epilogue behind the adapter that gives it
 /// the TMA warp-specialized interface (empty pipelines, no producer load).
-template <class TileShape, int kHeadDim, EpilogueWork kWork = EpilogueWork::kFull>
+template <class TileShape, int kHeadDim, typename FactorT, EpilogueWork kWork = EpilogueWork::kFull>
 using FusedQkvCollectiveEpilogue =
     cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
-        FusedQkvEpilogue<TileShape, kHeadDim, kWork>>;
+        FusedQkvEpilogue<TileShape, kHeadDim, FactorT, kWork>>;
 
 }  // namespace qkvfuse::cuda::fused

@@ -153,7 +153,10 @@ FusedQkvKernelArgs validate_and_translate(const FusedQkvGemmParams& p, Device& d
 
   // ---- factor tables ----------------------------------------------------------------------
   const int64_t factor_width = layout.paired ? 2 * head_dim : head_dim;
-  check.dtype_in(layout.factor1, "layout.factor1", {DType::kBFloat16, DType::kFloat32});
+  // One factor dtype is built (FusedFactor, fused_qkv_gemm_args.hpp).
+  QKVF_CHECK(layout.factor1.dtype == DType::kBFloat16, kOp, ": layout.factor1: the fused epilogue "
+             "is built for bfloat16 factor tables only, got ", dtype_name(layout.factor1.dtype),
+             " (float32 tables run on the unfused forward: fp8_gemm + qk_norm_rope)");
   check.dtype(layout.factor2, "layout.factor2", layout.factor1.dtype);
   for (const Arg& factor : {inputs[5], inputs[6]}) {
     check.shape(factor.view, factor.name, {tokens, factor_width},
@@ -194,7 +197,6 @@ FusedQkvKernelArgs validate_and_translate(const FusedQkvGemmParams& p, Device& d
   e.key_offset = layout.key_offset;
   e.neox = neox;
   e.eps = eps;
-  e.factor_fp32 = layout.factor1.dtype == DType::kFloat32;
   e.factor1 = layout.factor1.data;
   e.factor2 = layout.factor2.data;
   e.factor1_stride = layout.factor1.strides[0];
@@ -231,9 +233,9 @@ void fused_qkv_gemm(const FusedQkvGemmParams& params) {
   if (args.m == 0) return;
   DeviceGuard guard(Device{DeviceType::kCUDA, args.device});
   switch (args.epilogue.head_dim) {
-    case 128: launch_fused_qkv_gemm<128>(args, params.stream); break;
-    case 96: launch_fused_qkv_gemm<96>(args, params.stream); break;
-    case 64: launch_fused_qkv_gemm<64>(args, params.stream); break;
+    case 128: launch_fused_qkv_gemm<128, FusedFactor>(args, params.stream); break;
+    case 96: launch_fused_qkv_gemm<96, FusedFactor>(args, params.stream); break;
+    case 64: launch_fused_qkv_gemm<64, FusedFactor>(args, params.stream); break;
     default: QKVF_FAIL(kOp, ": no kernel for head width D = ", args.epilogue.head_dim);
   }
 }

@@ -41,7 +41,8 @@ void cutlass_fp8_gemm(const Fp8GemmParams& params);
 ///   layout     the norm + rotary, as qk_norm_rope takes it (qkvfuse/qk_norm_rope.hpp): Hq =
 ///              num_heads, Hkv = kv_heads(layout), rotary_style, rotary_dim, eps, paired,
 ///              key_offset, and the factor tables layout.factor1, factor2 [T, D] ([T, 2D] when
-///              paired), bf16 or fp32, one dtype, last dim contiguous
+///              paired), bf16 (fp32 tables are refused: FusedFactor, fused_qkv_gemm_args.hpp),
+///              last dim contiguous
 ///   q          bf16 [T, Hq, D] ([2T, Hq/2, D] when paired), last dim contiguous
 ///   k          bf16 [T, Hkv, D] ([2T, Hkv/2, D] when paired), likewise
 ///   v          bf16 [T, Hkv, Dv], last dim contiguous

@@ -34,8 +34,7 @@ struct FusedQkvEpilogueArgs {
   bool neox = false;    ///< rotary partner of d is d +- D/2 (SPEC.md 8, rotary width D)
   float eps = 0.0f;     ///< RMS-norm epsilon (2^-23 for the speedrun)
 
-  // ---- rotary factor tables: [T, D] or [T, 2D] (paired) -----------------------------------------
-  bool factor_fp32 = false;        ///< element type: fp32, else bf16
+  // ---- rotary factor tables: [T, D] or [T, 2D] (paired), of the kernel's FactorT ---------------
   const void* factor1 = nullptr;   ///< (t, j) at t * factor1_stride + j: cos(theta)
   const void* factor2 = nullptr;   ///< sin(theta), odd lanes negated (the sign of the partner)
   int64_t factor1_stride = 0;      ///< 16-byte multiple (16-byte chunk loads)
@@ -86,9 +85,17 @@ enum class EpilogueWork {
                ///< no rotary
 };
 
-/// Launches the fused GEMM for head width kHeadDim (defined in fused_qkv_gemm_d<D>.cu, one
-/// instantiation per file so that they compile in parallel).
-template <int kHeadDim, EpilogueWork kWork = EpilogueWork::kFull>
+/// The factor tables' element type the library's fused kernels are built for: bf16 (as uint16_t
+/// bits), what speedrun_factor_tables makes. The epilogue takes the dtype as a template parameter
+/// (fp32 too: the host test runs it), but every instantiation is a whole CUTLASS kernel (1-2
+/// minutes of nvcc on CI's cores), so the library builds one dtype and fused_qkv_gemm refuses
+/// fp32 tables, which stay on the unfused forward (fp8_gemm + qk_norm_rope). fp32 tables would
+/// also double the epilogue's largest read (128 instead of 64 KiB of factors per 128 x 128 tile).
+using FusedFactor = uint16_t;
+
+/// Launches the fused GEMM for head width kHeadDim and factor tables of FactorT (defined in
+/// fused_qkv_gemm_d<D>.cu, one instantiation per file so that they compile in parallel).
+template <int kHeadDim, typename FactorT, EpilogueWork kWork = EpilogueWork::kFull>
 void launch_fused_qkv_gemm(const FusedQkvKernelArgs& args, Stream stream);
 
 }  // namespace qkvfuse::cuda

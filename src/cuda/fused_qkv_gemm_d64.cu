@@ -3,5 +3,5 @@
 #include "cuda/fused_qkv_gemm_kernel.cuh"
 
 namespace qkvfuse::cuda {
-template void launch_fused_qkv_gemm<64>(const FusedQkvKernelArgs& args, Stream stream);
+template void launch_fused_qkv_gemm<64, FusedFactor>(const FusedQkvKernelArgs& args, Stream stream);
 }  // namespace qkvfuse::cuda

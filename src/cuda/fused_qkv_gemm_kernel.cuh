@@ -19,12 +19,12 @@
 namespace qkvfuse::cuda {
 namespace fused {
 
-template <int kHeadDim, EpilogueWork kWork = EpilogueWork::kFull>
+template <int kHeadDim, typename FactorT, EpilogueWork kWork = EpilogueWork::kFull>
 struct FusedQkvKernel {
   static constexpr int kTileN = fused_tile_n(kHeadDim);
   static_assert(kTileN % kHeadDim == 0, "a CTA tile holds whole heads");
   using TileShape = cute::Shape<cute::_128, cute::Int<kTileN>, cute::_128>;
-  using Epilogue = FusedQkvCollectiveEpilogue<TileShape, kHeadDim, kWork>;
+  using Epilogue = FusedQkvCollectiveEpilogue<TileShape, kHeadDim, FactorT, kWork>;
   // A register epilogue: the whole shared memory goes to the main loop's stages.
   using Mainloop = sm90::Mainloop<TileShape, 0>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<sm90::ProblemShape, Mainloop, Epilogue>;
@@ -32,9 +32,9 @@ struct FusedQkvKernel {
 
 }  // namespace fused
 
-template <int kHeadDim, EpilogueWork kWork>
+template <int kHeadDim, typename FactorT, EpilogueWork kWork>
 void launch_fused_qkv_gemm(const FusedQkvKernelArgs& args, Stream stream) {
-  using Kernel = typename fused::FusedQkvKernel<kHeadDim, kWork>::Kernel;
+  using Kernel = typename fused::FusedQkvKernel<kHeadDim, FactorT, kWork>::Kernel;
   typename Kernel::Arguments arguments{};
   arguments.mode = cutlass::gemm::GemmUniversalMode::kGemm;
   arguments.problem_shape = {args.m, args.n, args.k, 1};

@@ -10,7 +10,8 @@
 //   2. runs the epilogue on whole tiles of random accumulators, thread by thread, with the
 //      butterfly replayed in the device's order, for every M and N tile of small problems (the
 //      speedrun layout, fp32 factors, D = 64, key offset, paired, GQA, NeoX, a ragged T, the raw
-//      qk output), writing into poisoned host buffers, and compares q, k, v and qk with
+//      qk output; fp32 factors too, which the epilogue takes as a template parameter though the
+//      library builds bf16 only), writing into poisoned host buffers, and compares q, k, v and qk with
 //      reference.hpp (q, k within 1 bf16 ulp: the row sums add in another order; v, qk bit for
 //      bit), with every output element written;
 //   3. checks reference.hpp against the library's CPU qk_norm_rope, bit for bit, on the fused
@@ -92,9 +93,10 @@ void quad_transpose_all(std::vector<typename Math::Fragment>& frags) {
 template <int kHeadDim>
 void check_layout() {
   using namespace cute;
-  using Kernel = qc::fused::FusedQkvKernel<kHeadDim>;
+  using Kernel = qc::fused::FusedQkvKernel<kHeadDim, qc::FusedFactor>;
   using TiledMma = typename Kernel::Mainloop::TiledMma;
-  using Math = typename qc::fused::FusedQkvEpilogue<typename qc::fused::FusedQkvKernel<kHeadDim>::TileShape, kHeadDim>::Math;
+  using Math = typename qc::fused::FusedQkvEpilogue<typename Kernel::TileShape, kHeadDim,
+                                                    qc::FusedFactor>::Math;
   TiledMma mma;
   EXPECT(int(size(mma)) == kThreads, "TiledMma threads %d", int(size(mma)));
   constexpr int kTileN = Math::kTileN;
@@ -263,7 +265,6 @@ FusedQkvEpilogueArgs make_args(const Case& c, HostProblem& p) {
   a.key_offset = s.key_offset;
   a.neox = s.neox;
   a.eps = s.eps;
-  a.factor_fp32 = c.fp32_factors;
   a.factor1 = c.fp32_factors ? static_cast<const void*>(p.f1.data()) : p.f1_bf16.data();
   a.factor2 = c.fp32_factors ? static_cast<const void*>(p.f2.data()) : p.f2_bf16.data();
   a.factor1_stride = s.factor_width();
@@ -290,10 +291,8 @@ FusedQkvEpilogueArgs make_args(const Case& c, HostProblem& p) {
 template <int kHeadDim, typename FactorT>
 void run_tile(const FusedQkvEpilogueArgs& a, const HostProblem& p, int m_tile, int n_tile) {
   using namespace cute;
-  using Kernel = qc::fused::FusedQkvKernel<kHeadDim>;
-  using Math = typename qc::fused::FusedQkvEpilogue<typename qc::fused::FusedQkvKernel<kHeadDim>::TileShape, kHeadDim>::Math;
-  using Group = qc::fused::FactorGroup<FactorT>;
-  constexpr int kBatch = Math::template kFactorBatch<FactorT>;
+  using Kernel = qc::fused::FusedQkvKernel<kHeadDim, FactorT>;
+  using Math = typename qc::fused::FusedQkvEpilogue<typename Kernel::TileShape, kHeadDim, FactorT>::Math;
   typename Kernel::Mainloop::TiledMma mma;
   const int m0 = m_tile * kTileM;
   const int n0 = n_tile * Math::kTileN;
@@ -318,8 +317,7 @@ void run_tile(const FusedQkvEpilogueArgs& a, const HostProblem& p, int m_tile, i
     return;
   }
   struct Factors {
-    Group f1[kBatch][Math::kBlocks];
-    Group f2[kBatch][Math::kBlocks];
+    typename Math::Factors f1, f2;
   };
   std::vector<Factors> factors(kThreads);
   struct SumsBox {
@@ -327,8 +325,8 @@ void run_tile(const FusedQkvEpilogueArgs& a, const HostProblem& p, int m_tile, i
   };
   std::vector<SumsBox> partial(kThreads), sums(kThreads);
   for (int i = 0; i < kThreads; ++i) {
-    Math::template load_factors<FactorT, kBatch>(a, m0, n0, frags[size_t(i)], 0,
-                                                 factors[size_t(i)].f1, factors[size_t(i)].f2);
+    Math::load_factors(a, m0, n0, frags[size_t(i)], 0, factors[size_t(i)].f1,
+                       factors[size_t(i)].f2);
     Math::store_raw_qk(a, m0, n0, frags[size_t(i)]);
     Math::row_sums(frags[size_t(i)], partial[size_t(i)].s);
   }
@@ -344,8 +342,8 @@ void run_tile(const FusedQkvEpilogueArgs& a, const HostProblem& p, int m_tile, i
     }
   }
   for (int i = 0; i < kThreads; ++i) {
-    Math::template store_qk_batches<FactorT, kBatch>(a, m0, n0, frags[size_t(i)], sums[size_t(i)].s,
-                                                     factors[size_t(i)].f1, factors[size_t(i)].f2);
+    Math::store_qk_batches(a, m0, n0, frags[size_t(i)], sums[size_t(i)].s, factors[size_t(i)].f1,
+                           factors[size_t(i)].f2);
   }
 }
 
