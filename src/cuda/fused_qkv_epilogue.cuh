@@ -264,15 +264,19 @@ CUTE_HOST_DEVICE void transpose_receive(uint32_t* w, int lane, const uint32_t (&
 /// holds columns chunk_col(b) + 2w + {0, 1}, chunk_col(b) = 8 (4b + lane), lane = col0 / 2.
 /// FactorT: the factor tables' element type, uint16_t (bf16 bits) or float; a template parameter
 /// so that a kernel carries the loads and conversions of one dtype only.
+/// kLayout: kSimple compiles the common layout (interleaved, r = D, no key offset, not paired)
+/// without the options' code: no placement arithmetic, no NeoX partner, one 16-byte store per
+/// chunk; kGeneral reads the options at run time (EpilogueLayout, fused_qkv_gemm_args.hpp).
 /// kWork: the whole norm + rotary, or only parts of it for the benchmark's attribution
 /// (EpilogueWork, fused_qkv_gemm_args.hpp); the stores are the same in every case.
-template <int kTileN_, int kHeadDim_, int kRows_, typename FactorT_,
+template <int kTileN_, int kHeadDim_, int kRows_, typename FactorT_, EpilogueLayout kLayout_,
           EpilogueWork kWork_ = EpilogueWork::kFull>
 struct TileMath {
   static constexpr int kTileN = kTileN_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kRows = kRows_;
   using FactorT = FactorT_;
+  static constexpr EpilogueLayout kLayout = kLayout_;
   static constexpr EpilogueWork kWork = kWork_;
   static_assert(std::is_same_v<FactorT, uint16_t> || std::is_same_v<FactorT, float>,
                 "factor tables are bf16 (uint16_t bits) or fp32");
@@ -288,6 +292,19 @@ struct TileMath {
                 "a head must be whole blocks of 4 groups");
   /// NeoX's partner block (d +- D/2) is in the same thread only when D/2 is whole blocks.
   static constexpr bool kNeoxInThread = kBlocksPerHead % 2 == 0;
+
+  /// The layout options as this instantiation sees them: constants (off) in the simple layout,
+  /// so that every branch on them folds away at compile time.
+  static constexpr bool kGeneral = kLayout == EpilogueLayout::kGeneral;
+  CUTE_HOST_DEVICE static bool paired(const FusedQkvEpilogueArgs& a) { return kGeneral && a.paired; }
+  CUTE_HOST_DEVICE static bool key_offset(const FusedQkvEpilogueArgs& a) {
+    return kGeneral && a.key_offset;
+  }
+  CUTE_HOST_DEVICE static bool neox(const FusedQkvEpilogueArgs& a) { return kGeneral && a.neox; }
+  /// Whether chunk d0 .. d0 + 7 of a head lies wholly in the rotary lanes (d < r).
+  CUTE_HOST_DEVICE static bool chunk_rotates(const FusedQkvEpilogueArgs& a, int d0) {
+    return !kGeneral || d0 + 8 <= a.rotary_dim;
+  }
 
   /// Rows whose factors are in registers at once: 2 with bf16 tables (2 x 2 tables x kBlocks
   /// chunks: 64 registers at N = 128), 1 with fp32 tables (the same 64). More would not fit next
@@ -343,7 +360,7 @@ struct TileMath {
     p.out = is_key ? a.k : a.q;
     p.stride_t = is_key ? a.k_stride_t : a.q_stride_t;
     const int64_t stride_h = is_key ? a.k_stride_h : a.q_stride_h;
-    if (a.paired) {
+    if (paired(a)) {
       const int half = (is_key ? a.kv_heads : a.q_heads) / 2;
       p.token_mul = 2;
       p.token_add = h / half;
@@ -355,7 +372,7 @@ struct TileMath {
       p.head_offset = int64_t(h) * stride_h;
       p.factor_offset = 0;
     }
-    p.shift = a.key_offset && is_key;
+    p.shift = key_offset(a) && is_key;
     return p;
   }
 
@@ -374,7 +391,7 @@ struct TileMath {
       CUTE_UNROLL
       for (int b = 0; b < kBlocks; ++b) {
         // The factor column offset is per head only when paired; for the plain layout it is 0.
-        const int off = a.paired ? place(a, n0, b / kBlocksPerHead).factor_offset : 0;
+        const int off = paired(a) ? place(a, n0, b / kBlocksPerHead).factor_offset : 0;
         const int col = off + head_col(f, b);
         if (valid) {
           f1[i][b].load(a.factor1, int64_t(t) * a.factor1_stride + col);
@@ -430,7 +447,7 @@ struct TileMath {
                 float p_lo = n_hi;
                 float p_hi = n_lo;
                 if constexpr (kNeoxInThread) {
-                  if (a.neox) {
+                  if (neox(a)) {
                     const int bp = hh * kBlocksPerHead + (bb + kBlocksPerHead / 2) % kBlocksPerHead;
                     const uint32_t xp = f.x[r][4 * bp + w];
                     p_lo = mul_rn(bf16x2_lo(xp), rstd);
@@ -444,10 +461,10 @@ struct TileMath {
             }
           }
           // Lanes >= r pass through (y = n): at r = D, every layout but key offset's, no chunk
-          // takes the last two branches. Key offset: row t's pass-through lanes go to row t + 1;
-          // token 0 keeps its own.
+          // takes the last two branches (the simple layout compiles without them). Key offset:
+          // row t's pass-through lanes go to row t + 1; token 0 keeps its own.
           const bool own = !p.shift || first;
-          if (d0 + 8 <= a.rotary_dim) {
+          if (chunk_rotates(a, d0)) {
             store_chunk(out + d0, y);  // all 8 lanes rotate
           } else if (d0 >= a.rotary_dim) {
             if (own) store_chunk(out + d0, n);
@@ -611,7 +628,8 @@ CUTLASS_DEVICE void quad_transpose(typename Math::Fragment& f) {
 /// cutlass::epilogue::collective::DefaultEpilogue: the kernel hands it each finished tile's
 /// accumulators (wrapped in Sm90TmaWarpSpecializedAdapter, which supplies the empty load/store
 /// pipelines a register epilogue does not use). No shared memory, no source tensor C.
-template <class TileShape_, int kHeadDim_, typename FactorT, EpilogueWork kWork = EpilogueWork::kFull>
+template <class TileShape_, int kHeadDim_, EpilogueLayout kLayout, typename FactorT,
+          EpilogueWork kWork = EpilogueWork::kFull>
 class FusedQkvEpilogue {
  public:
   using TileShape = TileShape_;
@@ -619,7 +637,7 @@ class FusedQkvEpilogue {
   static constexpr int kTileN = cute::size<1>(TileShape{});
   static constexpr int kHeadDim = kHeadDim_;
   static_assert(kTileM % 64 == 0, "the tile's M is a whole number of 64-row WGMMA atoms");
-  using Math = TileMath<kTileN, kHeadDim, 2 * (kTileM / 64), FactorT, kWork>;
+  using Math = TileMath<kTileN, kHeadDim, 2 * (kTileM / 64), FactorT, kLayout, kWork>;
 
   // What the kernel reads off its epilogue: the element and stride types of C (absent) and D.
   using ElementC = void;
@@ -657,7 +675,8 @@ class FusedQkvEpilogue {
     const auto& a = args.args;
     const int n = cute::get<1>(problem_shape);
     const int qk_cols = (a.q_heads + a.kv_heads) * kHeadDim;
-    return a.head_dim == kHeadDim && qk_cols % kTileN == 0 &&
+    const bool layout_ok = kLayout == EpilogueLayout::kGeneral || epilogue_layout(a) == kLayout;
+    return a.head_dim == kHeadDim && layout_ok && qk_cols % kTileN == 0 &&
            n == qk_cols + a.kv_heads * a.v_dim && a.v_dim % 2 == 0;
   }
 
@@ -729,9 +748,10 @@ class FusedQkvEpilogue {
 
 /// The collective the kernel instantiates: the register epilogue behind the adapter that gives it
 /// the TMA warp-specialized interface (empty pipelines, no producer load).
-template <class TileShape, int kHeadDim, typename FactorT, EpilogueWork kWork = EpilogueWork::kFull>
+template <class TileShape, int kHeadDim, EpilogueLayout kLayout, typename FactorT,
+          EpilogueWork kWork = EpilogueWork::kFull>
 using FusedQkvCollectiveEpilogue =
     cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
-        FusedQkvEpilogue<TileShape, kHeadDim, FactorT, kWork>>;
+        FusedQkvEpilogue<TileShape, kHeadDim, kLayout, FactorT, kWork>>;
 
 }  // namespace qkvfuse::cuda::fused

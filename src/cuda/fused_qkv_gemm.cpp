@@ -1,6 +1,6 @@
 // fused_qkv_gemm.cpp: the host entry of the fused QKV GEMM (fused_qkv_gemm.hpp): validate every
 // argument, translate the views into the kernel's plain arguments (fused_qkv_gemm_args.hpp) and
-// dispatch on the head width to the instantiations in fused_qkv_gemm_d<D>.cu. Built with or
+// dispatch on the head width and layout to the instantiations in fused_qkv_gemm_d<D>*.cu. Built with or
 // without CUTLASS: without it (QKVFUSE_WITH_CUTLASS unset) the entry points validate and throw.
 #include "cuda/fused_qkv_gemm.hpp"
 
@@ -233,9 +233,16 @@ void fused_qkv_gemm(const FusedQkvGemmParams& params) {
   if (args.m == 0) return;
   DeviceGuard guard(Device{DeviceType::kCUDA, args.device});
   switch (args.epilogue.head_dim) {
-    case 128: launch_fused_qkv_gemm<128, FusedFactor>(args, params.stream); break;
-    case 96: launch_fused_qkv_gemm<96, FusedFactor>(args, params.stream); break;
-    case 64: launch_fused_qkv_gemm<64, FusedFactor>(args, params.stream); break;
+    case 128:
+      if (epilogue_layout(args.epilogue) == EpilogueLayout::kSimple) {
+        launch_fused_qkv_gemm<128, EpilogueLayout::kSimple, FusedFactor>(args, params.stream);
+      } else {
+        launch_fused_qkv_gemm<128, EpilogueLayout::kGeneral, FusedFactor>(args, params.stream);
+      }
+      break;
+    // D = 96 and 64: the general kernel for every layout (EpilogueLayout).
+    case 96: launch_fused_qkv_gemm<96, EpilogueLayout::kGeneral, FusedFactor>(args, params.stream); break;
+    case 64: launch_fused_qkv_gemm<64, EpilogueLayout::kGeneral, FusedFactor>(args, params.stream); break;
     default: QKVF_FAIL(kOp, ": no kernel for head width D = ", args.epilogue.head_dim);
   }
 }

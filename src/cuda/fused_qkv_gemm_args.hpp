@@ -85,6 +85,23 @@ enum class EpilogueWork {
                ///< no rotary
 };
 
+/// The layouts an epilogue is compiled for. kSimple is the common case (the speedrun's layers but
+/// the long-window ones, Qwen3): interleaved rotary over the whole head (r = D), no key offset, not
+/// paired, compiled without the options' code. kGeneral serves every layout fused_qkv_gemm
+/// accepts (the simple one too), reading the options at run time. The library builds kSimple at
+/// D = 128 only and kGeneral at every width (fused_qkv_gemm_d<D>*.cu): one CUTLASS kernel per
+/// width where the simple layout is not the hot path.
+enum class EpilogueLayout {
+  kSimple,   ///< interleaved, rotary_dim = D, no key offset, not paired
+  kGeneral,  ///< paired, key offset (any even r), NeoX, and everything kSimple takes
+};
+
+/// The layout a problem needs: kSimple where it applies, else kGeneral.
+inline EpilogueLayout epilogue_layout(const FusedQkvEpilogueArgs& e) {
+  const bool simple = e.rotary_dim == e.head_dim && !e.key_offset && !e.paired && !e.neox;
+  return simple ? EpilogueLayout::kSimple : EpilogueLayout::kGeneral;
+}
+
 /// The factor tables' element type the library's fused kernels are built for: bf16 (as uint16_t
 /// bits), what speedrun_factor_tables makes. The epilogue takes the dtype as a template parameter
 /// (fp32 too: the host test runs it), but every instantiation is a whole CUTLASS kernel (1-2
@@ -93,9 +110,11 @@ enum class EpilogueWork {
 /// also double the epilogue's largest read (128 instead of 64 KiB of factors per 128 x 128 tile).
 using FusedFactor = uint16_t;
 
-/// Launches the fused GEMM for head width kHeadDim and factor tables of FactorT (defined in
-/// fused_qkv_gemm_d<D>.cu, one instantiation per file so that they compile in parallel).
-template <int kHeadDim, typename FactorT, EpilogueWork kWork = EpilogueWork::kFull>
+/// Launches the fused GEMM for head width kHeadDim, the epilogue layout kLayout and factor tables
+/// of FactorT (defined in fused_qkv_gemm_d<D>*.cu, one instantiation per file so that they compile
+/// in parallel; fused_qkv_gemm picks the instantiation).
+template <int kHeadDim, EpilogueLayout kLayout, typename FactorT,
+          EpilogueWork kWork = EpilogueWork::kFull>
 void launch_fused_qkv_gemm(const FusedQkvKernelArgs& args, Stream stream);
 
 }  // namespace qkvfuse::cuda

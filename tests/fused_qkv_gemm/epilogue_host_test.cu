@@ -93,9 +93,10 @@ void quad_transpose_all(std::vector<typename Math::Fragment>& frags) {
 template <int kHeadDim>
 void check_layout() {
   using namespace cute;
-  using Kernel = qc::fused::FusedQkvKernel<kHeadDim, qc::FusedFactor>;
+  using Kernel = qc::fused::FusedQkvKernel<kHeadDim, qc::EpilogueLayout::kGeneral, qc::FusedFactor>;
   using TiledMma = typename Kernel::Mainloop::TiledMma;
   using Math = typename qc::fused::FusedQkvEpilogue<typename Kernel::TileShape, kHeadDim,
+                                                    qc::EpilogueLayout::kGeneral,
                                                     qc::FusedFactor>::Math;
   TiledMma mma;
   EXPECT(int(size(mma)) == kThreads, "TiledMma threads %d", int(size(mma)));
@@ -288,11 +289,12 @@ FusedQkvEpilogueArgs make_args(const Case& c, HostProblem& p) {
 /// The device epilogue's qk_tile / store_v sequence (fused_qkv_epilogue.cuh,
 /// FusedQkvEpilogue::operator()), for the 128 threads of one tile in turn, with the quad
 /// butterfly done between the phases exactly as the shuffles do it.
-template <int kHeadDim, typename FactorT>
+template <int kHeadDim, qc::EpilogueLayout kLayout, typename FactorT>
 void run_tile(const FusedQkvEpilogueArgs& a, const HostProblem& p, int m_tile, int n_tile) {
   using namespace cute;
-  using Kernel = qc::fused::FusedQkvKernel<kHeadDim, FactorT>;
-  using Math = typename qc::fused::FusedQkvEpilogue<typename Kernel::TileShape, kHeadDim, FactorT>::Math;
+  using Kernel = qc::fused::FusedQkvKernel<kHeadDim, kLayout, FactorT>;
+  using Math =
+      typename qc::fused::FusedQkvEpilogue<typename Kernel::TileShape, kHeadDim, kLayout, FactorT>::Math;
   typename Kernel::Mainloop::TiledMma mma;
   const int m0 = m_tile * kTileM;
   const int n0 = n_tile * Math::kTileN;
@@ -347,7 +349,7 @@ void run_tile(const FusedQkvEpilogueArgs& a, const HostProblem& p, int m_tile, i
   }
 }
 
-template <int kHeadDim>
+template <int kHeadDim, qc::EpilogueLayout kLayout>
 void run_problem(const Case& c, const FusedQkvEpilogueArgs& a, const HostProblem& p) {
   const int m_tiles = int(p.m_pad / kTileM);
   const int tile_n = qc::fused_tile_n(kHeadDim);
@@ -355,22 +357,24 @@ void run_problem(const Case& c, const FusedQkvEpilogueArgs& a, const HostProblem
   for (int mt = 0; mt < m_tiles; ++mt) {
     for (int nt = 0; nt < n_tiles; ++nt) {
       if (c.fp32_factors) {
-        run_tile<kHeadDim, float>(a, p, mt, nt);
+        run_tile<kHeadDim, kLayout, float>(a, p, mt, nt);
       } else {
-        run_tile<kHeadDim, uint16_t>(a, p, mt, nt);
+        run_tile<kHeadDim, kLayout, uint16_t>(a, p, mt, nt);
       }
     }
   }
 }
 
+/// One case through the epilogue compiled for kLayout.
+template <qc::EpilogueLayout kLayout>
 void check_case(const Case& c, uint32_t seed) {
   HostProblem p;
   make_problem(c, p, seed);
   const FusedQkvEpilogueArgs a = make_args(c, p);
   switch (c.shape.head_dim) {
-    case 128: run_problem<128>(c, a, p); break;
-    case 96: run_problem<96>(c, a, p); break;
-    case 64: run_problem<64>(c, a, p); break;
+    case 128: run_problem<128, kLayout>(c, a, p); break;
+    case 96: run_problem<96, kLayout>(c, a, p); break;
+    case 64: run_problem<64, kLayout>(c, a, p); break;
     default: EXPECT(false, "no head width %d", int(c.shape.head_dim)); return;
   }
   const QkvShape& s = p.s;
@@ -419,9 +423,10 @@ void check_case(const Case& c, uint32_t seed) {
          qs.exact_fraction(), ks.exact_fraction());
   EXPECT(vs.max_ulps == 0 && raws.max_ulps == 0, "%s: v or qk not bit-exact (%lld, %lld ulps)",
          c.name, (long long)vs.max_ulps, (long long)raws.max_ulps);
-  std::printf("%-40s q %.5f / k %.5f bit-exact, %lld / %lld beyond 1 ulp (largest |diff| "
+  std::printf("%-40s %-7s q %.5f / k %.5f bit-exact, %lld / %lld beyond 1 ulp (largest |diff| "
               "%.3g); v%s exact; %lld unwritten\n",
-              c.name, qs.exact_fraction(), ks.exact_fraction(), (long long)(qs.count - qs.within1),
+              c.name, kLayout == qc::EpilogueLayout::kSimple ? "simple" : "general",
+              qs.exact_fraction(), ks.exact_fraction(), (long long)(qs.count - qs.within1),
               (long long)(ks.count - ks.within1), std::max(qs.max_abs_beyond1, ks.max_abs_beyond1),
               c.raw_qk ? ", qk" : "", (long long)unwritten);
 }
@@ -529,8 +534,18 @@ int main() {
     s64.neox = true;
     cases.push_back({"D64 NeoX GQA fp32", s64, true, true});
   }
+  // Every case through the general epilogue (the library's kernel for every layout at D = 96 and
+  // 64), and the simple layouts through the simple one too (the D = 128 hot path).
   uint32_t seed = 1;
-  for (const Case& c : cases) check_case(c, seed++);
+  for (const Case& c : cases) {
+    check_case<qc::EpilogueLayout::kGeneral>(c, seed);
+    HostProblem p;
+    make_problem(c, p, seed);
+    if (qc::epilogue_layout(make_args(c, p)) == qc::EpilogueLayout::kSimple) {
+      check_case<qc::EpilogueLayout::kSimple>(c, seed);
+    }
+    ++seed;
+  }
 
   {
     QkvShape s = make_shape(70, 6, 6, 128, 128);
