@@ -197,8 +197,8 @@ struct FactorGroup;
 template <>
 struct FactorGroup<uint16_t> {
   Chunk c;
-  CUTE_HOST_DEVICE void load(const void* table, int64_t index) {
-    c = load_chunk(static_cast<const uint16_t*>(table) + index);
+  CUTE_HOST_DEVICE void load(const void* tile, int offset) {
+    c = load_chunk(static_cast<const uint16_t*>(tile) + offset);
   }
   CUTE_HOST_DEVICE void clear() { c = Chunk{}; }
   /// Column 2w (lo) and 2w + 1 (hi) of the group.
@@ -208,9 +208,9 @@ struct FactorGroup<uint16_t> {
 template <>
 struct FactorGroup<float> {
   Chunk c[2];
-  CUTE_HOST_DEVICE void load(const void* table, int64_t index) {
-    c[0] = load_chunk(static_cast<const float*>(table) + index);
-    c[1] = load_chunk(static_cast<const float*>(table) + index + 4);
+  CUTE_HOST_DEVICE void load(const void* tile, int offset) {
+    c[0] = load_chunk(static_cast<const float*>(tile) + offset);
+    c[1] = load_chunk(static_cast<const float*>(tile) + offset + 4);
   }
   CUTE_HOST_DEVICE void clear() { c[0] = c[1] = Chunk{}; }
   CUTE_HOST_DEVICE float lo(int w) const { return bits_float(c[w / 2].w[2 * (w % 2)]); }
@@ -341,37 +341,39 @@ struct TileMath {
     }
   }
 
-  /// Where head hh of a Q/K tile starting at GEMM column n0 goes (SPEC.md sections 1 and 8).
+  /// Where head hh of the Q/K tile at (m0, n0) goes (SPEC.md sections 1 and 8). Addresses are a
+  /// 64-bit pointer to the tile's first row plus 32-bit offsets inside the tile (row * row_stride
+  /// + column): fused_qkv_gemm validates that kTileOffsetRows rows of every stride fit in int32.
   struct HeadPlace {
-    uint16_t* out;        ///< q or k
-    int64_t stride_t;     ///< of the output
-    int64_t head_offset;  ///< out_head * stride_h
-    int token_mul;        ///< output token = token_mul * t + token_add
-    int token_add;
+    uint16_t* out;        ///< q or k: head h's column 0 at output token token_mul * m0 + token_add
+    int row_stride;       ///< output offset from tile row i to i + 1: token_mul * stride_t
+    int next_token;       ///< output offset from token t to t + 1 (key offset): stride_t
     int factor_offset;    ///< factor column of d = 0
     bool shift;           ///< key offset applies (a key head)
   };
 
-  CUTE_HOST_DEVICE static HeadPlace place(const FusedQkvEpilogueArgs& a, int n0, int hh) {
+  CUTE_HOST_DEVICE static HeadPlace place(const FusedQkvEpilogueArgs& a, int m0, int n0, int hh) {
     const int h2 = n0 / kHeadDim + hh;  // input head in [0, Hq + Hkv)
     const bool is_key = h2 >= a.q_heads;
     const int h = is_key ? h2 - a.q_heads : h2;
-    HeadPlace p;
-    p.out = is_key ? a.k : a.q;
-    p.stride_t = is_key ? a.k_stride_t : a.q_stride_t;
+    const int64_t stride_t = is_key ? a.k_stride_t : a.q_stride_t;
     const int64_t stride_h = is_key ? a.k_stride_h : a.q_stride_h;
+    int token_mul = 1;  // output token = token_mul * t + token_add
+    int token_add = 0;
+    int out_head = h;
+    HeadPlace p;
+    p.factor_offset = 0;
     if (paired(a)) {
       const int half = (is_key ? a.kv_heads : a.q_heads) / 2;
-      p.token_mul = 2;
-      p.token_add = h / half;
-      p.head_offset = int64_t(h % half) * stride_h;
+      token_mul = 2;
+      token_add = h / half;
+      out_head = h % half;
       p.factor_offset = (h % 2) * kHeadDim;
-    } else {
-      p.token_mul = 1;
-      p.token_add = 0;
-      p.head_offset = int64_t(h) * stride_h;
-      p.factor_offset = 0;
     }
+    p.out = (is_key ? a.k : a.q) + int64_t(token_mul * m0 + token_add) * stride_t +
+            int64_t(out_head) * stride_h;
+    p.row_stride = token_mul * int(stride_t);
+    p.next_token = int(stride_t);
     p.shift = key_offset(a) && is_key;
     return p;
   }
@@ -384,18 +386,21 @@ struct TileMath {
   /// The factor groups of fragment rows [r0, r0 + kFactorBatch), one per chunk (zeros past T).
   CUTE_HOST_DEVICE static void load_factors(const FusedQkvEpilogueArgs& a, int m0, int n0,
                                             const Fragment& f, int r0, Factors& f1, Factors& f2) {
+    // The tile's first factor rows, and 32-bit offsets from them (HeadPlace).
+    const FactorT* f1_tile = static_cast<const FactorT*>(a.factor1) + int64_t(m0) * a.factor1_stride;
+    const FactorT* f2_tile = static_cast<const FactorT*>(a.factor2) + int64_t(m0) * a.factor2_stride;
     CUTE_UNROLL
     for (int i = 0; i < kFactorBatch; ++i) {
-      const int t = m0 + f.rows[r0 + i];
-      const bool valid = t < a.tokens;
+      const int row = f.rows[r0 + i];
+      const bool valid = m0 + row < a.tokens;
       CUTE_UNROLL
       for (int b = 0; b < kBlocks; ++b) {
         // The factor column offset is per head only when paired; for the plain layout it is 0.
-        const int off = paired(a) ? place(a, n0, b / kBlocksPerHead).factor_offset : 0;
+        const int off = paired(a) ? place(a, m0, n0, b / kBlocksPerHead).factor_offset : 0;
         const int col = off + head_col(f, b);
         if (valid) {
-          f1[i][b].load(a.factor1, int64_t(t) * a.factor1_stride + col);
-          f2[i][b].load(a.factor2, int64_t(t) * a.factor2_stride + col);
+          f1[i][b].load(f1_tile, row * int(a.factor1_stride) + col);
+          f2[i][b].load(f2_tile, row * int(a.factor2_stride) + col);
         } else {
           f1[i][b].clear();
           f2[i][b].clear();
@@ -410,7 +415,7 @@ struct TileMath {
                                             const Factors& f1, const Factors& f2) {
     CUTE_UNROLL
     for (int hh = 0; hh < kHeadsPerTile; ++hh) {
-      const HeadPlace p = place(a, n0, hh);
+      const HeadPlace p = place(a, m0, n0, hh);
       CUTE_UNROLL
       for (int i = 0; i < kFactorBatch; ++i) {
         const int r = r0 + i;
@@ -420,8 +425,8 @@ struct TileMath {
         if constexpr (kWork != EpilogueWork::kStoreOnly) {
           rstd = rms_rstd<kHeadDim>(sums[r][hh], a.eps);
         }
-        uint16_t* out = p.out + int64_t(p.token_mul * t + p.token_add) * p.stride_t + p.head_offset;
-        // Key offset: this row's pass-through lanes also go to row t+1 (plain layout: + stride_t).
+        uint16_t* out = p.out + f.rows[r] * p.row_stride;
+        // Key offset: this row's pass-through lanes also go to row t+1 (+ next_token).
         const bool has_next = p.shift && t + 1 < a.tokens;
         const bool first = t == 0;
         CUTE_UNROLL
@@ -468,7 +473,7 @@ struct TileMath {
             store_chunk(out + d0, y);  // all 8 lanes rotate
           } else if (d0 >= a.rotary_dim) {
             if (own) store_chunk(out + d0, n);
-            if (has_next) store_chunk(out + p.stride_t + d0, n);
+            if (has_next) store_chunk(out + p.next_token + d0, n);
           } else {
             // r splits the chunk (not a multiple of 8): word by word. r is even, so a word (a
             // column pair) is entirely on one side of it.
@@ -478,7 +483,7 @@ struct TileMath {
                 store_word(out + d0 + 2 * w, y.w[w]);
               } else {
                 if (own) store_word(out + d0 + 2 * w, n.w[w]);
-                if (has_next) store_word(out + p.stride_t + d0 + 2 * w, n.w[w]);
+                if (has_next) store_word(out + p.next_token + d0 + 2 * w, n.w[w]);
               }
             }
           }
@@ -511,11 +516,12 @@ struct TileMath {
   CUTE_HOST_DEVICE static void store_raw_qk(const FusedQkvEpilogueArgs& a, int m0, int n0,
                                             const Fragment& f) {
     if (a.qk == nullptr) return;
+    uint16_t* qk_tile = a.qk + int64_t(m0) * a.qk_stride_t + n0;  // 32-bit offsets from here
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const int t = m0 + f.rows[r];
       if (t >= a.tokens) continue;
-      uint16_t* out = a.qk + int64_t(t) * a.qk_stride_t + n0;
+      uint16_t* out = qk_tile + f.rows[r] * int(a.qk_stride_t);
       CUTE_UNROLL
       for (int b = 0; b < kBlocks; ++b) {
         Chunk c;
@@ -532,12 +538,13 @@ struct TileMath {
                                        const Fragment& f) {
     const int v_begin = (a.q_heads + a.kv_heads) * kHeadDim;
     const int v_cols = a.kv_heads * a.v_dim;
+    uint16_t* v_tile = a.v + int64_t(m0) * a.v_stride_t;  // 32-bit offsets from here
     CUTE_UNROLL
     for (int b = 0; b < kBlocks; ++b) {
       const int c = n0 - v_begin + f.chunk_col(b);
       if (c >= v_cols) continue;
       const int head = c / a.v_dim;
-      const int64_t column = int64_t(head) * a.v_stride_h + (c - head * a.v_dim);
+      const int column = head * int(a.v_stride_h) + (c - head * a.v_dim);
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
         const int t = m0 + f.rows[r];
@@ -545,7 +552,7 @@ struct TileMath {
         Chunk chunk;
         CUTE_UNROLL
         for (int w = 0; w < 4; ++w) chunk.w[w] = f.x[r][4 * b + w];
-        store_chunk(a.v + int64_t(t) * a.v_stride_t + column, chunk);
+        store_chunk(v_tile + f.rows[r] * int(a.v_stride_t) + column, chunk);
       }
     }
   }

@@ -170,6 +170,26 @@ FusedQkvKernelArgs validate_and_translate(const FusedQkvGemmParams& p, Device& d
              ": swizzle must be 1, 2, 4 or 8, got ", p.swizzle);
   QKVF_CHECK(tokens <= kInt32Max && 2 * tokens <= kInt32Max && n <= kInt32Max, kOp,
              ": T and N must fit in int32, got T = ", tokens, ", N = ", n);
+  // The epilogue's 32-bit offsets inside a tile (kTileOffsetRows, fused_qkv_gemm_args.hpp): the
+  // rows of a tile times the row stride, plus the furthest column a row's offset reaches.
+  auto check_tile_offsets = [&](const TensorView& view, const char* name, int64_t row_columns) {
+    const int64_t stride = view.strides[0];
+    QKVF_CHECK(stride >= 0 && row_columns >= 0 &&
+                   stride <= (kInt32Max - row_columns) / kTileOffsetRows,
+               kOp, ": ", name, ": the epilogue addresses ", kTileOffsetRows,
+               " rows of a tile with 32-bit offsets: expected a non-negative row stride of at "
+               "most (2^31 - 1 - ", row_columns, ") / ", kTileOffsetRows, ", got ",
+               view.describe());
+  };
+  check_tile_offsets(p.q, "q", head_dim);
+  check_tile_offsets(p.k, "k", head_dim);
+  QKVF_CHECK(p.v.strides[1] >= 0 && p.v.strides[1] <= kInt32Max / kv_heads, kOp,
+             ": v: expected a non-negative head stride with Hkv head strides in int32, got ",
+             p.v.describe());
+  check_tile_offsets(p.v, "v", kv_heads * p.v.strides[1] + v_dim);
+  if (!is_absent(p.qk)) check_tile_offsets(p.qk, "qk", tile_n);
+  check_tile_offsets(layout.factor1, "layout.factor1", factor_width);
+  check_tile_offsets(layout.factor2, "layout.factor2", factor_width);
 
   // ---- translate ------------------------------------------------------------------------------
   FusedQkvKernelArgs args;

@@ -55,6 +55,12 @@ struct FusedQkvEpilogueArgs {
   int64_t qk_stride_t = 0;
 };
 
+/// The epilogue addresses q, k, v, qk and the factor tables as a 64-bit pointer to a tile's first
+/// row plus 32-bit offsets inside the tile: fused_qkv_gemm validates that this many rows of every
+/// row stride, plus the columns of a row, fit in int32 (a tile's 128 rows, twice that for paired
+/// outputs, whose tile rows are 2 output tokens apart).
+inline constexpr int64_t kTileOffsetRows = 256;
+
 /// The whole launch: the GEMM operands and the epilogue.
 struct FusedQkvKernelArgs {
   const void* a = nullptr;  ///< x_f8, e4m3 [M, K] row-major, 16-byte aligned
