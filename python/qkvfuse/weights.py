@@ -15,35 +15,41 @@ class PackedWeight(NamedTuple):
 
 
 class _Group:
-    """Layers of one shape and device: their stacked bf16 weights in one bank [B, qkv_dim, C]."""
+    """Layers of one shape and device: their stacked bf16 weights in one bank
+    [B, rows of all blocks, C]."""
 
     def __init__(self, layers, indices):
-        qk_weight, v_weight = layers[indices[0]]
+        blocks = layers[indices[0]]
+        rows = [w.shape[0] for w in blocks]
         self.indices = indices
-        self.bank = torch.empty((len(indices), qk_weight.shape[0] + v_weight.shape[0],
-                                 qk_weight.shape[1]), dtype=torch.bfloat16,
-                                device=qk_weight.device)
-        qk_rows = qk_weight.shape[0]
+        self.bank = torch.empty((len(indices), sum(rows), blocks[0].shape[1]),
+                                dtype=torch.bfloat16, device=blocks[0].device)
         self.sources = [w for i in indices for w in layers[i]]
-        self.targets = [part for b in range(len(indices))
-                        for part in (self.bank[b, :qk_rows], self.bank[b, qk_rows:])]
+        self.targets = [part for b in range(len(indices)) for part in self.bank[b].split(rows)]
 
 
 class PackedWeightCache:
-    """The cached e4m3 [Wq; Wk; Wv] of a list of layers, given as (qk_weight, v_weight) pairs:
-    qk_weight [2*H*D, C] and v_weight [H*Dv, C], usually the model's parameters.
+    """The cached e4m3 [Wq; Wk; Wv] of a list of layers, each given as the row blocks of its
+    packed weight, in order: (qk_weight, v_weight) with qk_weight [(Hq+Hkv)*D, C] and v_weight
+    [Hkv*Dv, C], or (Wq, Wk, Wv) as a model keeps them; usually the model's parameters, of any
+    float dtype.
 
     refresh() (call it after every optimizer step; the constructor calls it once) copies every
-    layer's current weights into a bf16 bank per group of equal shape and re-quantizes each bank
+    layer's current weights into a bf16 bank per group of equal shapes and re-quantizes each bank
     in one call: current scaling, scale = amax / 448 per layer, computed on the device. Layers of
-    mixed head widths form one group per width. cache[i] is layer i's PackedWeight.
+    mixed shapes form one group per shape. cache[i] is layer i's PackedWeight.
     """
 
-    def __init__(self, layers: Sequence[Tuple[torch.Tensor, torch.Tensor]]):
-        self._layers = [tuple(pair) for pair in layers]
+    def __init__(self, layers: Sequence[Sequence[torch.Tensor]]):
+        self._layers = [tuple(blocks) for blocks in layers]
         groups = {}
-        for i, (qk_weight, v_weight) in enumerate(self._layers):
-            key = (tuple(qk_weight.shape), tuple(v_weight.shape), qk_weight.device)
+        for i, blocks in enumerate(self._layers):
+            if not blocks or any(w.dim() != 2 or w.shape[1] != blocks[0].shape[1] or
+                                 w.device != blocks[0].device for w in blocks):
+                raise ValueError(
+                    f"PackedWeightCache: layers[{i}]: expected row blocks [rows, C] of one C on "
+                    f"one device, got {[(tuple(w.shape), str(w.device)) for w in blocks]}")
+            key = (tuple(tuple(w.shape) for w in blocks), blocks[0].device)
             groups.setdefault(key, []).append(i)
         self._groups = [_Group(self._layers, indices) for indices in groups.values()]
         self._entries = [None] * len(self._layers)

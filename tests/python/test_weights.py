@@ -1,5 +1,6 @@
 """PackedWeightCache: one quantize_weight_bank call per group of equal layer shapes, entries equal
 to quantizing each layer's [Wq; Wk; Wv] alone, and refresh() picking up optimizer updates."""
+import pytest
 import torch
 
 import qkvfuse
@@ -48,3 +49,18 @@ def test_refresh_after_an_optimizer_step():
     assert not torch.equal(raw_bytes(cache[1].weight_f8), before[1])
     packed = torch.cat(layers[1]).detach()
     assert cache[1].weight_scale == packed.float().abs().max() / 448
+
+
+def test_three_float32_blocks_equal_the_packed_pair():
+    """(Wq, Wk, Wv) float32 master weights, as a model keeps them, cache the same bits as the
+    bf16 (qk_weight, v_weight) pair of the same values."""
+    wq, wk, wv = (torch.randn(rows, 64) * 0.05 for rows in (128, 64, 96))
+    three = qkvfuse.PackedWeightCache([(wq, wk, wv)])[0]
+    pair = qkvfuse.PackedWeightCache([(torch.cat((wq, wk)).to(BF16), wv.to(BF16))])[0]
+    for a, b in zip(three, pair):
+        assert torch.equal(raw_bytes(a), raw_bytes(b))
+
+
+def test_refuses_blocks_of_different_widths():
+    with pytest.raises(ValueError, match=r"layers\[1\]: expected row blocks \[rows, C\] of one C"):
+        qkvfuse.PackedWeightCache([layer(2, 32, 32), (torch.zeros(64, 64), torch.zeros(32, 48))])

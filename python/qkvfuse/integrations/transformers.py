@@ -76,7 +76,7 @@ examples/train_gpt.py runs it:
   x_scale = max|x| / 448 (one extra read of x, no host synchronization). HF's input norm
   multiplies by a learned weight, so the speedrun's fixed bound sqrt(C)/448 does not hold here.
 - the gradient: grad_scale = 4 * max(|grad q|, |grad k|, |grad v|) / 448 of this call, set by
-  tensor hooks on q, k and v before the op's backward reads it (current scaling: a fixed scale
+  one hook on the three gradients before the op's backward reads it (current scaling: a fixed scale
   lets small gradients round to zero in e4m3, docs/training/README.md).
 - the master weights receive their gradients in their own dtype (fp32 under autocast), and so do
   the q/k norm weights (from the fused backward).
@@ -182,16 +182,15 @@ def _looks_like_attention(module: nn.Module) -> bool:
 # ---- the per-model state: the FP8 weight cache and the rotary caches of one forward -------------
 
 class _Fp8Weights:
-    """The e4m3 packed [Wq; Wk; Wv] of every patched layer (what qkvfuse.PackedWeightCache keeps,
-    for three row blocks per layer instead of two), rebuilt when the weights move and refreshed
-    when they change (see the module docstring)."""
+    """The e4m3 packed [Wq; Wk; Wv] of every patched layer: a qkvfuse.PackedWeightCache over the
+    layers' (Wq, Wk, Wv), rebuilt when the weights move and refreshed when they change (see the
+    module docstring)."""
 
     def __init__(self, modules: List[nn.Module]):
         self._modules = modules
         self._layout = None   # per layer: (data pointer, device, dtype, shape) of each weight
         self._seen = None     # per layer: the version counters the entries were quantized from
-        self._groups = []
-        self._entries = [None] * len(modules)
+        self._cache = None
         self.refreshes = 0    # how many times the cache was (re)quantized
 
     def _weights(self, i):
@@ -206,24 +205,7 @@ class _Fp8Weights:
         """Layer i's cached weight, refreshed first if any layer's weights changed since."""
         if self._seen is None or self._versions(self._weights(i)) != self._seen[i]:
             self.refresh()
-        return self._entries[i]
-
-    def _build(self, weights):
-        groups = {}
-        for i, (wq, wk, wv) in enumerate(weights):
-            key = (tuple(wq.shape), tuple(wk.shape), tuple(wv.shape), wq.device)
-            groups.setdefault(key, []).append(i)
-        self._groups = []
-        for (q_shape, k_shape, v_shape, device), indices in groups.items():
-            rows = (q_shape[0], k_shape[0], v_shape[0])
-            bank = torch.empty((len(indices), sum(rows), q_shape[1]), dtype=torch.bfloat16,
-                               device=device)
-            sources, targets = [], []
-            for b, i in enumerate(indices):
-                for part, source in zip(bank[b].split(rows), weights[i]):
-                    sources.append(source)
-                    targets.append(part)
-            self._groups.append((indices, bank, sources, targets))
+        return self._cache[i]
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -231,13 +213,10 @@ class _Fp8Weights:
         layout = [tuple((w.data_ptr(), w.device, w.dtype, tuple(w.shape)) for w in ws)
                   for ws in weights]
         if layout != self._layout:
-            self._build(weights)
+            self._cache = qkvfuse.PackedWeightCache(weights)  # quantizes once
             self._layout = layout
-        for indices, bank, sources, targets in self._groups:
-            torch._foreach_copy_(targets, sources)
-            row, t, scale = qkvfuse.quantize_weight_bank(bank)
-            for b, i in enumerate(indices):
-                self._entries[i] = qkvfuse.PackedWeight(row[b], t[b], scale[b])
+        else:
+            self._cache.refresh()
         self._seen = [self._versions(ws) for ws in weights]
         self.refreshes += 1
 
@@ -420,30 +399,29 @@ def _fp8_projection(module, layer, x, norms):
     cached = layer.state.weights.get(layer.index)
     qk_weight = torch.cat((module.q_proj.weight.to(bf16), module.k_proj.weight.to(bf16)))
     v_weight = module.v_proj.weight.to(bf16)
-    # This call's gradient amax and scale, in one allocation (16-byte aligned scalars). The
-    # hooks set the scale before the op's backward reads it: they run when the gradients of
-    # q, k and v arrive, and the backward needs those first.
-    scales = torch.zeros((2, 4), dtype=torch.float32, device=x.device)
-    grad_amax, grad_scale = scales[0, 0], scales[1, 0]
+    # This call's gradient scale, set by the hook below before the op's backward reads it: the
+    # hook runs once the gradients of q, k and v have arrived, and the backward needs them first.
+    grad_scale = torch.empty((), dtype=torch.float32, device=x.device)
     q, k, v = qkvfuse.packed_fp8_qkv(
         x, qk_weight, v_weight, cached.weight_f8, cached.weight_f8_t, cached.weight_scale,
         layer.state.one(x.device), x_scale, grad_scale, None, None, layer.q_heads, False, False,
         None, x_f8, x_f8_t, **norms)
     if q.requires_grad:
-        # Per call (not per module) scale tensors: correct with gradient accumulation,
-        # checkpointing or several forwards before one backward.
-        hook = _grad_scale_hook(grad_amax, grad_scale)
-        for out in (q, k, v):
-            out.register_hook(hook)
+        # A per-call (not per-module) scale: correct with gradient accumulation, checkpointing
+        # or several forwards before one backward. One hook for the three gradients: a third of
+        # the Python calls and half the kernel launches of one hook per tensor.
+        torch.autograd.graph.register_multi_grad_hook((q, k, v), _grad_scale_hook(grad_scale))
     return q, k, v
 
 
-def _grad_scale_hook(grad_amax, grad_scale):
+def _grad_scale_hook(grad_scale):
+    """grad_scale = GRAD_HEADROOM * max |grad| / E4M3_MAX over the gradients of q, k and v (those
+    that arrive: an unused output has none), never below MIN_SCALE."""
     @torch.no_grad()
-    def hook(grad):
-        amax = torch.linalg.vector_norm(grad.detach(), float("inf")).float()
-        torch.maximum(grad_amax, amax, out=grad_amax)
-        torch.clamp_min(grad_amax * (GRAD_HEADROOM / E4M3_MAX), MIN_SCALE, out=grad_scale)
+    def hook(grads):
+        present = [g.detach() for g in grads if g is not None]
+        amax = torch.stack(torch._foreach_norm(present, float("inf"))).amax().float()
+        torch.clamp_min(amax * (GRAD_HEADROOM / E4M3_MAX), MIN_SCALE, out=grad_scale)
     return hook
 
 
