@@ -8,6 +8,8 @@
 //                       rounding and the stores of q, k (= x), v in their layouts (no factor
 //                       loads, no norm, no rotary; EpilogueWork::kStoreOnly, wrong q and k)
 //   fused norm-only     D = 128 only: also the row sums and rstd, q, k = x * rstd (kNormOnly)
+//   fused general       D = 128 only: the general-layout epilogue (EpilogueLayout::kGeneral)
+//                       on the same simple layout: what the simple layout's kernel saves
 //   fused               fused_qkv_gemm -> q, k, v
 //   fused+qk            the same, also writing the raw qk for the backward
 //   fused alongM, N/sw2, N/sw4   the fused GEMM with other tile orders of the persistent scheduler
@@ -59,12 +61,13 @@ void print_row(const Row& r) {
   std::fflush(stdout);
 }
 
-/// The fused GEMM with part of its epilogue (fused_qkv_gemm_variants.cu; D = 128 only), on the
-/// same validation and arguments as fused_qkv_gemm.
-template <cuda::EpilogueWork kWork>
-void fused_partial(const Problem& p, cudaStream_t stream) {
+/// One D = 128 instantiation of the fused GEMM chosen here, not by fused_qkv_gemm: the general
+/// epilogue on the simple layout, or the simple one with part of its epilogue
+/// (fused_qkv_gemm_variants.cu); on the same validation and arguments as fused_qkv_gemm.
+template <cuda::EpilogueLayout kLayout, cuda::EpilogueWork kWork>
+void fused_d128(const Problem& p, cudaStream_t stream) {
   const cuda::FusedQkvKernelArgs args = cuda::fused_qkv_kernel_args(p.fused_params(stream, false));
-  cuda::launch_fused_qkv_gemm<128, kWork>(args, stream);
+  cuda::launch_fused_qkv_gemm<128, kLayout, cuda::FusedFactor, kWork>(args, stream);
 }
 
 void bench_shape(int64_t tokens, int64_t head_dim, cudaStream_t stream, int iters,
@@ -106,12 +109,23 @@ void bench_shape(int64_t tokens, int64_t head_dim, cudaStream_t stream, int iter
       {"cutlass", [&](const Problem& p) { p.gemm_cutlass(stream); }, "ping-pong 128x128x128, TMA epilogue"},
   };
   if (head_dim == 128) {
+    using cuda::EpilogueLayout;
+    using cuda::EpilogueWork;
     variants.push_back({"fused store-only",
-                        [&](const Problem& p) { fused_partial<cuda::EpilogueWork::kStoreOnly>(p, stream); },
+                        [&](const Problem& p) {
+                          fused_d128<EpilogueLayout::kSimple, EpilogueWork::kStoreOnly>(p, stream);
+                        },
                         "epilogue: bf16 x stored as q, k, v; no factors, norm, rotary"});
     variants.push_back({"fused norm-only",
-                        [&](const Problem& p) { fused_partial<cuda::EpilogueWork::kNormOnly>(p, stream); },
+                        [&](const Problem& p) {
+                          fused_d128<EpilogueLayout::kSimple, EpilogueWork::kNormOnly>(p, stream);
+                        },
                         "epilogue: q, k = x * rstd; no factors, rotary"});
+    variants.push_back({"fused general",
+                        [&](const Problem& p) {
+                          fused_d128<EpilogueLayout::kGeneral, EpilogueWork::kFull>(p, stream);
+                        },
+                        "the general-layout epilogue on this (simple) layout"});
   }
   variants.insert(variants.end(), {
       {"fused", [&](const Problem& p) { p.fused(stream, false); }, "GEMM + norm + rotary -> q, k, v"},

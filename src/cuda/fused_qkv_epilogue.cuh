@@ -197,8 +197,8 @@ struct FactorGroup;
 template <>
 struct FactorGroup<uint16_t> {
   Chunk c;
-  CUTE_HOST_DEVICE void load(const void* table, int64_t index) {
-    c = load_chunk(static_cast<const uint16_t*>(table) + index);
+  CUTE_HOST_DEVICE void load(const void* tile, int offset) {
+    c = load_chunk(static_cast<const uint16_t*>(tile) + offset);
   }
   CUTE_HOST_DEVICE void clear() { c = Chunk{}; }
   /// Column 2w (lo) and 2w + 1 (hi) of the group.
@@ -208,9 +208,9 @@ struct FactorGroup<uint16_t> {
 template <>
 struct FactorGroup<float> {
   Chunk c[2];
-  CUTE_HOST_DEVICE void load(const void* table, int64_t index) {
-    c[0] = load_chunk(static_cast<const float*>(table) + index);
-    c[1] = load_chunk(static_cast<const float*>(table) + index + 4);
+  CUTE_HOST_DEVICE void load(const void* tile, int offset) {
+    c[0] = load_chunk(static_cast<const float*>(tile) + offset);
+    c[1] = load_chunk(static_cast<const float*>(tile) + offset + 4);
   }
   CUTE_HOST_DEVICE void clear() { c[0] = c[1] = Chunk{}; }
   CUTE_HOST_DEVICE float lo(int w) const { return bits_float(c[w / 2].w[2 * (w % 2)]); }
@@ -262,14 +262,24 @@ CUTE_HOST_DEVICE void transpose_receive(uint32_t* w, int lane, const uint32_t (&
 /// One thread's share of a kTileM x kTileN tile, and what it does with it: kRows rows per thread.
 /// Before the quad transpose x[r][j] holds columns col0 + 8j + {0, 1}; after it, x[r][4b + w]
 /// holds columns chunk_col(b) + 2w + {0, 1}, chunk_col(b) = 8 (4b + lane), lane = col0 / 2.
+/// FactorT: the factor tables' element type, uint16_t (bf16 bits) or float; a template parameter
+/// so that a kernel carries the loads and conversions of one dtype only.
+/// kLayout: kSimple compiles the common layout (interleaved, r = D, no key offset, not paired)
+/// without the options' code: no placement arithmetic, no NeoX partner, one 16-byte store per
+/// chunk; kGeneral reads the options at run time (EpilogueLayout, fused_qkv_gemm_args.hpp).
 /// kWork: the whole norm + rotary, or only parts of it for the benchmark's attribution
 /// (EpilogueWork, fused_qkv_gemm_args.hpp); the stores are the same in every case.
-template <int kTileN_, int kHeadDim_, int kRows_, EpilogueWork kWork_ = EpilogueWork::kFull>
+template <int kTileN_, int kHeadDim_, int kRows_, typename FactorT_, EpilogueLayout kLayout_,
+          EpilogueWork kWork_ = EpilogueWork::kFull>
 struct TileMath {
   static constexpr int kTileN = kTileN_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kRows = kRows_;
+  using FactorT = FactorT_;
+  static constexpr EpilogueLayout kLayout = kLayout_;
   static constexpr EpilogueWork kWork = kWork_;
+  static_assert(std::is_same_v<FactorT, uint16_t> || std::is_same_v<FactorT, float>,
+                "factor tables are bf16 (uint16_t bits) or fp32");
   static constexpr int kGroups = kTileN / 8;       ///< 8-column groups: words per row per thread
   static constexpr int kBlocks = kGroups / 4;      ///< blocks of 4 groups: chunks per row per thread
   static constexpr int kHeadsPerTile = kTileN / kHeadDim;
@@ -283,11 +293,24 @@ struct TileMath {
   /// NeoX's partner block (d +- D/2) is in the same thread only when D/2 is whole blocks.
   static constexpr bool kNeoxInThread = kBlocksPerHead % 2 == 0;
 
+  /// The layout options as this instantiation sees them: constants (off) in the simple layout,
+  /// so that every branch on them folds away at compile time.
+  static constexpr bool kGeneral = kLayout == EpilogueLayout::kGeneral;
+  CUTE_HOST_DEVICE static bool paired(const FusedQkvEpilogueArgs& a) { return kGeneral && a.paired; }
+  CUTE_HOST_DEVICE static bool key_offset(const FusedQkvEpilogueArgs& a) {
+    return kGeneral && a.key_offset;
+  }
+  CUTE_HOST_DEVICE static bool neox(const FusedQkvEpilogueArgs& a) { return kGeneral && a.neox; }
+  /// Whether chunk d0 .. d0 + 7 of a head lies wholly in the rotary lanes (d < r).
+  CUTE_HOST_DEVICE static bool chunk_rotates(const FusedQkvEpilogueArgs& a, int d0) {
+    return !kGeneral || d0 + 8 <= a.rotary_dim;
+  }
+
   /// Rows whose factors are in registers at once: 2 with bf16 tables (2 x 2 tables x kBlocks
   /// chunks: 64 registers at N = 128), 1 with fp32 tables (the same 64). More would not fit next
   /// to the tile's 64 x words in a ping-pong consumer's 232 registers.
-  template <typename FactorT>
   static constexpr int kFactorBatch = sizeof(FactorT) == 2 ? 2 : 1;
+  using Factors = FactorGroup<FactorT>[kFactorBatch][kBlocks];
 
   struct Fragment {
     uint32_t x[kRows][kGroups];  ///< bf16x2 words (layout above), the low half the even column
@@ -318,38 +341,40 @@ struct TileMath {
     }
   }
 
-  /// Where head hh of a Q/K tile starting at GEMM column n0 goes (SPEC.md sections 1 and 8).
+  /// Where head hh of the Q/K tile at (m0, n0) goes (SPEC.md sections 1 and 8). Addresses are a
+  /// 64-bit pointer to the tile's first row plus 32-bit offsets inside the tile (row * row_stride
+  /// + column): fused_qkv_gemm validates that kTileOffsetRows rows of every stride fit in int32.
   struct HeadPlace {
-    uint16_t* out;        ///< q or k
-    int64_t stride_t;     ///< of the output
-    int64_t head_offset;  ///< out_head * stride_h
-    int token_mul;        ///< output token = token_mul * t + token_add
-    int token_add;
+    uint16_t* out;        ///< q or k: head h's column 0 at output token token_mul * m0 + token_add
+    int row_stride;       ///< output offset from tile row i to i + 1: token_mul * stride_t
+    int next_token;       ///< output offset from token t to t + 1 (key offset): stride_t
     int factor_offset;    ///< factor column of d = 0
     bool shift;           ///< key offset applies (a key head)
   };
 
-  CUTE_HOST_DEVICE static HeadPlace place(const FusedQkvEpilogueArgs& a, int n0, int hh) {
+  CUTE_HOST_DEVICE static HeadPlace place(const FusedQkvEpilogueArgs& a, int m0, int n0, int hh) {
     const int h2 = n0 / kHeadDim + hh;  // input head in [0, Hq + Hkv)
     const bool is_key = h2 >= a.q_heads;
     const int h = is_key ? h2 - a.q_heads : h2;
-    HeadPlace p;
-    p.out = is_key ? a.k : a.q;
-    p.stride_t = is_key ? a.k_stride_t : a.q_stride_t;
+    const int64_t stride_t = is_key ? a.k_stride_t : a.q_stride_t;
     const int64_t stride_h = is_key ? a.k_stride_h : a.q_stride_h;
-    if (a.paired) {
+    int token_mul = 1;  // output token = token_mul * t + token_add
+    int token_add = 0;
+    int out_head = h;
+    HeadPlace p;
+    p.factor_offset = 0;
+    if (paired(a)) {
       const int half = (is_key ? a.kv_heads : a.q_heads) / 2;
-      p.token_mul = 2;
-      p.token_add = h / half;
-      p.head_offset = int64_t(h % half) * stride_h;
+      token_mul = 2;
+      token_add = h / half;
+      out_head = h % half;
       p.factor_offset = (h % 2) * kHeadDim;
-    } else {
-      p.token_mul = 1;
-      p.token_add = 0;
-      p.head_offset = int64_t(h) * stride_h;
-      p.factor_offset = 0;
     }
-    p.shift = a.key_offset && is_key;
+    p.out = (is_key ? a.k : a.q) + int64_t(token_mul * m0 + token_add) * stride_t +
+            int64_t(out_head) * stride_h;
+    p.row_stride = token_mul * int(stride_t);
+    p.next_token = int(stride_t);
+    p.shift = key_offset(a) && is_key;
     return p;
   }
 
@@ -358,24 +383,24 @@ struct TileMath {
     return f.chunk_col(b) - (b / kBlocksPerHead) * kHeadDim;
   }
 
-  /// The factor groups of fragment rows [r0, r0 + kBatch), one per chunk (zeros past T).
-  template <typename FactorT, int kBatch>
+  /// The factor groups of fragment rows [r0, r0 + kFactorBatch), one per chunk (zeros past T).
   CUTE_HOST_DEVICE static void load_factors(const FusedQkvEpilogueArgs& a, int m0, int n0,
-                                            const Fragment& f, int r0,
-                                            FactorGroup<FactorT> (&f1)[kBatch][kBlocks],
-                                            FactorGroup<FactorT> (&f2)[kBatch][kBlocks]) {
+                                            const Fragment& f, int r0, Factors& f1, Factors& f2) {
+    // The tile's first factor rows, and 32-bit offsets from them (HeadPlace).
+    const FactorT* f1_tile = static_cast<const FactorT*>(a.factor1) + int64_t(m0) * a.factor1_stride;
+    const FactorT* f2_tile = static_cast<const FactorT*>(a.factor2) + int64_t(m0) * a.factor2_stride;
     CUTE_UNROLL
-    for (int i = 0; i < kBatch; ++i) {
-      const int t = m0 + f.rows[r0 + i];
-      const bool valid = t < a.tokens;
+    for (int i = 0; i < kFactorBatch; ++i) {
+      const int row = f.rows[r0 + i];
+      const bool valid = m0 + row < a.tokens;
       CUTE_UNROLL
       for (int b = 0; b < kBlocks; ++b) {
         // The factor column offset is per head only when paired; for the plain layout it is 0.
-        const int off = a.paired ? place(a, n0, b / kBlocksPerHead).factor_offset : 0;
+        const int off = paired(a) ? place(a, m0, n0, b / kBlocksPerHead).factor_offset : 0;
         const int col = off + head_col(f, b);
         if (valid) {
-          f1[i][b].load(a.factor1, int64_t(t) * a.factor1_stride + col);
-          f2[i][b].load(a.factor2, int64_t(t) * a.factor2_stride + col);
+          f1[i][b].load(f1_tile, row * int(a.factor1_stride) + col);
+          f2[i][b].load(f2_tile, row * int(a.factor2_stride) + col);
         } else {
           f1[i][b].clear();
           f2[i][b].clear();
@@ -384,17 +409,15 @@ struct TileMath {
     }
   }
 
-  /// Normalize, rotate and store fragment rows [r0, r0 + kBatch) of a Q/K tile.
-  template <typename FactorT, int kBatch>
+  /// Normalize, rotate and store fragment rows [r0, r0 + kFactorBatch) of a Q/K tile.
   CUTE_HOST_DEVICE static void rotate_store(const FusedQkvEpilogueArgs& a, int m0, int n0,
                                             const Fragment& f, const Sums& sums, int r0,
-                                            const FactorGroup<FactorT> (&f1)[kBatch][kBlocks],
-                                            const FactorGroup<FactorT> (&f2)[kBatch][kBlocks]) {
+                                            const Factors& f1, const Factors& f2) {
     CUTE_UNROLL
     for (int hh = 0; hh < kHeadsPerTile; ++hh) {
-      const HeadPlace p = place(a, n0, hh);
+      const HeadPlace p = place(a, m0, n0, hh);
       CUTE_UNROLL
-      for (int i = 0; i < kBatch; ++i) {
+      for (int i = 0; i < kFactorBatch; ++i) {
         const int r = r0 + i;
         const int t = m0 + f.rows[r];
         if (t >= a.tokens) continue;
@@ -402,8 +425,8 @@ struct TileMath {
         if constexpr (kWork != EpilogueWork::kStoreOnly) {
           rstd = rms_rstd<kHeadDim>(sums[r][hh], a.eps);
         }
-        uint16_t* out = p.out + int64_t(p.token_mul * t + p.token_add) * p.stride_t + p.head_offset;
-        // Key offset: this row's pass-through lanes also go to row t+1 (plain layout: + stride_t).
+        uint16_t* out = p.out + f.rows[r] * p.row_stride;
+        // Key offset: this row's pass-through lanes also go to row t+1 (+ next_token).
         const bool has_next = p.shift && t + 1 < a.tokens;
         const bool first = t == 0;
         CUTE_UNROLL
@@ -429,7 +452,7 @@ struct TileMath {
                 float p_lo = n_hi;
                 float p_hi = n_lo;
                 if constexpr (kNeoxInThread) {
-                  if (a.neox) {
+                  if (neox(a)) {
                     const int bp = hh * kBlocksPerHead + (bb + kBlocksPerHead / 2) % kBlocksPerHead;
                     const uint32_t xp = f.x[r][4 * bp + w];
                     p_lo = mul_rn(bf16x2_lo(xp), rstd);
@@ -443,14 +466,14 @@ struct TileMath {
             }
           }
           // Lanes >= r pass through (y = n): at r = D, every layout but key offset's, no chunk
-          // takes the last two branches. Key offset: row t's pass-through lanes go to row t + 1;
-          // token 0 keeps its own.
+          // takes the last two branches (the simple layout compiles without them). Key offset:
+          // row t's pass-through lanes go to row t + 1; token 0 keeps its own.
           const bool own = !p.shift || first;
-          if (d0 + 8 <= a.rotary_dim) {
+          if (chunk_rotates(a, d0)) {
             store_chunk(out + d0, y);  // all 8 lanes rotate
           } else if (d0 >= a.rotary_dim) {
             if (own) store_chunk(out + d0, n);
-            if (has_next) store_chunk(out + p.stride_t + d0, n);
+            if (has_next) store_chunk(out + p.next_token + d0, n);
           } else {
             // r splits the chunk (not a multiple of 8): word by word. r is even, so a word (a
             // column pair) is entirely on one side of it.
@@ -460,7 +483,7 @@ struct TileMath {
                 store_word(out + d0 + 2 * w, y.w[w]);
               } else {
                 if (own) store_word(out + d0 + 2 * w, n.w[w]);
-                if (has_next) store_word(out + p.stride_t + d0 + 2 * w, n.w[w]);
+                if (has_next) store_word(out + p.next_token + d0 + 2 * w, n.w[w]);
               }
             }
           }
@@ -472,22 +495,20 @@ struct TileMath {
   /// A whole Q/K tile after the quad reduction: batches of rows, each batch's factor loads
   /// issued before its arithmetic; f1 / f2 arrive holding batch 0's factors (loaded by the
   /// caller before the reduction).
-  template <typename FactorT, int kBatch>
   CUTE_HOST_DEVICE static void store_qk_batches(const FusedQkvEpilogueArgs& a, int m0, int n0,
-                                                const Fragment& f, const Sums& sums,
-                                                FactorGroup<FactorT> (&f1)[kBatch][kBlocks],
-                                                FactorGroup<FactorT> (&f2)[kBatch][kBlocks]) {
-    static_assert(kRows % kBatch == 0, "whole batches of rows");
+                                                const Fragment& f, const Sums& sums, Factors& f1,
+                                                Factors& f2) {
+    static_assert(kRows % kFactorBatch == 0, "whole batches of rows");
     CUTE_UNROLL
-    for (int r0 = 0; r0 < kRows; r0 += kBatch) {
+    for (int r0 = 0; r0 < kRows; r0 += kFactorBatch) {
       if (r0 > 0 && kWork == EpilogueWork::kFull) {
         // Keep each batch's loads behind the previous batch's stores: hoisted (the read-only
         // loads may legally move past stores), every batch's factors could be live at once,
         // beyond the register budget. (Not measured either way yet.)
         compiler_fence();
-        load_factors<FactorT, kBatch>(a, m0, n0, f, r0, f1, f2);
+        load_factors(a, m0, n0, f, r0, f1, f2);
       }
-      rotate_store<FactorT, kBatch>(a, m0, n0, f, sums, r0, f1, f2);
+      rotate_store(a, m0, n0, f, sums, r0, f1, f2);
     }
   }
 
@@ -495,11 +516,12 @@ struct TileMath {
   CUTE_HOST_DEVICE static void store_raw_qk(const FusedQkvEpilogueArgs& a, int m0, int n0,
                                             const Fragment& f) {
     if (a.qk == nullptr) return;
+    uint16_t* qk_tile = a.qk + int64_t(m0) * a.qk_stride_t + n0;  // 32-bit offsets from here
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const int t = m0 + f.rows[r];
       if (t >= a.tokens) continue;
-      uint16_t* out = a.qk + int64_t(t) * a.qk_stride_t + n0;
+      uint16_t* out = qk_tile + f.rows[r] * int(a.qk_stride_t);
       CUTE_UNROLL
       for (int b = 0; b < kBlocks; ++b) {
         Chunk c;
@@ -516,12 +538,13 @@ struct TileMath {
                                        const Fragment& f) {
     const int v_begin = (a.q_heads + a.kv_heads) * kHeadDim;
     const int v_cols = a.kv_heads * a.v_dim;
+    uint16_t* v_tile = a.v + int64_t(m0) * a.v_stride_t;  // 32-bit offsets from here
     CUTE_UNROLL
     for (int b = 0; b < kBlocks; ++b) {
       const int c = n0 - v_begin + f.chunk_col(b);
       if (c >= v_cols) continue;
       const int head = c / a.v_dim;
-      const int64_t column = int64_t(head) * a.v_stride_h + (c - head * a.v_dim);
+      const int column = head * int(a.v_stride_h) + (c - head * a.v_dim);
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
         const int t = m0 + f.rows[r];
@@ -529,7 +552,7 @@ struct TileMath {
         Chunk chunk;
         CUTE_UNROLL
         for (int w = 0; w < 4; ++w) chunk.w[w] = f.x[r][4 * b + w];
-        store_chunk(a.v + int64_t(t) * a.v_stride_t + column, chunk);
+        store_chunk(v_tile + f.rows[r] * int(a.v_stride_t) + column, chunk);
       }
     }
   }
@@ -612,7 +635,8 @@ CUTLASS_DEVICE void quad_transpose(typename Math::Fragment& f) {
 /// cutlass::epilogue::collective::DefaultEpilogue: the kernel hands it each finished tile's
 /// accumulators (wrapped in Sm90TmaWarpSpecializedAdapter, which supplies the empty load/store
 /// pipelines a register epilogue does not use). No shared memory, no source tensor C.
-template <class TileShape_, int kHeadDim_, EpilogueWork kWork = EpilogueWork::kFull>
+template <class TileShape_, int kHeadDim_, EpilogueLayout kLayout, typename FactorT,
+          EpilogueWork kWork = EpilogueWork::kFull>
 class FusedQkvEpilogue {
  public:
   using TileShape = TileShape_;
@@ -620,7 +644,7 @@ class FusedQkvEpilogue {
   static constexpr int kTileN = cute::size<1>(TileShape{});
   static constexpr int kHeadDim = kHeadDim_;
   static_assert(kTileM % 64 == 0, "the tile's M is a whole number of 64-row WGMMA atoms");
-  using Math = TileMath<kTileN, kHeadDim, 2 * (kTileM / 64), kWork>;
+  using Math = TileMath<kTileN, kHeadDim, 2 * (kTileM / 64), FactorT, kLayout, kWork>;
 
   // What the kernel reads off its epilogue: the element and stride types of C (absent) and D.
   using ElementC = void;
@@ -658,7 +682,8 @@ class FusedQkvEpilogue {
     const auto& a = args.args;
     const int n = cute::get<1>(problem_shape);
     const int qk_cols = (a.q_heads + a.kv_heads) * kHeadDim;
-    return a.head_dim == kHeadDim && qk_cols % kTileN == 0 &&
+    const bool layout_ok = kLayout == EpilogueLayout::kGeneral || epilogue_layout(a) == kLayout;
+    return a.head_dim == kHeadDim && layout_ok && qk_cols % kTileN == 0 &&
            n == qk_cols + a.kv_heads * a.v_dim && a.v_dim % 2 == 0;
   }
 
@@ -690,24 +715,17 @@ class FusedQkvEpilogue {
       Math::store_v(a, m0, n0, f);
       return;
     }
-    if (a.factor_fp32) {
-      qk_tile<float>(a, m0, n0, f);
-    } else {
-      qk_tile<uint16_t>(a, m0, n0, f);
-    }
+    qk_tile(a, m0, n0, f);
   }
 
  private:
   /// A Q/K tile; tests/fused_qkv_gemm/epilogue_host_test.cu replays these steps on the host.
-  template <typename FactorT>
   CUTLASS_DEVICE void qk_tile(const FusedQkvEpilogueArgs& a, int m0, int n0,
                               const typename Math::Fragment& f) {
-    constexpr int kBatch = Math::template kFactorBatch<FactorT>;
-    FactorGroup<FactorT> f1[kBatch][Math::kBlocks];
-    FactorGroup<FactorT> f2[kBatch][Math::kBlocks];
+    typename Math::Factors f1, f2;
     // The first batch's factors are in flight during the raw stores, the sums and the butterfly.
     if constexpr (kWork == EpilogueWork::kFull) {
-      Math::template load_factors<FactorT, kBatch>(a, m0, n0, f, 0, f1, f2);
+      Math::load_factors(a, m0, n0, f, 0, f1, f2);
     }
     // The raw output first: at the end it would keep every x word of the tile live to the last
     // batch (ptxas spilled them).
@@ -729,7 +747,7 @@ class FusedQkvEpilogue {
         }
       }
     }
-    Math::template store_qk_batches<FactorT, kBatch>(a, m0, n0, f, sums, f1, f2);
+    Math::store_qk_batches(a, m0, n0, f, sums, f1, f2);
   }
 
   Params params_;
@@ -737,9 +755,10 @@ class FusedQkvEpilogue {
 
 /// The collective the kernel instantiates: the register epilogue behind the adapter that gives it
 /// the TMA warp-specialized interface (empty pipelines, no producer load).
-template <class TileShape, int kHeadDim, EpilogueWork kWork = EpilogueWork::kFull>
+template <class TileShape, int kHeadDim, EpilogueLayout kLayout, typename FactorT,
+          EpilogueWork kWork = EpilogueWork::kFull>
 using FusedQkvCollectiveEpilogue =
     cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
-        FusedQkvEpilogue<TileShape, kHeadDim, kWork>>;
+        FusedQkvEpilogue<TileShape, kHeadDim, kLayout, FactorT, kWork>>;
 
 }  // namespace qkvfuse::cuda::fused

@@ -1,11 +1,12 @@
 // fused_qkv_gemm.cpp: the host entry of the fused QKV GEMM (fused_qkv_gemm.hpp): validate every
 // argument, translate the views into the kernel's plain arguments (fused_qkv_gemm_args.hpp) and
-// dispatch on the head width to the instantiations in fused_qkv_gemm_d<D>.cu. Built with or
+// dispatch on the head width and layout to the instantiations in fused_qkv_gemm_d<D>*.cu. Built with or
 // without CUTLASS: without it (QKVFUSE_WITH_CUTLASS unset) the entry points validate and throw.
+// Which layouts and sizes have a kernel is decided in fused_qkv_gemm_support.cpp.
 #include "cuda/fused_qkv_gemm.hpp"
 
-#include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "cuda/check.hpp"
@@ -32,20 +33,28 @@ constexpr int64_t kInt32Max = (int64_t(1) << 31) - 1;
 }
 
 /// Everything fused_qkv_gemm needs checked, and the kernel arguments that follow from it.
-FusedQkvKernelArgs validate_and_translate(const FusedQkvGemmParams& p, Device& device) {
+/// Messages start with `op`.
+FusedQkvKernelArgs validate_and_translate(const FusedQkvGemmParams& p, const std::string& op_name,
+                                          Device& device) {
   using validate::Arg;
   using validate::Dim;
-  const validate::Checker check(kOp);
+  const char* op = op_name.c_str();
+  const validate::Checker check(op_name);
   const RopeLayout& layout = p.layout;
-  // The epilogue's norm + rotary: weightless RMS-norm, factor tables. Refused before the device
-  // check, which would otherwise call the absent tables missing.
-  QKVF_CHECK(is_absent(layout.cos_sin) && is_absent(layout.positions), kOp,
-             ": layout: a cos/sin cache (cos_sin, positions) is not built into the fused "
-             "epilogue; pass the factor tables layout.factor1, layout.factor2");
-  QKVF_CHECK(layout.normalize, kOp,
-             ": layout.normalize = false (no QK norm) is not built into the fused epilogue");
-  QKVF_CHECK(is_absent(layout.q_weight) && is_absent(layout.k_weight), kOp,
-             ": layout: norm weights (q_weight, k_weight) are not built into the fused epilogue");
+  // The sizes and the layout first: what no fused kernel is built for is refused with the reason
+  // (fused_qkv_unsupported), before the device check, which would otherwise call the factor tables
+  // of a cos/sin-cache layout missing.
+  check.ndim(p.x_f8, "x_f8", 2);
+  check.ndim(p.q, "q", 3);
+  check.ndim(p.v, "v", 3);
+  const int64_t tokens = p.x_f8.sizes[0];
+  const int64_t channels = p.x_f8.sizes[1];
+  const int64_t head_dim = p.q.sizes[2];
+  const int64_t v_dim = p.v.sizes[2];
+  // The library's own rules (heads, rotary_dim, paired, key offset, eps), then the fused kernel's.
+  check.rope_options(layout, head_dim);
+  const std::string unsupported = fused_qkv_unsupported(layout, {tokens, head_dim, v_dim});
+  QKVF_CHECK(unsupported.empty(), op, ": ", unsupported);
   const std::vector<Arg> inputs = {{p.x_f8, "x_f8"},
                                    {p.weight_f8, "weight_f8"},
                                    {p.scale_a, "scale_a"},
@@ -56,53 +65,22 @@ FusedQkvKernelArgs validate_and_translate(const FusedQkvGemmParams& p, Device& d
   const std::vector<Arg> outputs = {
       {p.q, "q"}, {p.k, "k"}, {p.v, "v"}, {p.qk, "qk", /*optional=*/true}};
   device = check.same_device(validate::concat(inputs, outputs));
-  QKVF_CHECK(device.type == DeviceType::kCUDA, kOp, ": runs on CUDA tensors only, got ",
+  QKVF_CHECK(device.type == DeviceType::kCUDA, op, ": runs on CUDA tensors only, got ",
              device_name(device));
 
   // ---- operands: x_f8 [T, C], weight_f8 [N, C] -----------------------------------------------
   check.dtype(p.x_f8, "x_f8", DType::kFloat8E4M3);
-  check.ndim(p.x_f8, "x_f8", 2);
-  const int64_t tokens = p.x_f8.sizes[0];
-  const int64_t channels = p.x_f8.sizes[1];
-  QKVF_CHECK(channels > 0 && channels % 16 == 0, kOp,
+  QKVF_CHECK(channels > 0 && channels % 16 == 0, op,
              ": x_f8: expected C (the GEMM's K) a positive multiple of 16 (TMA rows), got ", channels);
 
-  // ---- heads and widths --------------------------------------------------------------------
+  // ---- heads and widths (their limits: fused_qkv_unsupported) --------------------------------
   check.dtype(p.q, "q", DType::kBFloat16);
-  check.ndim(p.q, "q", 3);
-  const int64_t head_dim = p.q.sizes[2];
-  QKVF_CHECK(head_dim == 64 || head_dim == 96 || head_dim == 128, kOp,
-             ": no fused kernel for head width D = ", head_dim,
-             "; built: D = 64, 96 and 128 (a CTA tile holds whole heads)");
-  // The library's own rules (heads, rotary_dim, paired, key offset, eps), then the fused kernel's.
-  check.rope_options(layout, head_dim);
   const int64_t q_heads = layout.num_heads;
   const int64_t kv_heads = qkvfuse::kv_heads(layout);
   const int64_t rotary_dim = rope::resolved_rotary_dim(layout, head_dim);
   const bool neox = layout.rotary_style == RotaryStyle::kNeox;
   const int64_t tile_n = fused_tile_n(int(head_dim));
-  // Lanes >= r pass through (keys' from token t-1 under key offset); the epilogue is built for
-  // that with key offset, the speedrun's long-window layers, and otherwise for r = D only.
-  QKVF_CHECK(rotary_dim == head_dim || layout.key_offset, kOp,
-             ": layout.rotary_dim: a partial rotary (r = ", rotary_dim, " < D = ", head_dim,
-             ") is built only with key_offset; expected -1 or D");
-  if (neox) {
-    // The NeoX partner (d +- D/2) must be whole 32-column blocks away (fused_qkv_epilogue.cuh).
-    QKVF_CHECK(head_dim % 64 == 0, kOp,
-               ": layout.rotary_style = kNeox is built for D a multiple of 64, got D = ", head_dim);
-    QKVF_CHECK(rotary_dim == head_dim && !layout.key_offset, kOp,
-               ": layout.rotary_style = kNeox is built for a rotary width of D only (rotary_dim -1 "
-               "or D, no key_offset), got rotary_dim = ", layout.rotary_dim, ", key_offset = ",
-               layout.key_offset);
-  }
   const float eps = layout.eps;
-  // reciprocal_sqrt_rn's exact range (fused_qkv_epilogue.cuh, rms_rstd).
-  QKVF_CHECK(std::isfinite(eps) && eps >= 0x1p-100f, kOp,
-             ": layout.eps: expected a finite value >= 2^-100, got ", eps);
-  QKVF_CHECK((q_heads + kv_heads) * head_dim % tile_n == 0, kOp,
-             ": expected (Hq + Hkv) * D a multiple of ", tile_n,
-             " (no CTA tile may hold both Q/K and V columns), got (", q_heads, " + ", kv_heads,
-             ") * ", head_dim);
 
   // ---- outputs --------------------------------------------------------------------------------
   const int64_t out_tokens = layout.paired ? 2 * tokens : tokens;
@@ -113,11 +91,7 @@ FusedQkvKernelArgs validate_and_translate(const FusedQkvGemmParams& p, Device& d
   check.dtype(p.k, "k", DType::kBFloat16);
   check.shape(p.k, "k", {out_tokens, out_kv_heads, head_dim}, why);
   check.dtype(p.v, "v", DType::kBFloat16);
-  check.ndim(p.v, "v", 3);
-  const int64_t v_dim = p.v.sizes[2];
   check.shape(p.v, "v", {tokens, kv_heads, Dim::any("Dv")}, "([T, Hkv, Dv])");
-  QKVF_CHECK(v_dim >= 8 && v_dim % 8 == 0, kOp,
-             ": v: expected Dv a multiple of 8 (16-byte chunks of one head), got ", v_dim);
   for (const Arg& out : {outputs[0], outputs[1], outputs[2]}) {
     check.last_dim_contiguous(out.view, out.name);
     check.aligned(out.view, out.name, device);
@@ -127,7 +101,7 @@ FusedQkvKernelArgs validate_and_translate(const FusedQkvGemmParams& p, Device& d
     check.shape(p.qk, "qk", {tokens, q_heads + kv_heads, head_dim}, "([T, Hq + Hkv, D])");
     QKVF_CHECK(p.qk.strides[2] == 1 && p.qk.strides[1] == head_dim &&
                    p.qk.strides[0] >= (q_heads + kv_heads) * head_dim,
-               kOp, ": qk: expected heads packed in rows ([T, (Hq+Hkv)*D] with a row stride), got ",
+               op, ": qk: expected heads packed in rows ([T, (Hq+Hkv)*D] with a row stride), got ",
                p.qk.describe());
     check.aligned(p.qk, "qk", device);
   }
@@ -141,7 +115,7 @@ FusedQkvKernelArgs validate_and_translate(const FusedQkvGemmParams& p, Device& d
   for (const Arg& matrix : {inputs[0], inputs[1]}) {
     check.row_major(matrix.view, matrix.name);
     const auto address = reinterpret_cast<uintptr_t>(matrix.view.data);
-    QKVF_CHECK(matrix.view.strides[0] % 16 == 0 && address % 16 == 0, kOp, ": ", matrix.name,
+    QKVF_CHECK(matrix.view.strides[0] % 16 == 0 && address % 16 == 0, op, ": ", matrix.name,
                ": expected a row stride that is a multiple of 16 elements and a 16-byte aligned "
                "pointer (TMA), got pointer ", matrix.view.data, " and ", matrix.view.describe());
   }
@@ -153,7 +127,6 @@ FusedQkvKernelArgs validate_and_translate(const FusedQkvGemmParams& p, Device& d
 
   // ---- factor tables ----------------------------------------------------------------------
   const int64_t factor_width = layout.paired ? 2 * head_dim : head_dim;
-  check.dtype_in(layout.factor1, "layout.factor1", {DType::kBFloat16, DType::kFloat32});
   check.dtype(layout.factor2, "layout.factor2", layout.factor1.dtype);
   for (const Arg& factor : {inputs[5], inputs[6]}) {
     check.shape(factor.view, factor.name, {tokens, factor_width},
@@ -162,11 +135,29 @@ FusedQkvKernelArgs validate_and_translate(const FusedQkvGemmParams& p, Device& d
     check.aligned(factor.view, factor.name, device);
   }
   check.no_overlap(outputs, inputs);
-  QKVF_CHECK(p.raster >= 0 && p.raster <= 2, kOp, ": raster must be 0, 1 or 2, got ", p.raster);
-  QKVF_CHECK(p.swizzle == 1 || p.swizzle == 2 || p.swizzle == 4 || p.swizzle == 8, kOp,
+  QKVF_CHECK(p.raster >= 0 && p.raster <= 2, op, ": raster must be 0, 1 or 2, got ", p.raster);
+  QKVF_CHECK(p.swizzle == 1 || p.swizzle == 2 || p.swizzle == 4 || p.swizzle == 8, op,
              ": swizzle must be 1, 2, 4 or 8, got ", p.swizzle);
-  QKVF_CHECK(tokens <= kInt32Max && 2 * tokens <= kInt32Max && n <= kInt32Max, kOp,
-             ": T and N must fit in int32, got T = ", tokens, ", N = ", n);
+  // The epilogue's 32-bit offsets inside a tile (kTileOffsetRows, fused_qkv_gemm_args.hpp): the
+  // rows of a tile times the row stride, plus the furthest column a row's offset reaches.
+  auto check_tile_offsets = [&](const TensorView& view, const char* name, int64_t row_columns) {
+    const int64_t stride = view.strides[0];
+    QKVF_CHECK(stride >= 0 && row_columns >= 0 &&
+                   stride <= (kInt32Max - row_columns) / kTileOffsetRows,
+               op, ": ", name, ": the epilogue addresses ", kTileOffsetRows,
+               " rows of a tile with 32-bit offsets: expected a non-negative row stride of at "
+               "most (2^31 - 1 - ", row_columns, ") / ", kTileOffsetRows, ", got ",
+               view.describe());
+  };
+  check_tile_offsets(p.q, "q", head_dim);
+  check_tile_offsets(p.k, "k", head_dim);
+  QKVF_CHECK(p.v.strides[1] >= 0 && p.v.strides[1] <= kInt32Max / kv_heads, op,
+             ": v: expected a non-negative head stride with Hkv head strides in int32, got ",
+             p.v.describe());
+  check_tile_offsets(p.v, "v", kv_heads * p.v.strides[1] + v_dim);
+  if (!is_absent(p.qk)) check_tile_offsets(p.qk, "qk", tile_n);
+  check_tile_offsets(layout.factor1, "layout.factor1", factor_width);
+  check_tile_offsets(layout.factor2, "layout.factor2", factor_width);
 
   // ---- translate ------------------------------------------------------------------------------
   FusedQkvKernelArgs args;
@@ -194,7 +185,6 @@ FusedQkvKernelArgs validate_and_translate(const FusedQkvGemmParams& p, Device& d
   e.key_offset = layout.key_offset;
   e.neox = neox;
   e.eps = eps;
-  e.factor_fp32 = layout.factor1.dtype == DType::kFloat32;
   e.factor1 = layout.factor1.data;
   e.factor2 = layout.factor2.data;
   e.factor1_stride = layout.factor1.strides[0];
@@ -215,25 +205,35 @@ FusedQkvKernelArgs validate_and_translate(const FusedQkvGemmParams& p, Device& d
 
 }  // namespace
 
-FusedQkvKernelArgs fused_qkv_kernel_args(const FusedQkvGemmParams& params) {
+FusedQkvKernelArgs fused_qkv_kernel_args(const FusedQkvGemmParams& params, const std::string& op) {
   Device device;
-  FusedQkvKernelArgs args = validate_and_translate(params, device);
+  FusedQkvKernelArgs args = validate_and_translate(params, op, device);
   if (args.m == 0) return args;
   DeviceGuard guard(device);
   args.sm_count = multiprocessor_count();
   return args;
 }
 
+void fused_qkv_gemm(const FusedQkvGemmParams& params) {
+  run_fused_qkv_gemm(fused_qkv_kernel_args(params), params.stream);
+}
+
 #if QKVFUSE_WITH_CUTLASS
 
-void fused_qkv_gemm(const FusedQkvGemmParams& params) {
-  const FusedQkvKernelArgs args = fused_qkv_kernel_args(params);
+void run_fused_qkv_gemm(const FusedQkvKernelArgs& args, Stream stream) {
   if (args.m == 0) return;
   DeviceGuard guard(Device{DeviceType::kCUDA, args.device});
   switch (args.epilogue.head_dim) {
-    case 128: launch_fused_qkv_gemm<128>(args, params.stream); break;
-    case 96: launch_fused_qkv_gemm<96>(args, params.stream); break;
-    case 64: launch_fused_qkv_gemm<64>(args, params.stream); break;
+    case 128:
+      if (epilogue_layout(args.epilogue) == EpilogueLayout::kSimple) {
+        launch_fused_qkv_gemm<128, EpilogueLayout::kSimple, FusedFactor>(args, stream);
+      } else {
+        launch_fused_qkv_gemm<128, EpilogueLayout::kGeneral, FusedFactor>(args, stream);
+      }
+      break;
+    // D = 96 and 64: the general kernel for every layout (EpilogueLayout).
+    case 96: launch_fused_qkv_gemm<96, EpilogueLayout::kGeneral, FusedFactor>(args, stream); break;
+    case 64: launch_fused_qkv_gemm<64, EpilogueLayout::kGeneral, FusedFactor>(args, stream); break;
     default: QKVF_FAIL(kOp, ": no kernel for head width D = ", args.epilogue.head_dim);
   }
 }
@@ -242,11 +242,8 @@ bool cutlass_gemms_available() { return true; }
 
 #else  // !QKVFUSE_WITH_CUTLASS
 
-void fused_qkv_gemm(const FusedQkvGemmParams& params) {
-  Device device;
-  validate_and_translate(params, device);
-  throw_without_cutlass(kOp);
-}
+// fused_qkv_gemm validates before it gets here, so a bad argument is reported as such.
+void run_fused_qkv_gemm(const FusedQkvKernelArgs&, Stream) { throw_without_cutlass(kOp); }
 
 void cutlass_fp8_gemm(const Fp8GemmParams&) { throw_without_cutlass("cutlass_fp8_gemm"); }
 

@@ -1,7 +1,7 @@
 // fused_qkv_gemm.hpp: the CUTLASS FP8 GEMMs of the forward (issue 22): the fused QKV projection,
 // whose epilogue does the per-head QK RMS-norm + rotary (SPEC.md section 1) and writes q, k and v
-// in their final layouts, and the same GEMM with a plain epilogue. Internal, host side; not yet
-// wired into packed_fp8_qkv (which runs cuBLASLt + qk_norm_rope today).
+// in their final layouts, and the same GEMM with a plain epilogue. Internal, host side; the packed
+// op's forward runs it when asked (ForwardGemm, qkvfuse/packed_qkv.hpp).
 //
 //   qkv    = bf16((x_f8 @ weight_f8^T) * ((scale_a * scale_b) * alpha))       fp32 accumulation
 //   q, k   = rotary(rms_norm(qkv[:, :(Hq+Hkv)*D] viewed [T, Hq+Hkv, D]))       SPEC.md 1 and 8
@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "cuda/fused_qkv_gemm_args.hpp"
 #include "qkvfuse/fp8_gemm.hpp"
@@ -41,7 +42,8 @@ void cutlass_fp8_gemm(const Fp8GemmParams& params);
 ///   layout     the norm + rotary, as qk_norm_rope takes it (qkvfuse/qk_norm_rope.hpp): Hq =
 ///              num_heads, Hkv = kv_heads(layout), rotary_style, rotary_dim, eps, paired,
 ///              key_offset, and the factor tables layout.factor1, factor2 [T, D] ([T, 2D] when
-///              paired), bf16 or fp32, one dtype, last dim contiguous
+///              paired), bf16 (fp32 tables are refused: FusedFactor, fused_qkv_gemm_args.hpp),
+///              last dim contiguous
 ///   q          bf16 [T, Hq, D] ([2T, Hq/2, D] when paired), last dim contiguous
 ///   k          bf16 [T, Hkv, D] ([2T, Hkv/2, D] when paired), likewise
 ///   v          bf16 [T, Hkv, Dv], last dim contiguous
@@ -81,14 +83,38 @@ struct FusedQkvGemmParams {
   Stream stream = nullptr;
 };
 
+/// The sizes fused_qkv_unsupported decides on (the heads come from the layout).
+struct FusedQkvSizes {
+  int64_t tokens;    ///< T
+  int64_t head_dim;  ///< D
+  int64_t v_dim;     ///< Dv
+};
+
+/// Why no fused kernel is built for this layout and these sizes, or "" when one is: the layout's
+/// options (angle source, norm and its weights, rotary width and style, eps, factor dtype) and D,
+/// Dv, T against what the instantiations take (see FusedQkvGemmParams). The one list of it:
+/// fused_qkv_gemm's validation throws this reason, and the packed op's forward asks it
+/// (ForwardGemm::kAuto falls back to cuBLASLt, kFused throws it). Messages name the layout field or
+/// the size, without an op prefix. Assumes the library's own layout rules hold at this D
+/// (validate::Checker::rope_options). The tensors' dtypes, shapes, strides and alignment are
+/// fused_qkv_gemm's argument checks, not this. Host code built in every configuration
+/// (fused_qkv_gemm_support.cpp), so that a build without CUDA refuses the same layouts.
+std::string fused_qkv_unsupported(const RopeLayout& layout, const FusedQkvSizes& sizes);
+
 /// Validates (throwing qkvfuse::Error naming the argument) and launches on params.stream.
 /// T = 0 is a no-op.
 void fused_qkv_gemm(const FusedQkvGemmParams& params);
 
 /// fused_qkv_gemm's validation and its translation into the kernel's arguments, without the
-/// launch: for the benchmark's partial epilogues (launch_fused_qkv_gemm<128, EpilogueWork::...>,
-/// fused_qkv_gemm_args.hpp), which it launches itself. m = 0: nothing to launch. The caller
-/// makes args.device current for the launch.
-FusedQkvKernelArgs fused_qkv_kernel_args(const FusedQkvGemmParams& params);
+/// launch: for callers that validate first and launch later (the packed op, which checks all its
+/// steps before it runs any; the benchmark's partial epilogues, launch_fused_qkv_gemm<128,
+/// EpilogueWork::...>, fused_qkv_gemm_args.hpp). `op` prefixes the messages. m = 0: nothing to
+/// launch. The caller makes args.device current for the launch.
+FusedQkvKernelArgs fused_qkv_kernel_args(const FusedQkvGemmParams& params,
+                                         const std::string& op = "fused_qkv_gemm");
+
+/// Launches fused_qkv_kernel_args' result on `stream` (its head width and epilogue layout pick
+/// the instantiation; m = 0 launches nothing). Without CUTLASS it throws, saying so.
+void run_fused_qkv_gemm(const FusedQkvKernelArgs& args, Stream stream);
 
 }  // namespace qkvfuse::cuda

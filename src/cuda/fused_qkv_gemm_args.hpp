@@ -34,8 +34,7 @@ struct FusedQkvEpilogueArgs {
   bool neox = false;    ///< rotary partner of d is d +- D/2 (SPEC.md 8, rotary width D)
   float eps = 0.0f;     ///< RMS-norm epsilon (2^-23 for the speedrun)
 
-  // ---- rotary factor tables: [T, D] or [T, 2D] (paired) -----------------------------------------
-  bool factor_fp32 = false;        ///< element type: fp32, else bf16
+  // ---- rotary factor tables: [T, D] or [T, 2D] (paired), of the kernel's FactorT ---------------
   const void* factor1 = nullptr;   ///< (t, j) at t * factor1_stride + j: cos(theta)
   const void* factor2 = nullptr;   ///< sin(theta), odd lanes negated (the sign of the partner)
   int64_t factor1_stride = 0;      ///< 16-byte multiple (16-byte chunk loads)
@@ -55,6 +54,12 @@ struct FusedQkvEpilogueArgs {
   uint16_t* qk = nullptr; ///< optional pre-norm Q/K columns [T, (Hq+Hkv)*D]: (t, c) at t*qk_stride_t + c
   int64_t qk_stride_t = 0;
 };
+
+/// The epilogue addresses q, k, v, qk and the factor tables as a 64-bit pointer to a tile's first
+/// row plus 32-bit offsets inside the tile: fused_qkv_gemm validates that this many rows of every
+/// row stride, plus the columns of a row, fit in int32 (a tile's 128 rows, twice that for paired
+/// outputs, whose tile rows are 2 output tokens apart).
+inline constexpr int64_t kTileOffsetRows = 256;
 
 /// The whole launch: the GEMM operands and the epilogue.
 struct FusedQkvKernelArgs {
@@ -86,9 +91,36 @@ enum class EpilogueWork {
                ///< no rotary
 };
 
-/// Launches the fused GEMM for head width kHeadDim (defined in fused_qkv_gemm_d<D>.cu, one
-/// instantiation per file so that they compile in parallel).
-template <int kHeadDim, EpilogueWork kWork = EpilogueWork::kFull>
+/// The layouts an epilogue is compiled for. kSimple is the common case (the speedrun's layers but
+/// the long-window ones, Qwen3): interleaved rotary over the whole head (r = D), no key offset, not
+/// paired, compiled without the options' code. kGeneral serves every layout fused_qkv_gemm
+/// accepts (the simple one too), reading the options at run time. The library builds kSimple at
+/// D = 128 only and kGeneral at every width (fused_qkv_gemm_d<D>*.cu): one CUTLASS kernel per
+/// width where the simple layout is not the hot path.
+enum class EpilogueLayout {
+  kSimple,   ///< interleaved, rotary_dim = D, no key offset, not paired
+  kGeneral,  ///< paired, key offset (any even r), NeoX, and everything kSimple takes
+};
+
+/// The layout a problem needs: kSimple where it applies, else kGeneral.
+inline EpilogueLayout epilogue_layout(const FusedQkvEpilogueArgs& e) {
+  const bool simple = e.rotary_dim == e.head_dim && !e.key_offset && !e.paired && !e.neox;
+  return simple ? EpilogueLayout::kSimple : EpilogueLayout::kGeneral;
+}
+
+/// The factor tables' element type the library's fused kernels are built for: bf16 (as uint16_t
+/// bits), what speedrun_factor_tables makes. The epilogue takes the dtype as a template parameter
+/// (fp32 too: the host test runs it), but every instantiation is a whole CUTLASS kernel (1-2
+/// minutes of nvcc on CI's cores), so the library builds one dtype and fused_qkv_gemm refuses
+/// fp32 tables, which stay on the unfused forward (fp8_gemm + qk_norm_rope). fp32 tables would
+/// also double the epilogue's largest read (128 instead of 64 KiB of factors per 128 x 128 tile).
+using FusedFactor = uint16_t;
+
+/// Launches the fused GEMM for head width kHeadDim, the epilogue layout kLayout and factor tables
+/// of FactorT (defined in fused_qkv_gemm_d<D>*.cu, one instantiation per file so that they compile
+/// in parallel; fused_qkv_gemm picks the instantiation).
+template <int kHeadDim, EpilogueLayout kLayout, typename FactorT,
+          EpilogueWork kWork = EpilogueWork::kFull>
 void launch_fused_qkv_gemm(const FusedQkvKernelArgs& args, Stream stream);
 
 }  // namespace qkvfuse::cuda

@@ -1,6 +1,6 @@
 // fused_qkv_gemm_kernel.cuh: the fused QKV GEMM kernel: CUTLASS's ping-pong FP8 main loop
 // (cutlass_sm90_gemm.cuh) with the norm + rotary epilogue (fused_qkv_epilogue.cuh), and its
-// launcher. Internal; each fused_qkv_gemm_d<D>.cu instantiates one head width.
+// launcher. Internal; each fused_qkv_gemm_d<D>*.cu instantiates one head width and layout.
 //
 // Tile: 128 x N x 128 with N a whole number of heads, so that a row's sum over a head stays inside
 // the quad that holds the row: N = 128 for D = 128 (one head) and D = 64 (two), N = 96 for D = 96
@@ -19,12 +19,13 @@
 namespace qkvfuse::cuda {
 namespace fused {
 
-template <int kHeadDim, EpilogueWork kWork = EpilogueWork::kFull>
+template <int kHeadDim, EpilogueLayout kLayout, typename FactorT,
+          EpilogueWork kWork = EpilogueWork::kFull>
 struct FusedQkvKernel {
   static constexpr int kTileN = fused_tile_n(kHeadDim);
   static_assert(kTileN % kHeadDim == 0, "a CTA tile holds whole heads");
   using TileShape = cute::Shape<cute::_128, cute::Int<kTileN>, cute::_128>;
-  using Epilogue = FusedQkvCollectiveEpilogue<TileShape, kHeadDim, kWork>;
+  using Epilogue = FusedQkvCollectiveEpilogue<TileShape, kHeadDim, kLayout, FactorT, kWork>;
   // A register epilogue: the whole shared memory goes to the main loop's stages.
   using Mainloop = sm90::Mainloop<TileShape, 0>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<sm90::ProblemShape, Mainloop, Epilogue>;
@@ -32,9 +33,9 @@ struct FusedQkvKernel {
 
 }  // namespace fused
 
-template <int kHeadDim, EpilogueWork kWork>
+template <int kHeadDim, EpilogueLayout kLayout, typename FactorT, EpilogueWork kWork>
 void launch_fused_qkv_gemm(const FusedQkvKernelArgs& args, Stream stream) {
-  using Kernel = typename fused::FusedQkvKernel<kHeadDim, kWork>::Kernel;
+  using Kernel = typename fused::FusedQkvKernel<kHeadDim, kLayout, FactorT, kWork>::Kernel;
   typename Kernel::Arguments arguments{};
   arguments.mode = cutlass::gemm::GemmUniversalMode::kGemm;
   arguments.problem_shape = {args.m, args.n, args.k, 1};

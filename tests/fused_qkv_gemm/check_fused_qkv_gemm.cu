@@ -204,15 +204,14 @@ int main(int argc, char** argv) {
   FQ_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 
   std::vector<ProblemSpec> specs;
-  auto add = [&](QkvShape s, bool fp32 = false, int64_t channels = 768) {
+  auto add = [&](QkvShape s, int64_t channels = 768) {
     ProblemSpec spec;
     spec.shape = s;
-    spec.fp32_factors = fp32;
     spec.channels = channels;
     specs.push_back(spec);
   };
   add(make_shape(1000, 6, 6, 128, 128));
-  add(make_shape(777, 6, 6, 128, 128), /*fp32=*/true, 256);
+  add(make_shape(777, 6, 6, 128, 128), 256);
   add(make_shape(1300, 6, 6, 64, 128));
   add(make_shape(1200, 6, 6, 96, 128));
   add(make_shape(500, 4, 2, 96, 64));  // GQA at D = 96, a partial last V tile
@@ -224,7 +223,7 @@ int main(int argc, char** argv) {
     QkvShape s64 = make_shape(900, 6, 6, 64, 128);
     s64.key_offset = true;
     s64.rotary_dim = 32;
-    add(s64, true);
+    add(s64);
     QkvShape s96 = make_shape(1000, 6, 6, 96, 128);
     s96.key_offset = true;
     s96.rotary_dim = 48;
@@ -261,6 +260,23 @@ int main(int argc, char** argv) {
         g_summary.back().error = e.what();
       }
     }
+  }
+  {
+    // fp32 factor tables are refused, naming the argument (FusedFactor, fused_qkv_gemm_args.hpp).
+    ProblemSpec spec;
+    spec.shape = make_shape(256, 6, 6, 128, 128);
+    spec.fp32_factors = true;
+    const Problem p(spec, stream);
+    std::string error;
+    try {
+      p.fused(stream, false);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    const bool refused = error.find("layout.factor1") != std::string::npos;
+    std::printf("  %s  fp32 factor tables refused: %s\n", refused ? "ok" : "FAIL",
+                error.empty() ? "(no error)" : error.c_str());
+    g_failures += refused ? 0 : 1;
   }
   cudaStreamDestroy(stream);
   std::printf(

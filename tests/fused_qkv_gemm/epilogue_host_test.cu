@@ -10,7 +10,8 @@
 //   2. runs the epilogue on whole tiles of random accumulators, thread by thread, with the
 //      butterfly replayed in the device's order, for every M and N tile of small problems (the
 //      speedrun layout, fp32 factors, D = 64, key offset, paired, GQA, NeoX, a ragged T, the raw
-//      qk output), writing into poisoned host buffers, and compares q, k, v and qk with
+//      qk output; fp32 factors too, which the epilogue takes as a template parameter though the
+//      library builds bf16 only), writing into poisoned host buffers, and compares q, k, v and qk with
 //      reference.hpp (q, k within 1 bf16 ulp: the row sums add in another order; v, qk bit for
 //      bit), with every output element written;
 //   3. checks reference.hpp against the library's CPU qk_norm_rope, bit for bit, on the fused
@@ -92,9 +93,11 @@ void quad_transpose_all(std::vector<typename Math::Fragment>& frags) {
 template <int kHeadDim>
 void check_layout() {
   using namespace cute;
-  using Kernel = qc::fused::FusedQkvKernel<kHeadDim>;
+  using Kernel = qc::fused::FusedQkvKernel<kHeadDim, qc::EpilogueLayout::kGeneral, qc::FusedFactor>;
   using TiledMma = typename Kernel::Mainloop::TiledMma;
-  using Math = typename qc::fused::FusedQkvEpilogue<typename qc::fused::FusedQkvKernel<kHeadDim>::TileShape, kHeadDim>::Math;
+  using Math = typename qc::fused::FusedQkvEpilogue<typename Kernel::TileShape, kHeadDim,
+                                                    qc::EpilogueLayout::kGeneral,
+                                                    qc::FusedFactor>::Math;
   TiledMma mma;
   EXPECT(int(size(mma)) == kThreads, "TiledMma threads %d", int(size(mma)));
   constexpr int kTileN = Math::kTileN;
@@ -263,7 +266,6 @@ FusedQkvEpilogueArgs make_args(const Case& c, HostProblem& p) {
   a.key_offset = s.key_offset;
   a.neox = s.neox;
   a.eps = s.eps;
-  a.factor_fp32 = c.fp32_factors;
   a.factor1 = c.fp32_factors ? static_cast<const void*>(p.f1.data()) : p.f1_bf16.data();
   a.factor2 = c.fp32_factors ? static_cast<const void*>(p.f2.data()) : p.f2_bf16.data();
   a.factor1_stride = s.factor_width();
@@ -287,13 +289,12 @@ FusedQkvEpilogueArgs make_args(const Case& c, HostProblem& p) {
 /// The device epilogue's qk_tile / store_v sequence (fused_qkv_epilogue.cuh,
 /// FusedQkvEpilogue::operator()), for the 128 threads of one tile in turn, with the quad
 /// butterfly done between the phases exactly as the shuffles do it.
-template <int kHeadDim, typename FactorT>
+template <int kHeadDim, qc::EpilogueLayout kLayout, typename FactorT>
 void run_tile(const FusedQkvEpilogueArgs& a, const HostProblem& p, int m_tile, int n_tile) {
   using namespace cute;
-  using Kernel = qc::fused::FusedQkvKernel<kHeadDim>;
-  using Math = typename qc::fused::FusedQkvEpilogue<typename qc::fused::FusedQkvKernel<kHeadDim>::TileShape, kHeadDim>::Math;
-  using Group = qc::fused::FactorGroup<FactorT>;
-  constexpr int kBatch = Math::template kFactorBatch<FactorT>;
+  using Kernel = qc::fused::FusedQkvKernel<kHeadDim, kLayout, FactorT>;
+  using Math =
+      typename qc::fused::FusedQkvEpilogue<typename Kernel::TileShape, kHeadDim, kLayout, FactorT>::Math;
   typename Kernel::Mainloop::TiledMma mma;
   const int m0 = m_tile * kTileM;
   const int n0 = n_tile * Math::kTileN;
@@ -318,8 +319,7 @@ void run_tile(const FusedQkvEpilogueArgs& a, const HostProblem& p, int m_tile, i
     return;
   }
   struct Factors {
-    Group f1[kBatch][Math::kBlocks];
-    Group f2[kBatch][Math::kBlocks];
+    typename Math::Factors f1, f2;
   };
   std::vector<Factors> factors(kThreads);
   struct SumsBox {
@@ -327,8 +327,8 @@ void run_tile(const FusedQkvEpilogueArgs& a, const HostProblem& p, int m_tile, i
   };
   std::vector<SumsBox> partial(kThreads), sums(kThreads);
   for (int i = 0; i < kThreads; ++i) {
-    Math::template load_factors<FactorT, kBatch>(a, m0, n0, frags[size_t(i)], 0,
-                                                 factors[size_t(i)].f1, factors[size_t(i)].f2);
+    Math::load_factors(a, m0, n0, frags[size_t(i)], 0, factors[size_t(i)].f1,
+                       factors[size_t(i)].f2);
     Math::store_raw_qk(a, m0, n0, frags[size_t(i)]);
     Math::row_sums(frags[size_t(i)], partial[size_t(i)].s);
   }
@@ -344,12 +344,12 @@ void run_tile(const FusedQkvEpilogueArgs& a, const HostProblem& p, int m_tile, i
     }
   }
   for (int i = 0; i < kThreads; ++i) {
-    Math::template store_qk_batches<FactorT, kBatch>(a, m0, n0, frags[size_t(i)], sums[size_t(i)].s,
-                                                     factors[size_t(i)].f1, factors[size_t(i)].f2);
+    Math::store_qk_batches(a, m0, n0, frags[size_t(i)], sums[size_t(i)].s, factors[size_t(i)].f1,
+                           factors[size_t(i)].f2);
   }
 }
 
-template <int kHeadDim>
+template <int kHeadDim, qc::EpilogueLayout kLayout>
 void run_problem(const Case& c, const FusedQkvEpilogueArgs& a, const HostProblem& p) {
   const int m_tiles = int(p.m_pad / kTileM);
   const int tile_n = qc::fused_tile_n(kHeadDim);
@@ -357,22 +357,24 @@ void run_problem(const Case& c, const FusedQkvEpilogueArgs& a, const HostProblem
   for (int mt = 0; mt < m_tiles; ++mt) {
     for (int nt = 0; nt < n_tiles; ++nt) {
       if (c.fp32_factors) {
-        run_tile<kHeadDim, float>(a, p, mt, nt);
+        run_tile<kHeadDim, kLayout, float>(a, p, mt, nt);
       } else {
-        run_tile<kHeadDim, uint16_t>(a, p, mt, nt);
+        run_tile<kHeadDim, kLayout, uint16_t>(a, p, mt, nt);
       }
     }
   }
 }
 
+/// One case through the epilogue compiled for kLayout.
+template <qc::EpilogueLayout kLayout>
 void check_case(const Case& c, uint32_t seed) {
   HostProblem p;
   make_problem(c, p, seed);
   const FusedQkvEpilogueArgs a = make_args(c, p);
   switch (c.shape.head_dim) {
-    case 128: run_problem<128>(c, a, p); break;
-    case 96: run_problem<96>(c, a, p); break;
-    case 64: run_problem<64>(c, a, p); break;
+    case 128: run_problem<128, kLayout>(c, a, p); break;
+    case 96: run_problem<96, kLayout>(c, a, p); break;
+    case 64: run_problem<64, kLayout>(c, a, p); break;
     default: EXPECT(false, "no head width %d", int(c.shape.head_dim)); return;
   }
   const QkvShape& s = p.s;
@@ -421,9 +423,10 @@ void check_case(const Case& c, uint32_t seed) {
          qs.exact_fraction(), ks.exact_fraction());
   EXPECT(vs.max_ulps == 0 && raws.max_ulps == 0, "%s: v or qk not bit-exact (%lld, %lld ulps)",
          c.name, (long long)vs.max_ulps, (long long)raws.max_ulps);
-  std::printf("%-40s q %.5f / k %.5f bit-exact, %lld / %lld beyond 1 ulp (largest |diff| "
+  std::printf("%-40s %-7s q %.5f / k %.5f bit-exact, %lld / %lld beyond 1 ulp (largest |diff| "
               "%.3g); v%s exact; %lld unwritten\n",
-              c.name, qs.exact_fraction(), ks.exact_fraction(), (long long)(qs.count - qs.within1),
+              c.name, kLayout == qc::EpilogueLayout::kSimple ? "simple" : "general",
+              qs.exact_fraction(), ks.exact_fraction(), (long long)(qs.count - qs.within1),
               (long long)(ks.count - ks.within1), std::max(qs.max_abs_beyond1, ks.max_abs_beyond1),
               c.raw_qk ? ", qk" : "", (long long)unwritten);
 }
@@ -531,8 +534,18 @@ int main() {
     s64.neox = true;
     cases.push_back({"D64 NeoX GQA fp32", s64, true, true});
   }
+  // Every case through the general epilogue (the library's kernel for every layout at D = 96 and
+  // 64), and the simple layouts through the simple one too (the D = 128 hot path).
   uint32_t seed = 1;
-  for (const Case& c : cases) check_case(c, seed++);
+  for (const Case& c : cases) {
+    check_case<qc::EpilogueLayout::kGeneral>(c, seed);
+    HostProblem p;
+    make_problem(c, p, seed);
+    if (qc::epilogue_layout(make_args(c, p)) == qc::EpilogueLayout::kSimple) {
+      check_case<qc::EpilogueLayout::kSimple>(c, seed);
+    }
+    ++seed;
+  }
 
   {
     QkvShape s = make_shape(70, 6, 6, 128, 128);
