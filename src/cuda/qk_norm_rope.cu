@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(kRowThreads, forward_min_blocks<Geom, AngleT, 
     };
     if constexpr (Features::kGeneral) {
       rope::forward_row<Geom, Features>(in, x[k], rstd, weights, is_key, angles, lanes,
-                                        exchange ? &partners : nullptr, store);  // shuffles
+                                        partners, exchange, store);  // shuffles
     } else {
 #pragma unroll
       for (int c = 0; c < C; ++c) {

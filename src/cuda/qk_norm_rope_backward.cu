@@ -175,12 +175,12 @@ __device__ __forceinline__ void backward_unit(const BackwardArgs& p, int64_t uni
       // Rows past the unit's heads (loads 0, the token's angles) add nothing to the sums.
       const bool row_ok = token_ok && head2 < heads2;
       rope::backward_row<Geom, Features, kBranchFree>(in, g[k], x[k], angles, g_next[k], lanes,
-                                                      exchange ? &partners : nullptr, &weights,
+                                                      partners, exchange, &weights,
                                                       is_key, row_ok, shift_row, t == 0, width,
                                                       weight_grad, dx);
     } else {
       rope::backward_row<Geom, Features, kBranchFree>(in, g[k], x[k], angles, g_next[k], lanes,
-                                                      exchange ? &partners : nullptr, nullptr,
+                                                      partners, exchange, nullptr,
                                                       is_key, /*row_present=*/true, shift_row,
                                                       t == 0, width, nullptr, dx);
     }

@@ -368,12 +368,12 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
         if constexpr (Features::kGeneral) {
           // An absent part (loads 0, the token's angles) adds nothing to the weight sums.
           rope::backward_row<Geom, Features, kBranchFree>(
-              in, r.g, r.x, angles, r.g_next, lanes, exchange ? &partners : nullptr, &weights,
+              in, r.g, r.x, angles, r.g_next, lanes, partners, exchange, &weights,
               part.is_key, token_ok && part.present, kKeyOffset && slot == 1, t == 0, width,
               kWeightGrad ? sums : nullptr, dx);
         } else {
           rope::backward_row<Geom, Features, kBranchFree>(
-              in, r.g, r.x, angles, r.g_next, lanes, exchange ? &partners : nullptr, nullptr,
+              in, r.g, r.x, angles, r.g_next, lanes, partners, exchange, nullptr,
               part.is_key, /*row_present=*/true, kKeyOffset && slot == 1, t == 0, width, nullptr,
               dx);
         }

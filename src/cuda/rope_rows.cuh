@@ -482,7 +482,8 @@ __device__ __forceinline__ void forward_row(const RopeInputs& in,
                                             const LaneWeights<Geom>& weights, bool is_key,
                                             const TokenAngles<Geom, AngleT, Features>& angles,
                                             const LaneChunks<Geom>& lanes,
-                                            const Partners<Geom>* partners, Store&& store) {
+                                            const Partners<Geom>& partners, bool exchange,
+                                            Store&& store) {
   constexpr int V = Geom::V;
   constexpr int C = Geom::C;
   float nw[C][V];
@@ -497,8 +498,8 @@ __device__ __forceinline__ void forward_row(const RopeInputs& in,
 #pragma unroll
   for (int c = 0; c < C; ++c) {
     float np[V] = {};
-    if (partners != nullptr) {
-      partners->values_of(nw, c, np);
+    if (exchange) {
+      partners.values_of(nw, c, np);
     } else if constexpr (V >= 2) {
 #pragma unroll
       for (int i = 0; i < V; ++i) np[i] = nw[c][i ^ 1];
@@ -525,7 +526,8 @@ template <class Geom, class Features, bool kBranchFree, typename AngleT, typenam
 __device__ __forceinline__ void backward_row(
     const RopeInputs& in, const Chunk<Geom::V> (&g)[Geom::C], const Chunk<Geom::V> (&x)[Geom::C],
     const TokenAngles<Geom, AngleT, Features>& angles, const Chunk<Geom::V> (&g_next)[Geom::C],
-    const LaneChunks<Geom>& lanes, const Partners<Geom>* partners, const LaneWeights<Geom>* weight,
+    const LaneChunks<Geom>& lanes, const Partners<Geom>& partners, bool exchange,
+    const LaneWeights<Geom>* weight,
     bool is_key, bool row_present, bool shift_row, bool first_token, const Width& width,
     float (*weight_grad)[Geom::C][Geom::V], float (&dx)[Geom::C][Geom::V]) {
   constexpr int G = Geom::G;
@@ -540,12 +542,12 @@ __device__ __forceinline__ void backward_row(
 #pragma unroll
   for (int c = 0; c < C; ++c) {
     Chunk<V> gp;
-    if (partners != nullptr) gp = partners->of(g, c);
+    if (exchange) gp = partners.of(g, c);
 #pragma unroll
     for (int i = 0; i < V; ++i) {
       const float n = normalize ? __fmul_rn(x[c][i], rstd) : x[c][i];
       if constexpr (kKeepN) kept_n[c][i] = n;
-      const float g_partner = partners != nullptr ? gp[i] : g[c][i ^ 1];
+      const float g_partner = exchange ? gp[i] : g[c][i ^ 1];
       const float rotated = __fadd_rn(__fmul_rn(angles.f1(in, c, i), g[c][i]),
                                       __fmul_rn(angles.f2p(in, c, i), g_partner));
       const float passed = shift_row ? shifted_grad(g_next[c][i], g[c][i], first_token) : g[c][i];
