@@ -201,10 +201,12 @@ void qk_norm_rope(const QkNormRopeParams& params) {
                          .row_sets = 0,
                          .units = 0};
   const int chunk = rope::chunk_width(params);
-  const bool speedrun = chunk == 8 && rope::speedrun_layout(layout, head_dim);
+  // The speedrun's layout compiles without the general code in 16-byte and 4-byte chunks (its
+  // rows of single elements, rare, take the general kernel), and has a kernel per full width too
+  // (rope::has_full_width); the general layouts compute with the run-time width (fewer
+  // instantiations to compile).
+  const bool speedrun = chunk != 1 && rope::speedrun_layout(layout, head_dim);
   const cudaStream_t stream = to_cuda(params.stream);
-  // The speedrun's layout has a kernel per full width too (rope::has_full_width); the general
-  // layouts compute with the run-time width (fewer instantiations to compile).
   chunk_width_switch("qk_norm_rope", chunk, [&](auto chunk_tag) {
     constexpr int V = decltype(chunk_tag)::value;
     // D = 96 on 4 lanes x 3 chunks: every lane loads and stores (perf_notes.md).
@@ -220,6 +222,11 @@ void qk_norm_rope(const QkNormRopeParams& params) {
                 launch_forward<Geom, kKeyOffset, AngleT, decltype(full_width)::value,
                                rope::SpeedrunFeatures>(args, stream);
               });
+              return;
+            }
+          } else if constexpr (V == 2) {
+            if (speedrun) {
+              launch_forward<Geom, kKeyOffset, AngleT, false, rope::SpeedrunFeatures>(args, stream);
               return;
             }
           }

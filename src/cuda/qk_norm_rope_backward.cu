@@ -310,11 +310,12 @@ void qk_norm_rope_backward(const QkNormRopeBackwardParams& params) {
                           .units = 0,
                           .tokens_per_block = 0};
   const int chunk = rope::chunk_width(params);
-  const bool speedrun = chunk == 8 && rope::speedrun_layout(layout, head_dim);
-  // The speedrun's layout has a kernel per full width too (rope::has_full_width); the general
-  // layouts compute with the run-time width, and their narrow-chunk kernels (rows not 16-byte
-  // aligned: rare) exist only in the weighted form, which writes no partial row when the layout
-  // has no weight (fewer instantiations to compile).
+  // As the forward: the speedrun's layout without the general code in 16-byte and 4-byte chunks,
+  // with a kernel per full width too (rope::has_full_width); the general layouts compute with the
+  // run-time width, and their narrow-chunk kernels (rows not 16-byte aligned: rare) exist only in
+  // the weighted form, which writes no partial row when the layout has no weight (fewer
+  // instantiations to compile).
+  const bool speedrun = chunk != 1 && rope::speedrun_layout(layout, head_dim);
   chunk_width_switch("qk_norm_rope_backward", chunk, [&](auto chunk_tag) {
     constexpr int V = decltype(chunk_tag)::value;
     // D = 96 on 4 lanes x 3 chunks: every lane loads and stores (perf_notes.md).
@@ -340,6 +341,13 @@ void qk_norm_rope_backward(const QkNormRopeBackwardParams& params) {
                                       false>(args, stream);
                     }
                   } else {
+                    if constexpr (V == 2) {
+                      if (speedrun) {
+                        launch_backward<Geom, kKeyOffset, AngleT, false, rope::SpeedrunFeatures,
+                                        false>(args, stream);
+                        return;
+                      }
+                    }
                     launch_backward<Geom, kKeyOffset, AngleT, false, rope::GeneralFeatures, true>(
                         args, stream);
                   }

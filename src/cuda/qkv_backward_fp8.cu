@@ -695,10 +695,11 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
       .resident_blocks = 1,
       .partials = weighted ? workspace : nullptr,
   };
-  const bool speedrun = width == 8 && rope::speedrun_layout(layout, head_dim);
+  // As the bf16 backward: the speedrun's layout without the general code in 16-byte and 4-byte
+  // chunks, full-width kernels for it only, the general narrow-chunk kernels in the weighted form
+  // only (fewer instantiations to compile).
+  const bool speedrun = width != 1 && rope::speedrun_layout(layout, head_dim);
   const int device = params.qk.device.index;
-  // As the bf16 backward: full-width kernels for the speedrun's layout only, the narrow-chunk
-  // kernels in the weighted form only (fewer instantiations to compile).
   chunk_width_switch("qkv_backward_fp8", width, [&](auto chunk_tag) {
     constexpr int V = decltype(chunk_tag)::value;
     // D = 96 on 16 lanes x 1 chunk (12 active): the QK rows of a token are loaded together within
@@ -725,6 +726,13 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
                       args, device, stream);
                 }
               } else {
+                if constexpr (V == 2) {
+                  if (speedrun) {
+                    launch_fp8<Geom, kKeyOffset, AngleT, false, rope::SpeedrunFeatures, false>(
+                        args, device, stream);
+                    return;
+                  }
+                }
                 launch_fp8<Geom, kKeyOffset, AngleT, false, rope::GeneralFeatures, true>(
                     args, device, stream);
               }
