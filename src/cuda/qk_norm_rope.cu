@@ -86,8 +86,6 @@ __global__ void __launch_bounds__(kRowThreads, forward_min_blocks<Geom, AngleT, 
   constexpr int C = Geom::C;
   static_assert(kRowThreads % 32 == 0 && 32 % G == 0, "lane groups must tile whole warps");
   static_assert(K >= 1 && K * V * C <= 32, "rows per lane group: keep the loads in registers");
-  const rope::RopeInputs& in = p.in;
-
   const int lane = int(threadIdx.x) % G;
   const int64_t unit = int64_t(blockIdx.x) * (kRowThreads / G) + threadIdx.x / G;
   const int64_t t = unit / p.row_sets;
@@ -95,11 +93,13 @@ __global__ void __launch_bounds__(kRowThreads, forward_min_blocks<Geom, AngleT, 
   // Groups past the last unit (the last block only) load nothing and store nothing, but still
   // execute every shuffle: the row sums use full-warp masks.
   const bool token_ok = unit < p.units;
-  const int heads2 = in.dims.q_heads + in.dims.kv_heads;
-  const int D = rope::row_width<Geom, kFullWidth>(in.dims.head_dim);
+  const int heads2 = p.in.dims.q_heads + p.in.dims.kv_heads;
+  const int D = rope::row_width<Geom, kFullWidth>(p.in.dims.head_dim);
+  // A reference, or for ModelFeatures a copy with the layout's options as constants.
+  const rope::RopeInputs& in = Features::known(p.in, D);
   const auto width = rope::row_width_divisor<Geom, kFullWidth>(D);
   const rope::LaneChunks<Geom> lanes(lane, D, in.dims.rotary_dim,
-                                     !Features::kGeneral && !kKeyOffset);
+                                     Features::kAllRotary && !kKeyOffset);
   const bool exchange = rope::exchanges_partners<Features, V>(in);
   const rope::Partners<Geom> partners(lanes, lane, in.dims.rotary_dim,
                                       Features::kGeneral && in.dims.neox);
@@ -206,6 +206,8 @@ void qk_norm_rope(const QkNormRopeParams& params) {
   // (rope::has_full_width); the general layouts compute with the run-time width (fewer
   // instantiations to compile).
   const bool speedrun = chunk != 1 && rope::speedrun_layout(layout, head_dim);
+  // The models' layout has its own kernels at 16-byte chunks, with a kernel per full width too.
+  const bool model = chunk == 8 && rope::model_layout(layout, head_dim);
   const cudaStream_t stream = to_cuda(params.stream);
   chunk_width_switch("qk_norm_rope", chunk, [&](auto chunk_tag) {
     constexpr int V = decltype(chunk_tag)::value;
@@ -223,6 +225,15 @@ void qk_norm_rope(const QkNormRopeParams& params) {
                                rope::SpeedrunFeatures>(args, stream);
               });
               return;
+            }
+            if constexpr (!kKeyOffset) {
+              if (model) {
+                rope::full_width_switch<Geom>(head_dim, [&](auto full_width) {
+                  launch_forward<Geom, false, AngleT, decltype(full_width)::value,
+                                 rope::ModelFeatures>(args, stream);
+                });
+                return;
+              }
             }
           } else if constexpr (V == 2) {
             if (speedrun) {

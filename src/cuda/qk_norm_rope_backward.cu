@@ -98,15 +98,16 @@ constexpr bool backward_branch_free() {
 
 /// One unit: loads, dx of its K rows, stores; with `weight_grad`, adds the rows' gw * n to it
 /// ([2][C][V]: Q rows, K rows). Every lane of the warp must call it (shuffles).
+/// `in`: p.in as the kernel sees it (Features::known).
 template <class Geom, int K, bool kKeyOffset, typename AngleT, bool kFullWidth, class Features>
-__device__ __forceinline__ void backward_unit(const BackwardArgs& p, int64_t unit, int lane,
+__device__ __forceinline__ void backward_unit(const BackwardArgs& p, const rope::RopeInputs& in,
+                                              int64_t unit, int lane,
                                               const rope::LaneChunks<Geom>& lanes,
                                               const rope::Partners<Geom>& partners,
                                               const rope::LaneWeights<Geom>& weights,
                                               float (*weight_grad)[Geom::C][Geom::V]) {
   constexpr int V = Geom::V;
   constexpr int C = Geom::C;
-  const rope::RopeInputs& in = p.in;
   const int64_t t = unit / p.row_sets;
   const int set = int(unit - t * p.row_sets);
   // Groups past the last unit load and store nothing but still execute every shuffle.
@@ -208,12 +209,13 @@ __global__ void __launch_bounds__(
   static_assert(kRowThreads % 32 == 0 && 32 % G == 0, "lane groups must tile whole warps");
   static_assert(K >= 1 && K * V * C <= 32, "rows per lane group: keep the loads in registers");
   static_assert(!kWeightGrad || Features::kGeneral, "norm weights are a general layout");
-  const rope::RopeInputs& in = p.in;
+  const int D = rope::row_width<Geom, kFullWidth>(p.in.dims.head_dim);
+  // A reference, or for ModelFeatures a copy with the layout's options as constants.
+  const rope::RopeInputs& in = Features::known(p.in, D);
   const int lane = int(threadIdx.x) % G;
   const int group = int(threadIdx.x) / G;
-  const int D = rope::row_width<Geom, kFullWidth>(in.dims.head_dim);
   const rope::LaneChunks<Geom> lanes(lane, D, in.dims.rotary_dim,
-                                     !Features::kGeneral && !kKeyOffset);
+                                     Features::kAllRotary && !kKeyOffset);
   const rope::Partners<Geom> partners(lanes, lane, in.dims.rotary_dim,
                                       Features::kGeneral && in.dims.neox);
   rope::LaneWeights<Geom> weights;  // the group's for every unit it takes
@@ -221,7 +223,7 @@ __global__ void __launch_bounds__(
 
   if constexpr (!kWeightGrad) {
     backward_unit<Geom, K, kKeyOffset, AngleT, kFullWidth, Features>(
-        p, int64_t(blockIdx.x) * kGroups + group, lane, lanes, partners, weights, nullptr);
+        p, in, int64_t(blockIdx.x) * kGroups + group, lane, lanes, partners, weights, nullptr);
   } else {
     float sums[2][C][V];
 #pragma unroll
@@ -242,7 +244,7 @@ __global__ void __launch_bounds__(
     for (int64_t turn = 0; turn < turns; ++turn) {
       const int64_t unit = first + turn * kGroups + group;
       backward_unit<Geom, K, kKeyOffset, AngleT, kFullWidth, Features>(
-          p, unit < last ? unit : p.units, lane, lanes, partners, weights, sums);
+          p, in, unit < last ? unit : p.units, lane, lanes, partners, weights, sums);
     }
     extern __shared__ float group_sums[];  // [kGroups][2][D]
     rope::write_partial_row<Geom, kGroups, kRowThreads>(sums, lanes, group, D, group_sums,
@@ -316,6 +318,9 @@ void qk_norm_rope_backward(const QkNormRopeBackwardParams& params) {
   // the weighted form, which writes no partial row when the layout has no weight (fewer
   // instantiations to compile).
   const bool speedrun = chunk != 1 && rope::speedrun_layout(layout, head_dim);
+  // The models' layout (weighted by definition) has its own kernels at 16-byte chunks, with a
+  // kernel per full width too.
+  const bool model = chunk == 8 && rope::model_layout(layout, head_dim);
   chunk_width_switch("qk_norm_rope_backward", chunk, [&](auto chunk_tag) {
     constexpr int V = decltype(chunk_tag)::value;
     // D = 96 on 4 lanes x 3 chunks: every lane loads and stores (perf_notes.md).
@@ -333,6 +338,13 @@ void qk_norm_rope_backward(const QkNormRopeBackwardParams& params) {
                         launch_backward<Geom, kKeyOffset, AngleT, decltype(full_width)::value,
                                         rope::SpeedrunFeatures, false>(args, stream);
                       });
+                    } else if (model && !kKeyOffset) {
+                      if constexpr (!kKeyOffset) {
+                        rope::full_width_switch<Geom>(head_dim, [&](auto full_width) {
+                          launch_backward<Geom, false, AngleT, decltype(full_width)::value,
+                                          rope::ModelFeatures, true>(args, stream);
+                        });
+                      }
                     } else if (weighted) {
                       launch_backward<Geom, kKeyOffset, AngleT, false, rope::GeneralFeatures,
                                       true>(args, stream);

@@ -193,8 +193,8 @@ struct PartRows {
   bool present;       ///< part 1 of the last job when Hq + Hkv is odd: absent
   bool is_key;
 
-  __device__ __forceinline__ PartRows(const Fp8Args& p, int head2) {
-    const rope::RopeInputs& in = p.in;
+  /// `in`: p.in as the kernel sees it (Features::known).
+  __device__ __forceinline__ PartRows(const Fp8Args& p, const rope::RopeInputs& in, int head2) {
     h2 = head2;
     present = head2 < in.dims.q_heads + in.dims.kv_heads;
     const qkvfuse::rope::Place at0 = qkvfuse::rope::place(in.dims, 0, head2);
@@ -266,19 +266,20 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
   extern __shared__ __align__(128) uint8_t tile[];
   const uint32_t tile_base = uint32_t(__cvta_generic_to_shared(tile));
 
-  const rope::RopeInputs& in = p.in;
-  const int D = rope::row_width<Geom, kFullWidth>(in.dims.head_dim);
+  const int D = rope::row_width<Geom, kFullWidth>(p.in.dims.head_dim);
+  // A reference, or for ModelFeatures a copy with the layout's options as constants.
+  const rope::RopeInputs& in = Features::known(p.in, D);
   const int Dv = p.v_dim;
   const auto width = rope::row_width_divisor<Geom, kFullWidth>(D);
   const int pitch = p.tile_pitch;
-  const PartRows part0(p, int(blockIdx.x % unsigned(p.jobs)));
-  const PartRows part1(p, part0.h2 + p.jobs);
+  const PartRows part0(p, in, int(blockIdx.x % unsigned(p.jobs)));
+  const PartRows part1(p, in, part0.h2 + p.jobs);
   const Job job(p, blockIdx.x, part1.present);
 
   const int group = int(threadIdx.x) / G;
   const int lane = int(threadIdx.x) % G;
   const rope::LaneChunks<Geom> lanes(lane, D, in.dims.rotary_dim,
-                                     !Features::kGeneral && !kKeyOffset);
+                                     Features::kAllRotary && !kKeyOffset);
   const bool exchange = rope::exchanges_partners<Features, V>(in);
   const rope::Partners<Geom> partners(lanes, lane, in.dims.rotary_dim,
                                       Features::kGeneral && in.dims.neox);
@@ -432,8 +433,8 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
     if constexpr (Fp8Prefetch<G, kKeyOffset>::kNextCta) {
       const unsigned next = blockIdx.x + unsigned(p.resident_blocks);
       if (next < gridDim.x) {
-        const PartRows next0(p, int(next % unsigned(p.jobs)));
-        const PartRows next1(p, next0.h2 + p.jobs);
+        const PartRows next0(p, in, int(next % unsigned(p.jobs)));
+        const PartRows next1(p, in, next0.h2 + p.jobs);
         const int64_t next_t0 = int64_t(next / unsigned(p.jobs)) * kTileTokens;
         next0.prefetch(p, next_t0 + group, lanes);
         next1.prefetch(p, next_t0 + group, lanes);
@@ -699,6 +700,9 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
   // chunks, full-width kernels for it only, the general narrow-chunk kernels in the weighted form
   // only (fewer instantiations to compile).
   const bool speedrun = width != 1 && rope::speedrun_layout(layout, head_dim);
+  // The models' layout (weighted by definition) has its own kernels at 16-byte chunks, with a
+  // kernel per full width too.
+  const bool model = width == 8 && rope::model_layout(layout, head_dim);
   const int device = params.qk.device.index;
   chunk_width_switch("qkv_backward_fp8", width, [&](auto chunk_tag) {
     constexpr int V = decltype(chunk_tag)::value;
@@ -718,6 +722,13 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
                     launch_fp8<Geom, kKeyOffset, AngleT, decltype(full_width)::value,
                                rope::SpeedrunFeatures, false>(args, device, stream);
                   });
+                } else if (model && !kKeyOffset) {
+                  if constexpr (!kKeyOffset) {
+                    rope::full_width_switch<Geom>(head_dim, [&](auto full_width) {
+                      launch_fp8<Geom, false, AngleT, decltype(full_width)::value,
+                                 rope::ModelFeatures, true>(args, device, stream);
+                    });
+                  }
                 } else if (weighted) {
                   launch_fp8<Geom, kKeyOffset, AngleT, false, rope::GeneralFeatures, true>(
                       args, device, stream);

@@ -132,6 +132,15 @@ inline bool has_weights(const RopeLayout& layout) {
   return !is_absent(layout.q_weight) || !is_absent(layout.k_weight);
 }
 
+/// True when the layout is the models' (Qwen3, Gemma 3): a cos/sin cache, NeoX lanes over the
+/// whole row, RMS-norm with a weight, plain placement, no key offset. Its kernels see these
+/// options as constants (rope_rows.cuh, ModelFeatures).
+inline bool model_layout(const RopeLayout& layout, int64_t head_dim) {
+  return !is_absent(layout.cos_sin) && layout.rotary_style == RotaryStyle::kNeox &&
+         layout.normalize && has_weights(layout) && !layout.paired && !layout.key_offset &&
+         qkvfuse::rope::resolved_rotary_dim(layout, head_dim) == head_dim;
+}
+
 inline bool has_weights_args(const RopeInputs& in) {
   return in.weights.q != nullptr || in.weights.k != nullptr;
 }

@@ -12,8 +12,10 @@
 //
 // Features. The speedrun's layout (factor tables, interleaved lanes, RMS-norm without weights)
 // compiles without the general options' code (SpeedrunFeatures): its kernels keep the register
-// budget and schedule they were tuned with. Every other layout runs the same kernels with
-// GeneralFeatures, whose options are run-time values uniform over the launch.
+// budget and schedule they were tuned with. The models' layout (NeoX lanes from a cos/sin cache,
+// RMS-norm with weights) runs the general code with those options as constants (ModelFeatures).
+// Every other layout runs the same kernels with GeneralFeatures, whose options are run-time values
+// uniform over the launch. A kernel reads its inputs through Features::known.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -30,9 +32,39 @@ namespace qkvfuse::cuda::rope {
 
 struct SpeedrunFeatures {
   static constexpr bool kGeneral = false;
+  static constexpr bool kAllRotary = true;  ///< r = D, key offset aside (LaneChunks)
+  /// The inputs as this kind of kernel sees them, its rows D wide (row_width): here as they come
+  /// (a reference: the kernels read their parameters where they use them).
+  __device__ __forceinline__ static const RopeInputs& known(const RopeInputs& in, int) {
+    return in;
+  }
 };
 struct GeneralFeatures {
   static constexpr bool kGeneral = true;
+  static constexpr bool kAllRotary = false;
+  __device__ __forceinline__ static const RopeInputs& known(const RopeInputs& in, int) {
+    return in;
+  }
+};
+/// The models' layout (model_layout, rope_args.hpp: Qwen3, Gemma 3): the general code with the
+/// layout's options made constants, so that the compiler folds every choice on them (a cos/sin
+/// cache, NeoX lanes over the whole row, RMS-norm, plain placement, no key offset). Weights,
+/// dtypes and widths stay run-time values.
+struct ModelFeatures {
+  static constexpr bool kGeneral = true;
+  static constexpr bool kAllRotary = true;
+  /// D: the row width, a constant in the full-width kernels, where every width then folds too.
+  __device__ __forceinline__ static RopeInputs known(const RopeInputs& in, int D) {
+    RopeInputs out = in;
+    out.angles.cache = true;
+    out.dims.neox = true;
+    out.dims.head_dim = D;
+    out.dims.rotary_dim = D;
+    out.dims.paired = false;
+    out.normalize = true;
+    out.key_offset = false;
+    return out;
+  }
 };
 
 /// bf16 tables as their bits (uint16_t) or fp32: the element type the kernels load tables as.
@@ -54,8 +86,8 @@ struct LaneChunks {
   bool ok[C];
   int rot_end[C];  ///< elements [0, rot_end) of the chunk are rotary lanes; in [0, V]
 
-  /// `all_rotary` (a compile-time constant at every call: the speedrun's kernels without key
-  /// offset, which serve r = D only) lets the compiler drop the pass-through selects.
+  /// `all_rotary` (a compile-time constant at every call: Features::kAllRotary without key
+  /// offset, kernels that serve r = D only) lets the compiler drop the pass-through selects.
   __device__ __forceinline__ LaneChunks(int lane, int D, int r, bool all_rotary = false) {
 #pragma unroll
     for (int c = 0; c < C; ++c) {
