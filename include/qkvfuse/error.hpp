@@ -43,10 +43,17 @@ void append(std::string& out, T value) {
   out += buffer;
 }
 
+/// The arguments formatted and joined, as QKVF_CHECK formats its messages.
+template <typename... Args>
+std::string concat(const Args&... args) {
+  std::string out;
+  (append(out, args), ...);
+  return out;
+}
+
 template <typename... Args>
 [[noreturn]] void throw_error(const char* file, int line, const Args&... args) {
-  std::string message;
-  (append(message, args), ...);
+  std::string message = concat(args...);
   append(message, " [");
   append(message, file);
   append(message, ":");
