@@ -157,6 +157,8 @@ struct Options {
                        ///< variant's (qkvfuse_bench_fused_qkv_gemm)
   int64_t head_dim = 0;  ///< --head-dim D: only shapes of that width (qkvfuse_bench_kernels,
                          ///< qkvfuse_bench_fused_qkv_gemm)
+  std::string model;     ///< --model NAME: only that model shape's rows, no speedrun shapes
+                         ///< (qkvfuse_bench_kernels; e.g. for Nsight Compute at one shape)
 };
 
 /// Parses argv into `options`; prints the usage and returns false on anything else.
@@ -173,8 +175,13 @@ inline bool parse_options(int argc, char** argv, Options& options) {
       options.kernel = argv[++i];
     } else if (arg == "--head-dim" && i + 1 < argc) {
       options.head_dim = std::atoll(argv[++i]);
+    } else if (arg == "--model" && i + 1 < argc) {
+      options.model = argv[++i];
     } else {
-      std::fprintf(stderr, "usage: %s [--csv PATH] [--tokens T] [--iters N (>= 50)] [--kernel NAME] [--head-dim D]\n", argv[0]);
+      std::fprintf(stderr,
+                   "usage: %s [--csv PATH] [--tokens T] [--iters N (>= 50)] [--kernel NAME] "
+                   "[--head-dim D] [--model NAME]\n",
+                   argv[0]);
       return false;
     }
   }

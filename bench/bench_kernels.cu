@@ -555,7 +555,9 @@ int run(int argc, char** argv) {
   cudaStream_t stream = nullptr;
   BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   bench_copy(stream, iters);
-  if (options.kernel.empty() || options.kernel == "copy") bench_copy_sizes(stream, iters);
+  if ((options.kernel.empty() && options.model.empty()) || options.kernel == "copy") {
+    bench_copy_sizes(stream, iters);
+  }
 
   const Mode modes[] = {Mode::kPlain, Mode::kPaired, Mode::kKeyOffset};
   struct Config {
@@ -564,6 +566,7 @@ int run(int argc, char** argv) {
   // The speedrun's layers (C = 768: H=6 at D=128/96, H=12 at D=64), a C = 1024 one (H=8), and
   // D = 100 (not a multiple of 8): the kernels' 4-byte chunks (src/cuda/rope_paths.hpp).
   for (const Config c : {Config{6, 128}, Config{12, 64}, Config{6, 96}, Config{8, 128}, Config{6, 100}}) {
+    if (!options.model.empty()) break;
     if (options.head_dim != 0 && c.head_dim != options.head_dim) continue;
     for (Mode mode : modes) {
       try {
@@ -596,6 +599,7 @@ int run(int argc, char** argv) {
   }
   for (const Shape& shape : cases) {
     if (options.head_dim != 0 && shape.head_dim != options.head_dim) continue;
+    if (!options.model.empty() && options.model != shape.model) continue;
     try {
       bench_shape(shape, stream, iters, options.kernel);
     } catch (const std::exception& e) {
