@@ -35,13 +35,13 @@ struct Place {
 QKVF_HOST_DEVICE Place place(const Dims& dims, int64_t t, int h2) {
   const bool is_key = h2 >= dims.q_heads;
   const int h = is_key ? h2 - dims.q_heads : h2;
-  // Paired: h < H = 2 * half, so h / half is 0 or 1 (no integer division). Selects, not a branch:
-  // the branch split the kernels' load sequences into blocks, and ptxas issued the bf16
-  // backward's second row loads after its first row's shuffles (perf_notes.md).
-  const int half = dims.q_heads / 2;
-  const int second = dims.paired && h >= half ? 1 : 0;
-  return {dims.paired ? 2 * t + second : t, h - second * half,
-          dims.paired ? (h & 1) * dims.head_dim : 0, is_key};
+  if (dims.paired) {
+    // h < H = 2 * half, so h / half is 0 or 1: no integer division on the kernels' hot path.
+    const int half = dims.q_heads / 2;
+    const int second = h >= half ? 1 : 0;
+    return {2 * t + second, h - second * half, (h & 1) * dims.head_dim, is_key};
+  }
+  return {t, h, 0, is_key};
 }
 
 /// The lane rotary lane d (d < r) turns with: d ^ 1 interleaved; d +- r/2 NeoX.
