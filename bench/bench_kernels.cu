@@ -331,6 +331,8 @@ BufferSet make_set(const Shape& s) {
     positions_kernel<<<256, 256>>>(static_cast<int64_t*>(b.positions.get()), s.tokens,
                                    Shape::kPositions);
     BENCH_CUDA(cudaGetLastError());
+  }
+  if (s.general() && s.weights) {
     b.q_weight = allocate(2 * size_t(s.head_dim));
     b.k_weight = allocate(2 * size_t(s.head_dim));
     fill_bf16(b.q_weight.get(), size_t(s.head_dim), 1.0f);
