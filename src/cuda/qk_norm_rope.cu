@@ -27,6 +27,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "backend.hpp"
 #include "cuda/check.hpp"
@@ -59,6 +60,11 @@ struct ForwardArgs {
 /// ptxas spills nothing (check with -Xptxas -warn-spills).
 template <class Geom, typename AngleT, class Features>
 constexpr int forward_min_blocks() {
+  // The models' two-chunk rows (D = 256; their weights in shared memory): 5 (<= 96 registers).
+  if constexpr (std::is_same_v<Features, rope::ModelFeatures> && Geom::V == 8 && Geom::C == 2 &&
+                sizeof(AngleT) == 2) {
+    return 5;
+  }
   if constexpr (Features::kGeneral && Geom::V == 8 && Geom::C == 1 && Geom::G == 16 &&
                 sizeof(AngleT) == 2) {
     return 8;
@@ -123,11 +129,16 @@ __global__ void __launch_bounds__(kRowThreads, forward_min_blocks<Geom, AngleT, 
                                                              qk_token + k * qk_row_step + lanes.d0[c]);
     }
   }
-  rope::LaneWeights<Geom> weights;
-  if constexpr (Features::kGeneral) weights.load(in, lanes);
   Angles angles;
   angles.load(in, t, row, qkvfuse::rope::place(in.dims, t, set).angle_offset, lanes, token_ok,
               /*backward=*/false);
+  // The general layouts' norm weights: the block's copy, filled while the loads are in flight.
+  extern __shared__ __align__(16) float weight_rows[];  // [2][D]
+  const rope::SharedWeights weights{weight_rows};
+  if constexpr (Features::kGeneral) {
+    rope::SharedWeights::fill(in, D, weight_rows);
+    __syncthreads();
+  }
 
   // ---- per row: norm, rotate, store ----
 #pragma unroll
@@ -158,7 +169,7 @@ __global__ void __launch_bounds__(kRowThreads, forward_min_blocks<Geom, AngleT, 
       }
     };
     if constexpr (Features::kGeneral) {
-      rope::forward_row<Geom, Features>(in, x[k], rstd, weights, is_key, angles, lanes,
+      rope::forward_row<Geom, Features>(in, x[k], rstd, weights, is_key, D, angles, lanes,
                                         partners, exchange, store);  // shuffles
     } else {
 #pragma unroll
@@ -185,7 +196,9 @@ void launch_forward(ForwardArgs args, cudaStream_t stream) {
   const int64_t groups_per_block = kRowThreads / Geom::G;
   const unsigned blocks = rope::grid_size(
       "qk_norm_rope", (work.units + groups_per_block - 1) / groups_per_block, args.in.tokens);
-  kernel<<<dim3(blocks), dim3(kRowThreads), 0, stream>>>(args);
+  // The general layouts' norm weights, [2][D] floats (rope::SharedWeights).
+  const size_t smem = Features::kGeneral ? 2 * size_t(args.in.dims.head_dim) * sizeof(float) : 0;
+  kernel<<<dim3(blocks), dim3(kRowThreads), smem, stream>>>(args);
   QKVF_CUDA_CHECK_LAUNCH("qk_norm_rope_kernel");
 }
 

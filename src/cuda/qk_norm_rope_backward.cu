@@ -16,15 +16,17 @@
 // >= r of g at t+1: the row the neighbouring unit reads as its own g, so the extra read is an
 // L1/L2 hit, not HBM traffic.
 //
-// Norm weights: their gradient is a sum over every row of its kind, accumulated in registers. So
-// that the per-block partial sums stay few (weight_grad.hpp reduces them in a fixed order), a
-// block of the weighted kernel walks all units of tokens_per_block consecutive tokens, its lane
-// groups taking the units in turn, then adds its groups' sums in shared memory in group order and
-// writes one partial row.
+// Norm weights: the general kernels read them from the block's shared-memory copy
+// (rope::SharedWeights). Their gradient is a sum over every row of its kind, which each lane group
+// accumulates in its own row of shared memory (rope::WeightGradSums). So that the per-block
+// partial sums stay few (weight_grad.hpp reduces them in a fixed order), a block of the weighted
+// kernel walks all units of tokens_per_block consecutive tokens, its lane groups taking the units
+// in turn, then adds its groups' sums in group order and writes one partial row.
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "backend.hpp"
 #include "cuda/check.hpp"
@@ -73,15 +75,17 @@ constexpr int backward_rows_per_group() {
 /// key offset included, fewer for fp32 factors and wider rows. C = 3 (D = 96 on 4 lanes) holds
 /// g, x (and g_next) and the 6 factor chunks of its one row at once: 6 blocks (80 registers)
 /// with bf16 factors, 5 (92) under key offset, 4 (107 and 118) with fp32 factors. The general
-/// layouts and the weighted kernels hold more (partners, weights, gradient sums): 4, and 2 for
-/// the weighted kernels of wider rows.
+/// layouts hold more (partners, run-time options): 4, 3 at C = 3. The models' weighted kernels
+/// (their weights and gradient sums in shared memory) fit 6 blocks at one chunk per lane and 5
+/// at two with bf16 angles, one block fewer with fp32 angles.
 template <class Geom, bool kKeyOffset, typename AngleT, class Features, bool kWeightGrad>
 constexpr int backward_min_blocks() {
-  // Wider rows of the weighted kernels hold 2 x C x 8 weights and as many gradient sums.
-  if constexpr (kWeightGrad && Geom::V * Geom::C > 8) return 2;
+  constexpr bool kWideFactors = sizeof(AngleT) == 4;
+  if constexpr (std::is_same_v<Features, rope::ModelFeatures> && Geom::V == 8) {
+    return (Geom::C == 1 ? 6 : 5) - (kWideFactors ? 1 : 0);
+  }
   if constexpr (Features::kGeneral || kWeightGrad || Geom::V != 8) return Geom::C >= 3 ? 3 : 4;
   constexpr int C = Geom::C;
-  constexpr bool kWideFactors = sizeof(AngleT) == 4;
   if constexpr (C == 1) return kKeyOffset && kWideFactors ? 5 : (kWideFactors ? 6 : 8);
   if constexpr (C == 3) return kWideFactors ? 4 : (kKeyOffset ? 5 : 6);
   return kWideFactors || kKeyOffset ? 4 : 5;
@@ -96,16 +100,18 @@ constexpr bool backward_branch_free() {
   return Geom::V == 8 && (kKeyOffset || Geom::C == 3);
 }
 
-/// One unit: loads, dx of its K rows, stores; with `weight_grad`, adds the rows' gw * n to it
-/// ([2][C][V]: Q rows, K rows). Every lane of the warp must call it (shuffles).
+/// One unit: loads, dx of its K rows, stores; with `sums`, adds the rows' gw * n to them. The
+/// general layouts read their norm weights from `weight_rows` (rope::SharedWeights, shared memory);
+/// with `fill_weights` (block-uniform) the block fills them once its loads are issued and waits
+/// for the copy (a barrier) before the math. Every lane of the warp must call it (shuffles).
 /// `in`: p.in as the kernel sees it (Features::known).
 template <class Geom, int K, bool kKeyOffset, typename AngleT, bool kFullWidth, class Features>
 __device__ __forceinline__ void backward_unit(const BackwardArgs& p, const rope::RopeInputs& in,
                                               int64_t unit, int lane,
                                               const rope::LaneChunks<Geom>& lanes,
                                               const rope::Partners<Geom>& partners,
-                                              const rope::LaneWeights<Geom>& weights,
-                                              float (*weight_grad)[Geom::C][Geom::V]) {
+                                              float* weight_rows, bool fill_weights,
+                                              const rope::WeightGradSums* sums) {
   constexpr int V = Geom::V;
   constexpr int C = Geom::C;
   const int64_t t = unit / p.row_sets;
@@ -163,6 +169,11 @@ __device__ __forceinline__ void backward_unit(const BackwardArgs& p, const rope:
   if constexpr (!kAnglesFirst) {
     angles.load(in, t, row, angle_offset, lanes, token_ok, /*backward=*/true);
   }
+  const rope::SharedWeights weights{weight_rows};
+  if (fill_weights) {
+    rope::SharedWeights::fill(in, D, weight_rows);
+    __syncthreads();
+  }
 
   // ---- per row: dx, store ----
 #pragma unroll
@@ -176,14 +187,14 @@ __device__ __forceinline__ void backward_unit(const BackwardArgs& p, const rope:
       // Rows past the unit's heads (loads 0, the token's angles) add nothing to the sums.
       const bool row_ok = token_ok && head2 < heads2;
       rope::backward_row<Geom, Features, kBranchFree>(in, g[k], x[k], angles, g_next[k], lanes,
-                                                      partners, exchange, &weights,
+                                                      partners, exchange, &weights, sums, D,
                                                       is_key, row_ok, shift_row, t == 0, width,
-                                                      weight_grad, dx);
+                                                      dx);
     } else {
       rope::backward_row<Geom, Features, kBranchFree>(in, g[k], x[k], angles, g_next[k], lanes,
-                                                      partners, exchange, nullptr,
+                                                      partners, exchange, nullptr, nullptr, D,
                                                       is_key, /*row_present=*/true, shift_row,
-                                                      t == 0, width, nullptr, dx);
+                                                      t == 0, width, dx);
     }
     if (!(token_ok && head2 < heads2)) continue;
     uint16_t* out = p.grad_qk + (t * heads2 + head2) * int64_t(D);
@@ -218,22 +229,18 @@ __global__ void __launch_bounds__(
                                      Features::kAllRotary && !kKeyOffset);
   const rope::Partners<Geom> partners(lanes, lane, in.dims.rotary_dim,
                                       Features::kGeneral && in.dims.neox);
-  rope::LaneWeights<Geom> weights;  // the group's for every unit it takes
-  if constexpr (Features::kGeneral) weights.load(in, lanes);
+  // Shared memory, general layouts: the norm weights [2][D], then (weighted kernel) the lane
+  // groups' weight-gradient sums [kGroups][2][D].
+  extern __shared__ __align__(16) float shared_rows[];
+  float* group_sums = shared_rows + 2 * D;
 
   if constexpr (!kWeightGrad) {
     backward_unit<Geom, K, kKeyOffset, AngleT, kFullWidth, Features>(
-        p, in, int64_t(blockIdx.x) * kGroups + group, lane, lanes, partners, weights, nullptr);
+        p, in, int64_t(blockIdx.x) * kGroups + group, lane, lanes, partners, shared_rows,
+        Features::kGeneral, nullptr);
   } else {
-    float sums[2][C][V];
-#pragma unroll
-    for (int kind = 0; kind < 2; ++kind) {
-#pragma unroll
-      for (int c = 0; c < C; ++c) {
-#pragma unroll
-        for (int i = 0; i < V; ++i) sums[kind][c][i] = 0.0f;
-      }
-    }
+    const rope::WeightGradSums sums{group_sums + group * 2 * D};
+    sums.clear(lanes, D);
     // The block's units, in turns of kGroups; the trip count is the same for every group, so the
     // loop stays warp-uniform (units past the block's end load nothing).
     const int64_t per_block = int64_t(p.tokens_per_block) * p.row_sets;
@@ -244,11 +251,10 @@ __global__ void __launch_bounds__(
     for (int64_t turn = 0; turn < turns; ++turn) {
       const int64_t unit = first + turn * kGroups + group;
       backward_unit<Geom, K, kKeyOffset, AngleT, kFullWidth, Features>(
-          p, in, unit < last ? unit : p.units, lane, lanes, partners, weights, sums);
+          p, in, unit < last ? unit : p.units, lane, lanes, partners, shared_rows, turn == 0,
+          &sums);
     }
-    extern __shared__ float group_sums[];  // [kGroups][2][D]
-    rope::write_partial_row<Geom, kGroups, kRowThreads>(sums, lanes, group, D, group_sums,
-                                                        p.partials);
+    rope::write_partial_row<kGroups, kRowThreads>(D, group_sums, p.partials);
   }
 }
 
@@ -264,12 +270,15 @@ void launch_backward(BackwardArgs args, cudaStream_t stream) {
   args.row_sets = work.row_sets;
   args.units = work.units;
   int64_t blocks = (work.units + kGroups - 1) / kGroups;
-  size_t smem = 0;
+  // Shared memory: the general layouts' norm weights, [2][D] floats, and the weighted kernel's
+  // group sums, [kGroups][2][D].
+  const size_t row_floats = 2 * size_t(args.in.dims.head_dim);
+  size_t smem = Features::kGeneral ? row_floats * sizeof(float) : 0;
   if (!rope::has_weights_args(args.in)) args.partials = nullptr;
   if constexpr (kWeightGrad) {
     args.tokens_per_block = int(tokens_per_weight_block(heads2));
     blocks = (args.in.tokens + args.tokens_per_block - 1) / args.tokens_per_block;
-    smem = size_t(kGroups) * 2 * size_t(args.in.dims.head_dim) * sizeof(float);
+    smem += size_t(kGroups) * row_floats * sizeof(float);
   }
   kernel<<<dim3(rope::grid_size("qk_norm_rope_backward", blocks, args.in.tokens)),
            dim3(kRowThreads), smem, stream>>>(args);

@@ -29,9 +29,11 @@
 // - A CTA has one token step's loads in flight at a time and none while it waits at its barrier
 //   and stores grad_t; L2 prefetches, which hold no register, cover part of that (Fp8Prefetch).
 //   Read-once loads and the outputs are marked L2 evict-first, the prefetched rows evict-last.
-// - With norm weights each thread sums its rows' gw * n; after the transposed stores the CTA adds
-//   its lane groups' sums in shared memory, in group order, and writes one partial row for
-//   weight_grad.hpp's fixed-order reduction.
+// - The general layouts read their norm weights from the CTA's shared-memory copy behind the tile
+//   (rope::SharedWeights). With norm weights each lane group sums its rows' gw * n in its own rows
+//   of shared memory behind those (rope::WeightGradSums); after the transposed stores the CTA adds
+//   its lane groups' sums in group order and writes one partial row for weight_grad.hpp's
+//   fixed-order reduction.
 // - Rows of 4- or 2-byte chunks (rope_paths.hpp) take the same phases with narrower accesses; when
 //   grad_t's rows are not 16-byte aligned (T not a multiple of 16, or an unaligned grad_t) the
 //   same blocks are written byte by byte.
@@ -44,6 +46,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 
 #include "backend.hpp"
 #include "cuda/check.hpp"
@@ -96,10 +99,15 @@ int jobs_per_tile(const RopeLayout& layout) {
 
 /// Register budget, as resident 256-thread CTAs per SM: 4 (<= 64 registers; 4 x 48 KB of tile fit
 /// the shared memory) with one chunk per lane and bf16 factors; fp32 factor chunks take 8 more
-/// registers (3: <= 80); wider rows get 2 (<= 128). The general layouts hold their rows' weights
-/// through the token loop besides (2; 1 with the weight-gradient sums of wider rows).
+/// registers (3: <= 80); wider rows get 2 (<= 128). The general layouts hold more (partners,
+/// run-time options): 2, and 1 for the weighted kernels of wider rows. The models' kernels (their
+/// weights and gradient sums in shared memory) fit 3 at one chunk per lane with bf16 angles.
 template <class Geom, typename AngleT, class Features, bool kWeightGrad>
 constexpr int fp8_min_blocks() {
+  if constexpr (std::is_same_v<Features, rope::ModelFeatures> && Geom::V == 8 && Geom::C == 1 &&
+                sizeof(AngleT) == 2) {
+    return 3;
+  }
   if constexpr (kWeightGrad && Geom::V * Geom::C > 8) return 1;
   if constexpr (kWeightGrad || Geom::V * Geom::C > 8 || Features::kGeneral) return 2;
   if constexpr (Geom::V != 8) return 3;
@@ -283,16 +291,16 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
   const bool exchange = rope::exchanges_partners<Features, V>(in);
   const rope::Partners<Geom> partners(lanes, lane, in.dims.rotary_dim,
                                       Features::kGeneral && in.dims.neox);
-  rope::LaneWeights<Geom> weights;  // the CTA's rows' kinds are fixed: loaded once
-  if constexpr (Features::kGeneral) weights.load(in, lanes);
-  float sums[kWeightGrad ? 2 : 1][C][V];
-#pragma unroll
-  for (int kind = 0; kind < (kWeightGrad ? 2 : 1); ++kind) {
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-#pragma unroll
-      for (int i = 0; i < V; ++i) sums[kind][c][i] = 0.0f;
-    }
+  // Behind the tile (general layouts): the norm weights [2][D], then (weighted kernel) the lane
+  // groups' weight-gradient sums [kGroups][2][D] (fp8_shared_bytes).
+  float* weight_rows = reinterpret_cast<float*>(tile + size_t(kTileTokens) * size_t(pitch));
+  float* group_sums = weight_rows + 2 * D;
+  const rope::SharedWeights weights{weight_rows};
+  const rope::WeightGradSums sums{group_sums + group * 2 * D};
+  if constexpr (Features::kGeneral) {
+    rope::SharedWeights::fill(in, D, weight_rows);
+    if constexpr (kWeightGrad) sums.clear(lanes, D);
+    __syncthreads();
   }
 
   // ---- Phase A1: the QK rows ------------------------------------------------------------------
@@ -370,13 +378,12 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
           // An absent part (loads 0, the token's angles) adds nothing to the weight sums.
           rope::backward_row<Geom, Features, kBranchFree>(
               in, r.g, r.x, angles, r.g_next, lanes, partners, exchange, &weights,
-              part.is_key, token_ok && part.present, kKeyOffset && slot == 1, t == 0, width,
-              kWeightGrad ? sums : nullptr, dx);
+              kWeightGrad ? &sums : nullptr, D, part.is_key, token_ok && part.present,
+              kKeyOffset && slot == 1, t == 0, width, dx);
         } else {
           rope::backward_row<Geom, Features, kBranchFree>(
-              in, r.g, r.x, angles, r.g_next, lanes, partners, exchange, nullptr,
-              part.is_key, /*row_present=*/true, kKeyOffset && slot == 1, t == 0, width, nullptr,
-              dx);
+              in, r.g, r.x, angles, r.g_next, lanes, partners, exchange, nullptr, nullptr, D,
+              part.is_key, /*row_present=*/true, kKeyOffset && slot == 1, t == 0, width, dx);
         }
         if (!(token_ok && part.present)) return;
         uint8_t* out_row = p.grad_row + t * p.qkv_dim + int64_t(part.h2) * D;
@@ -555,9 +562,7 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
 
   // ---- The weight gradients: this CTA's partial row --------------------------------------------
   if constexpr (kWeightGrad) {
-    __syncthreads();  // the tile's bytes are read: its memory holds the groups' sums now
-    rope::write_partial_row<Geom, kGroups, kFp8Threads>(
-        sums, lanes, group, D, reinterpret_cast<float*>(tile), p.partials);
+    rope::write_partial_row<kGroups, kFp8Threads>(D, group_sums, p.partials);
   }
 }
 
@@ -582,32 +587,46 @@ __global__ void __launch_bounds__(kFp8Threads,
   }
 }
 
-/// Largest dynamic shared memory any launch of the kernel can ask for: a tile of the widest
-/// features, 2*256 + 512 bytes per token (128 KB).
+/// Largest tile any launch can ask for: the widest features, 2*256 + 512 bytes per token (128 KB).
 constexpr size_t kMaxTileBytes =
     size_t(kTileTokens) * ((2 * 256 + kMaxVWidth + 127) / 128 * 128);
 
+/// Dynamic shared memory of a launch: the tile, then for the general layouts the norm weights
+/// ([2][D] floats) and for the weighted kernel the lane groups' sums ([groups][2][D] floats).
+constexpr size_t fp8_shared_bytes(size_t tile_bytes, bool general, bool weight_grad, int groups,
+                                  int64_t head_dim) {
+  const size_t rows = 2 * size_t(head_dim) * sizeof(float);
+  return tile_bytes + (general ? rows : 0) + (weight_grad ? size_t(groups) * rows : 0);
+}
+
+/// Largest dynamic shared memory any launch can ask for: the widest tile, the weights at D = 256
+/// and 64 KB of sums, above every geometry's (the most: 64 groups of 4 lanes at D = 96, 48 KB);
+/// launch_fp8 checks each launch against it. 194 KB.
+constexpr size_t kMaxSharedBytes = fp8_shared_bytes(kMaxTileBytes, true, false, 0, 256) + 64 * 1024;
+static_assert(kMaxSharedBytes <= 227 * 1024, "an sm_90 CTA holds at most 227 KB");
+
 /// Once per kernel instantiation and device (the current one, `device`): opts `kKernel` in to
-/// kMaxTileBytes of dynamic shared memory and the largest shared-memory carveout (the attributes
+/// kMaxSharedBytes of dynamic shared memory and the largest shared-memory carveout (the attributes
 /// belong to the function on the current device). The limit is set once to the maximum any
 /// launch needs rather than to each launch's size: a limit lowered by a smaller launch let a
 /// later, larger launch fail with cudaErrorInvalidValue. The limit does not change occupancy,
 /// which follows the bytes a launch actually asks for.
 ///
-/// Returns the CTAs with `smem` bytes of tile the device holds at once (occupancy x SMs, under
-/// the carveout just set), for the next-CTA prefetch; cached per device and tile size (a
-/// multiple of 128 bytes per token up to kMaxTileBytes).
+/// Returns the CTAs with `smem` bytes of shared memory the device holds at once (occupancy x
+/// SMs, under the carveout just set), for the next-CTA prefetch; cached per device and size class
+/// (16 KB: the tile's step, 128 bytes per token, and the weights and sums of one instantiation
+/// are the same for every launch of one head width).
 template <auto kKernel>
 int prepare_kernel(int device, size_t smem) {
   constexpr int kDevices = 64;
-  constexpr size_t kSizes = kMaxTileBytes / (kTileTokens * 128) + 1;
+  constexpr size_t kSizes = kMaxSharedBytes / (kTileTokens * 128) + 1;
   static std::array<std::atomic<bool>, kDevices> opted_in{};
   static std::array<std::atomic<int>, kDevices * kSizes> resident{};
   QKVF_CHECK(device >= 0 && device < kDevices, "device ordinal ", device,
              " beyond the supported 64");
   if (!opted_in[device].load(std::memory_order_acquire)) {
     QKVF_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         int(kMaxTileBytes)));
+                                         int(kMaxSharedBytes)));
     // The largest shared-memory carveout: 4 CTAs of 48 KB (fp8_min_blocks) need 196 KB of it.
     QKVF_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                          int(cudaSharedmemCarveoutMaxShared)));
@@ -630,13 +649,10 @@ template <class Geom, bool kKeyOffset, typename AngleT, bool kFullWidth, class F
 void launch_fp8(Fp8Args args, int device, cudaStream_t stream) {
   constexpr auto kernel =
       qkv_backward_fp8_kernel<Geom, kKeyOffset, AngleT, kFullWidth, Features, kWeightGrad>;
-  size_t smem = size_t(kTileTokens) * size_t(args.tile_pitch);
-  if constexpr (kWeightGrad) {
-    // The groups' sums reuse the tile after the transposed stores.
-    const size_t sums = size_t(kFp8Threads / Geom::G) * 2 * size_t(args.in.dims.head_dim) * 4;
-    smem = std::max(smem, (sums + 127) / 128 * 128);
-  }
-  QKVF_CHECK(smem <= kMaxTileBytes, "qkv_backward_fp8 (CUDA): tile of ", smem, " bytes");
+  const size_t smem =
+      fp8_shared_bytes(size_t(kTileTokens) * size_t(args.tile_pitch), Features::kGeneral,
+                       kWeightGrad, kFp8Threads / Geom::G, args.in.dims.head_dim);
+  QKVF_CHECK(smem <= kMaxSharedBytes, "qkv_backward_fp8 (CUDA): ", smem, " bytes of shared memory");
   // Above 48 KB a kernel must opt in to its dynamic shared memory; done for every kernel so that
   // the carveout preference applies at 48 KB too.
   args.resident_blocks = prepare_kernel<kernel>(device, smem);

@@ -4,7 +4,7 @@
 // A lane holds chunk slots c = 0..C-1 of a row (elements d0[c] .. d0[c] + V - 1). What a row needs
 // besides its own elements:
 // - its token's angles (TokenAngles): factor tables, or the cos/sin cache row at positions[t];
-// - its weight (LaneWeights): w + offset per lane, 1 without one;
+// - its weight (SharedWeights): w + offset, 1 without one, from the block's shared-memory copy;
 // - the elements of its rotary partners. Interleaved pairs (d, d ^ 1) sit in one chunk when
 //   V >= 2. A NeoX partner (d +- r/2) sits in another chunk, usually another lane's: the lane
 //   group exchanges it with shuffles (Partners). With V = 8 (r a multiple of 16) a chunk's
@@ -143,7 +143,7 @@ struct Partners {
 #pragma unroll
         for (int s = 0; s < C; ++s) {
           const uint32_t got = __shfl_sync(0xffffffffu, x[s].w[w], lane[c][0], G);
-          value = s == slot[c][0] ? got : value;
+          value = C == 1 || s == slot[c][0] ? got : value;  // one slot: no select
         }
         out.w[w] = value;
       }
@@ -176,7 +176,7 @@ struct Partners {
       for (int s = 0; s < C; ++s) {
         if constexpr (V == 8) {
           const float got = __shfl_sync(0xffffffffu, v[s][e], source_lane, G);
-          value = s == source_slot ? got : value;
+          value = C == 1 || s == source_slot ? got : value;  // one slot: no select
         } else {
 #pragma unroll
           for (int q = 0; q < V; ++q) {
@@ -366,59 +366,97 @@ struct TokenAngles {
 // Norm weights
 // ------------------------------------------------------------------------------------------------
 
-/// w + offset at the lane's elements, for query rows ([0]) and key rows ([1]), as fp32; 1 where a
-/// kind has no weight. Loaded once per work unit (or CTA), with the unit's other loads, so that
-/// no row waits on a weight load of its own.
-template <class Geom>
-struct LaneWeights {
-  static constexpr int V = Geom::V;
-  static constexpr int C = Geom::C;
-  float w[2][C][V];
+/// The norm weights as the rows use them: fp32 w + offset for query rows (row 0) and key rows
+/// (row 1), D floats each, 1 where a kind has no weight, in the block's shared memory. The block
+/// fills them once (fill, then a barrier) and a row reads its own kind's values per chunk (two
+/// 16-byte shared loads at V = 8): per-lane registers for both kinds took 2 x C x V registers and a
+/// select per element, and their load and conversion ran once per work unit.
+struct SharedWeights {
+  const float* rows;  ///< [2][D] shared memory
 
-  __device__ __forceinline__ void load(const RopeInputs& in, const LaneChunks<Geom>& lanes) {
-#pragma unroll
-    for (int kind = 0; kind < 2; ++kind) {
+  /// Writes the [2][D] floats at `rows`; every thread of the block takes part (a barrier must
+  /// follow before any row reads them).
+  __device__ __forceinline__ static void fill(const RopeInputs& in, int D, float* rows) {
+    for (int i = int(threadIdx.x); i < 2 * D; i += int(blockDim.x)) {
+      const int kind = i >= D ? 1 : 0;
       const void* weight = kind ? in.weights.k : in.weights.q;
       const bool fp32 = kind ? in.weights.k_fp32 : in.weights.q_fp32;
-#pragma unroll
-      for (int c = 0; c < C; ++c) {
-        float values[V];
-        if constexpr (V == 8) {
-          if (fp32) {
-            Values<float, 8> v;
-            v.load(static_cast<const float*>(weight) + lanes.d0[c], weight && lanes.ok[c]);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) values[e] = v[e];
-          } else {
-            Values<uint16_t, 8> v;
-            v.load(static_cast<const uint16_t*>(weight) + lanes.d0[c], weight && lanes.ok[c]);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) values[e] = v[e];
-          }
-        } else {
-#pragma unroll
-          for (int e = 0; e < V; ++e) {
-            const bool ok = weight && lanes.d0[c] + e < in.dims.head_dim;
-            values[e] = ok ? load_value(weight, lanes.d0[c] + e, fp32) : 0.0f;
-          }
-        }
-#pragma unroll
-        for (int e = 0; e < V; ++e) {
-          w[kind][c][e] = weight == nullptr ? 1.0f : effective(values[e], in.weights.offset);
-        }
-      }
+      rows[i] = weight == nullptr
+                    ? 1.0f
+                    : effective(load_value(weight, i - kind * D, fp32), in.weights.offset);
     }
   }
 
-  /// The weight of a row of that kind (a select between two registers, not an indexed load).
-  __device__ __forceinline__ float at(bool is_key, int c, int i) const {
-    return is_key ? w[1][c][i] : w[0][c][i];
+  /// The weights of chunk slot c of a row of that kind (1 in a chunk outside the row).
+  template <class Geom>
+  __device__ __forceinline__ void chunk(bool is_key, const LaneChunks<Geom>& lanes, int c, int D,
+                                        float (&w)[Geom::V]) const {
+    load_row_values<Geom::V>(rows + (is_key ? D : 0), lanes.d0[c], lanes.ok[c], 1.0f, w);
+  }
+
+  /// V floats of a shared-memory row from element d0 (16-byte loads at V = 8), or `fill` when
+  /// !ok (a chunk past the row's end, whose address may lie past the row).
+  template <int V>
+  __device__ __forceinline__ static void load_row_values(const float* row, int d0, bool ok,
+                                                         float fill, float (&out)[V]) {
+    if constexpr (V == 8) {
+      const float4 lo = ok ? *reinterpret_cast<const float4*>(row + d0)
+                           : make_float4(fill, fill, fill, fill);
+      const float4 hi = ok ? *reinterpret_cast<const float4*>(row + d0 + 4)
+                           : make_float4(fill, fill, fill, fill);
+      out[0] = lo.x; out[1] = lo.y; out[2] = lo.z; out[3] = lo.w;
+      out[4] = hi.x; out[5] = hi.y; out[6] = hi.z; out[7] = hi.w;
+    } else {
+#pragma unroll
+      for (int e = 0; e < V; ++e) out[e] = ok ? row[d0 + e] : fill;
+    }
   }
 
  private:
   /// w + offset, or w itself for offset 0 (so that a weight of -0 keeps its sign, as the CPU).
   __device__ __forceinline__ static float effective(float w, float offset) {
     return offset == 0.0f ? w : __fadd_rn(w, offset);
+  }
+};
+
+/// The lane group's weight-gradient sums in shared memory: [2][D] floats (query rows, key rows)
+/// per lane group, each lane adding into its own columns only, in the group's row order (so no
+/// barrier until the block adds its groups, write_partial_row, and the same bits on every run).
+struct WeightGradSums {
+  float* rows;  ///< the group's [2][D]
+
+  /// Zeroes the lane's columns (before the group's first row).
+  template <class Geom>
+  __device__ __forceinline__ void clear(const LaneChunks<Geom>& lanes, int D) const {
+#pragma unroll
+    for (int kind = 0; kind < 2; ++kind) {
+#pragma unroll
+      for (int c = 0; c < Geom::C; ++c) {
+#pragma unroll
+        for (int i = 0; i < Geom::V; ++i) {
+          if (lanes.ok[c] && lanes.d0[c] + i < D) rows[kind * D + lanes.d0[c] + i] = 0.0f;
+        }
+      }
+    }
+  }
+
+  /// sums[kind][d] += gw[i] * n[i] (one fma) for the V elements of chunk slot c.
+  template <class Geom>
+  __device__ __forceinline__ void add(bool is_key, const LaneChunks<Geom>& lanes, int c, int D,
+                                      const float (&gw)[Geom::V], const float (&n)[Geom::V]) const {
+    if (!lanes.ok[c]) return;
+    float* row = rows + (is_key ? D : 0) + lanes.d0[c];
+    float sums[Geom::V];
+    SharedWeights::load_row_values<Geom::V>(row, 0, true, 0.0f, sums);
+#pragma unroll
+    for (int i = 0; i < Geom::V; ++i) sums[i] = fmaf(gw[i], n[i], sums[i]);
+    if constexpr (Geom::V == 8) {
+      *reinterpret_cast<float4*>(row) = make_float4(sums[0], sums[1], sums[2], sums[3]);
+      *reinterpret_cast<float4*>(row + 4) = make_float4(sums[4], sums[5], sums[6], sums[7]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < Geom::V; ++i) row[i] = sums[i];
+    }
   }
 };
 
@@ -505,13 +543,13 @@ __device__ __forceinline__ void forward_chunk(const RopeInputs& in,
 }
 
 /// Forward of a whole row of a general layout: nw = n * w for every chunk first (n = x * rstd, or
-/// x without the norm), then per chunk the partners' nw (from the chunk, or shuffled from the
-/// lane group) and the rotation; store(c, y, nw) receives each chunk's outputs as bf16. Every
-/// lane of the warp must call it (shuffles).
+/// x without the norm; w the row's kind's weights, D the row width), then per chunk the partners'
+/// nw (from the chunk, or shuffled from the lane group) and the rotation; store(c, y, nw) receives
+/// each chunk's outputs as bf16. Every lane of the warp must call it (shuffles).
 template <class Geom, class Features, typename AngleT, typename Store>
 __device__ __forceinline__ void forward_row(const RopeInputs& in,
                                             const Chunk<Geom::V> (&x)[Geom::C], float rstd,
-                                            const LaneWeights<Geom>& weights, bool is_key,
+                                            const SharedWeights& weights, bool is_key, int D,
                                             const TokenAngles<Geom, AngleT, Features>& angles,
                                             const LaneChunks<Geom>& lanes,
                                             const Partners<Geom>& partners, bool exchange,
@@ -521,10 +559,12 @@ __device__ __forceinline__ void forward_row(const RopeInputs& in,
   float nw[C][V];
 #pragma unroll
   for (int c = 0; c < C; ++c) {
+    float w[V];
+    weights.chunk(is_key, lanes, c, D, w);
 #pragma unroll
     for (int i = 0; i < V; ++i) {
       const float n = in.normalize ? __fmul_rn(x[c][i], rstd) : x[c][i];
-      nw[c][i] = __fmul_rn(n, weights.at(is_key, c, i));
+      nw[c][i] = __fmul_rn(n, w[i]);
     }
   }
 #pragma unroll
@@ -546,8 +586,8 @@ __device__ __forceinline__ void forward_row(const RopeInputs& in,
 /// Backward of one row (SPEC.md sections 2 and 8):
 ///   gw[d] = f1[d] * g[d] + f2p[d] * g[p(d)]                    (rotary lanes)
 ///   gw[d] = g[d], or for a key row under key offset g_next[d] + (t == 0 ? g[d] : 0)
-///   with a weight: grad_w[d] += gw[d] * n[d] (into `weight_grad`: [0] for query rows, [1] for
-///   key rows, as `is_key` says; only when `row_present`), dn = gw * w
+///   with a weight: grad_w[d] += gw[d] * n[d] (into `sums`, the row's kind's, when not null and
+///   `row_present`), dn = gw * w (w of `weights`, when not null; D the row width)
 ///   dx    = rstd * (dn - n * (sum(dn * n) / D))                (dx = dn without the norm)
 /// `row_present`: the row is one of the op's (a real head of a real token). The kernels also run
 /// this on rows that are not (the slots past Hq + Hkv of a token's last unit or job, tokens past
@@ -559,9 +599,9 @@ __device__ __forceinline__ void backward_row(
     const RopeInputs& in, const Chunk<Geom::V> (&g)[Geom::C], const Chunk<Geom::V> (&x)[Geom::C],
     const TokenAngles<Geom, AngleT, Features>& angles, const Chunk<Geom::V> (&g_next)[Geom::C],
     const LaneChunks<Geom>& lanes, const Partners<Geom>& partners, bool exchange,
-    const LaneWeights<Geom>* weight,
+    const SharedWeights* weights, const WeightGradSums* sums, int D,
     bool is_key, bool row_present, bool shift_row, bool first_token, const Width& width,
-    float (*weight_grad)[Geom::C][Geom::V], float (&dx)[Geom::C][Geom::V]) {
+    float (&dx)[Geom::C][Geom::V]) {
   constexpr int G = Geom::G;
   constexpr int V = Geom::V;
   constexpr int C = Geom::C;
@@ -575,31 +615,32 @@ __device__ __forceinline__ void backward_row(
   for (int c = 0; c < C; ++c) {
     Chunk<V> gp;
     if (exchange) gp = partners.of(g, c);
+    float n[V];
+    float gw[V];
 #pragma unroll
     for (int i = 0; i < V; ++i) {
-      const float n = normalize ? __fmul_rn(x[c][i], rstd) : x[c][i];
-      if constexpr (kKeepN) kept_n[c][i] = n;
+      n[i] = normalize ? __fmul_rn(x[c][i], rstd) : x[c][i];
+      if constexpr (kKeepN) kept_n[c][i] = n[i];
       const float g_partner = exchange ? gp[i] : g[c][i ^ 1];
       const float rotated = __fadd_rn(__fmul_rn(angles.f1(in, c, i), g[c][i]),
                                       __fmul_rn(angles.f2p(in, c, i), g_partner));
       const float passed = shift_row ? shifted_grad(g_next[c][i], g[c][i], first_token) : g[c][i];
-      float gw = i < lanes.rot_end[c] ? rotated : passed;
-      if (weight != nullptr) {
-        if (weight_grad != nullptr) {
-          // Constant indices on both sides, so the sums stay in registers; a select, not a
-          // branch, keeps absent rows out (see row_present above).
-          if (is_key) {
-            const float sum = weight_grad[1][c][i];
-            weight_grad[1][c][i] = row_present ? fmaf(gw, n, sum) : sum;
-          } else {
-            const float sum = weight_grad[0][c][i];
-            weight_grad[0][c][i] = row_present ? fmaf(gw, n, sum) : sum;
-          }
-        }
-        gw = __fmul_rn(gw, weight->at(is_key, c, i));
+      gw[i] = i < lanes.rot_end[c] ? rotated : passed;
+      if (weights == nullptr) {
+        dx[c][i] = gw[i];  // dn for now
+        partial = fmaf(gw[i], n[i], partial);
       }
-      dx[c][i] = gw;  // dn for now
-      partial = fmaf(gw, n, partial);
+    }
+    if (weights != nullptr) {
+      // Absent rows add nothing to the sums (see row_present above).
+      if (sums != nullptr && row_present) sums->add(is_key, lanes, c, D, gw, n);
+      float w[V];
+      weights->chunk(is_key, lanes, c, D, w);
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        dx[c][i] = __fmul_rn(gw[i], w[i]);  // dn for now
+        partial = fmaf(dx[c][i], n[i], partial);
+      }
     }
   }
   const float sum = group_sum<G>(partial);
@@ -620,25 +661,14 @@ __device__ __forceinline__ void backward_row(
   }
 }
 
-/// The block's partial row of the norm weights' gradients (weight_grad.hpp): each lane group
-/// writes its sums [2][C][V] to group_sums [kGroups][2][D] in shared memory, then the block adds
-/// the groups in group order (fixed, so the bits do not depend on scheduling) into
+/// The block's partial row of the norm weights' gradients (weight_grad.hpp): after a barrier the
+/// block adds its lane groups' sums (WeightGradSums, `group_sums` [kGroups][2][D] in shared
+/// memory) in group order (fixed, so the bits do not depend on scheduling) into
 /// partials[blockIdx.x]. partials == nullptr (a layout without weights on the weighted kernel)
 /// writes nothing. Every thread of the block must call it (barrier).
-template <class Geom, int kGroups, int kThreads>
-__device__ __forceinline__ void write_partial_row(const float (&sums)[2][Geom::C][Geom::V],
-                                                  const LaneChunks<Geom>& lanes, int group, int D,
-                                                  float* group_sums, float* partials) {
-#pragma unroll
-  for (int kind = 0; kind < 2; ++kind) {
-#pragma unroll
-    for (int c = 0; c < Geom::C; ++c) {
-#pragma unroll
-      for (int i = 0; i < Geom::V; ++i) {
-        if (lanes.ok[c]) group_sums[(group * 2 + kind) * D + lanes.d0[c] + i] = sums[kind][c][i];
-      }
-    }
-  }
+template <int kGroups, int kThreads>
+__device__ __forceinline__ void write_partial_row(int D, const float* group_sums,
+                                                  float* partials) {
   __syncthreads();
   if (partials == nullptr) return;
   float* partial = partials + int64_t(blockIdx.x) * 2 * D;
