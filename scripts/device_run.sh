@@ -109,6 +109,16 @@ run_sanitize() {
   done
   note "sanitize: $((SECONDS - start)) s"
 }
+# Waits for the A/B's old builds once, keeping each one's exit status (old_build_rc).
+old_build_rc=()
+wait_old_builds() {
+  [ ${#old_build_rc[@]} -eq ${#old_builders[@]} ] && return
+  for i in "${!old_builders[@]}"; do
+    wait "${old_builders[$i]}"
+    old_build_rc[$i]=$?
+  done
+}
+
 sanitize_pid=
 if has sanitize; then
   if [ -n "${QKVFUSE_SANITIZE_GPU:-}" ]; then
@@ -120,6 +130,9 @@ if has sanitize; then
 fi
 
 if has fuzz; then
+  # The harness's CPU reference is CPU-bound: let the A/B's old builds finish first (with three
+  # of them compiling beside it, 10 000 cases did not finish in a call's time box).
+  wait_old_builds
   start=$SECONDS
   seed=${QKVFUSE_FUZZ_SEED:-$RANDOM}
   $build/tests/fuzz/qkvfuse_fuzz --cases "${QKVFUSE_FUZZ_CASES:-10000}" --seed "$seed" >"$LOG/fuzz.log" 2>&1
@@ -140,10 +153,9 @@ if has ab; then
   # round of each. QKVFUSE_AB_ARGS adds arguments to every run (e.g. --head-dim 128);
   # QKVFUSE_BENCH_VARIANTS=1 adds the Qwen3-8B variants.
   start=$SECONDS
+  wait_old_builds
   for i in "${!old_builders[@]}"; do
-    wait "${old_builders[$i]}"
-    rc=$?
-    note "old build ${old_bins[$i]}: rc=$rc by $((SECONDS - start)) s"
+    note "old build ${old_bins[$i]}: rc=${old_build_rc[$i]} by $((SECONDS - start)) s"
   done
   sides=("${old_bins[@]}" "$build/bench/qkvfuse_bench_kernels")
   for round in $(seq 1 "${QKVFUSE_AB_ROUNDS:-2}"); do
