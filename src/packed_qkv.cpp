@@ -250,18 +250,8 @@ ForwardPlan plan_forward(const PackedQkvForwardParams& p) {
   // The unfused steps are validated either way: the op takes the same arguments on both paths.
   plan.fused = use_fused_gemm(check, p, dims, device);
   if (plan.fused) {
-    const cuda::FusedQkvGemmParams fused{.x_f8 = p.x_f8,
-                                         .weight_f8 = p.weight_f8,
-                                         .scale_a = p.x_scale,
-                                         .scale_b = p.weight_scale,
-                                         .alpha = p.qkv_scale,
-                                         .q = p.q,
-                                         .k = p.k,
-                                         .v = p.v,
-                                         .qk = p.qk,  // the raw Q/K columns the backward reads
-                                         .layout = p.layout,
-                                         .stream = p.stream};
-    plan.fused_args = cuda::fused_qkv_kernel_args(fused, check.op() + ": fused QKV GEMM");
+    plan.fused_args =
+        cuda::fused_qkv_kernel_args(cuda::fused_qkv_params(p), check.op() + ": fused QKV GEMM");
   }
   return plan;
 }

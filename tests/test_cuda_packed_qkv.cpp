@@ -442,6 +442,17 @@ void check_config(const Config& cfg, int64_t tokens) {
   }
 }
 
+/// The parameterized suites' cases: every config of kConfigs at T = 64 and 1008, named
+/// <config>_T<tokens>.
+const auto kLayoutCases =
+    ::testing::Combine(::testing::Range(0, int(sizeof(kConfigs) / sizeof(kConfigs[0]))),
+                       ::testing::Values(int64_t(64), int64_t(1008)));
+
+std::string layout_case_name(const ::testing::TestParamInfo<std::tuple<int, int64_t>>& info) {
+  return std::string(kConfigs[std::get<0>(info.param)].name) + "_T" +
+         std::to_string(std::get<1>(info.param));
+}
+
 class CudaPackedQkv : public ::testing::TestWithParam<std::tuple<int, int64_t>> {};
 
 TEST_P(CudaPackedQkv, MatchesCpuBackend) {
@@ -450,14 +461,7 @@ TEST_P(CudaPackedQkv, MatchesCpuBackend) {
   check_config(kConfigs[index], tokens);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Layouts, CudaPackedQkv,
-    ::testing::Combine(::testing::Range(0, int(sizeof(kConfigs) / sizeof(kConfigs[0]))),
-                       ::testing::Values(int64_t(64), int64_t(1008))),
-    [](const ::testing::TestParamInfo<std::tuple<int, int64_t>>& info) {
-      return std::string(kConfigs[std::get<0>(info.param)].name) + "_T" +
-             std::to_string(std::get<1>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(Layouts, CudaPackedQkv, kLayoutCases, layout_case_name);
 
 // ---- the fused forward (ForwardGemm::kFused) ----------------------------------------------------
 
@@ -511,14 +515,7 @@ TEST_P(CudaPackedQkvFusedForward, MatchesCublasLtForward) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Layouts, CudaPackedQkvFusedForward,
-    ::testing::Combine(::testing::Range(0, int(sizeof(kConfigs) / sizeof(kConfigs[0]))),
-                       ::testing::Values(int64_t(64), int64_t(1008))),
-    [](const ::testing::TestParamInfo<std::tuple<int, int64_t>>& info) {
-      return std::string(kConfigs[std::get<0>(info.param)].name) + "_T" +
-             std::to_string(std::get<1>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(Layouts, CudaPackedQkvFusedForward, kLayoutCases, layout_case_name);
 
 // T = 0 is a no-op on the GPU too: the wgrad GEMM (K = T) is not validated against cuBLASLt's
 // K > 0 when it will not run, and nothing is written (the outputs keep their poison).

@@ -1732,14 +1732,7 @@ TEST(Validation, PackedForwardGemmFusedRefusesUnsupportedLayouts) {
     EXPECT_TRUE(throws_error([&] { packed_qkv_forward(p); },
                              {"packed_qkv_forward: forward_gemm = kFused: ", c.reason}));
     EXPECT_TRUE(args.nothing_written());
-    const cuda::FusedQkvGemmParams fused{.x_f8 = p.x_f8,
-                                         .weight_f8 = p.weight_f8,
-                                         .scale_a = p.x_scale,
-                                         .scale_b = p.weight_scale,
-                                         .q = p.q,
-                                         .k = p.k,
-                                         .v = p.v,
-                                         .layout = p.layout};
+    const cuda::FusedQkvGemmParams fused = cuda::fused_qkv_params(p);
     // (A build without CUDA has no fused_qkv_gemm: its stub throws "built without CUDA".)
     if (built_with_cuda()) {
       EXPECT_TRUE(throws_error([&] { cuda::fused_qkv_kernel_args(fused); },

@@ -240,10 +240,17 @@ void packed_qkv_forward(const c10::OperatorHandle& op, Stack* stack) {
   const int64_t v_dim = call.integer("v_dim");
   args.expect_positive(qk_dim, "qk_dim");
   args.expect_positive(v_dim, "v_dim");
-  const std::string forward_gemm = call.text("forward_gemm");
-  QKVF_CHECK(forward_gemm == "cublaslt" || forward_gemm == "fused" || forward_gemm == "auto",
-             args.op(), ": forward_gemm: expected \"cublaslt\", \"fused\" or \"auto\", got \"",
-             forward_gemm, "\"");
+  const std::string forward_gemm_name = call.text("forward_gemm");
+  ForwardGemm forward_gemm = ForwardGemm::kCublasLt;
+  if (forward_gemm_name == "fused") {
+    forward_gemm = ForwardGemm::kFused;
+  } else if (forward_gemm_name == "auto") {
+    forward_gemm = ForwardGemm::kAuto;
+  } else {
+    QKVF_CHECK(forward_gemm_name == "cublaslt", args.op(),
+               ": forward_gemm: expected \"cublaslt\", \"fused\" or \"auto\", got \"",
+               forward_gemm_name, "\"");
+  }
   const RopeLayout layout = rope_layout(call, args);
   const int64_t tokens = x_f8.size(0);
   const int64_t qk_heads = layout.num_heads + kv_heads(layout);
@@ -276,9 +283,7 @@ void packed_qkv_forward(const c10::OperatorHandle& op, Stack* stack) {
        .q = args.view(q, "q"),
        .k = args.view(k, "k"),
        .layout = layout,
-       .forward_gemm = forward_gemm == "fused"  ? ForwardGemm::kFused
-                       : forward_gemm == "auto" ? ForwardGemm::kAuto
-                                                : ForwardGemm::kCublasLt,
+       .forward_gemm = forward_gemm,
        .stream = current_stream(x_f8)});
   call.finish(std::move(q), std::move(k), std::move(qkv));
 }

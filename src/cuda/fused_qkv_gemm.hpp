@@ -17,6 +17,7 @@
 
 #include "cuda/fused_qkv_gemm_args.hpp"
 #include "qkvfuse/fp8_gemm.hpp"
+#include "qkvfuse/packed_qkv.hpp"
 #include "qkvfuse/qk_norm_rope.hpp"
 #include "qkvfuse/tensor.hpp"
 
@@ -82,6 +83,22 @@ struct FusedQkvGemmParams {
   int swizzle = 1;
   Stream stream = nullptr;
 };
+
+/// The fused GEMM's arguments for the packed op's forward (ForwardGemm::kFused): the same
+/// operands and scales, q, k and v, and qk, the raw Q/K columns the backward reads.
+inline FusedQkvGemmParams fused_qkv_params(const PackedQkvForwardParams& p) {
+  return {.x_f8 = p.x_f8,
+          .weight_f8 = p.weight_f8,
+          .scale_a = p.x_scale,
+          .scale_b = p.weight_scale,
+          .alpha = p.qkv_scale,
+          .q = p.q,
+          .k = p.k,
+          .v = p.v,
+          .qk = p.qk,
+          .layout = p.layout,
+          .stream = p.stream};
+}
 
 /// The sizes fused_qkv_unsupported decides on (the heads come from the layout).
 struct FusedQkvSizes {
