@@ -60,10 +60,11 @@ struct ForwardArgs {
 /// ptxas spills nothing (check with -Xptxas -warn-spills).
 template <class Geom, typename AngleT, class Features>
 constexpr int forward_min_blocks() {
-  // The models' two-chunk rows (D = 256; their weights in shared memory): 5 (<= 96 registers).
+  // The models' two-chunk rows (their weights in shared memory, NeoX pairs in lane): 7 blocks
+  // (<= 72 registers) on 8 or 4 lanes, 5 (<= 96) at D = 256 on 16.
   if constexpr (std::is_same_v<Features, rope::ModelFeatures> && Geom::V == 8 && Geom::C == 2 &&
                 sizeof(AngleT) == 2) {
-    return 5;
+    return Geom::G == 16 ? 5 : 7;
   }
   if constexpr (Features::kGeneral && Geom::V == 8 && Geom::C == 1 && Geom::G == 16 &&
                 sizeof(AngleT) == 2) {
@@ -241,8 +242,8 @@ void qk_norm_rope(const QkNormRopeParams& params) {
             }
             if constexpr (!kKeyOffset) {
               if (model) {
-                rope::full_width_switch<Geom>(head_dim, [&](auto full_width) {
-                  launch_forward<Geom, false, AngleT, decltype(full_width)::value,
+                rope::model_width_switch<Geom>(head_dim, [&](auto geometry, auto full_width) {
+                  launch_forward<decltype(geometry), false, AngleT, decltype(full_width)::value,
                                  rope::ModelFeatures>(args, stream);
                 });
                 return;

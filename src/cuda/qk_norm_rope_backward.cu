@@ -82,7 +82,8 @@ template <class Geom, bool kKeyOffset, typename AngleT, class Features, bool kWe
 constexpr int backward_min_blocks() {
   constexpr bool kWideFactors = sizeof(AngleT) == 4;
   if constexpr (std::is_same_v<Features, rope::ModelFeatures> && Geom::V == 8) {
-    return (Geom::C == 1 ? 6 : 5) - (kWideFactors ? 1 : 0);
+    return (Geom::C == 1 || (Geom::kNeoxPairsInLane && Geom::G < 16) ? 6 : 5) -
+           (kWideFactors ? 1 : 0);
   }
   if constexpr (Features::kGeneral || kWeightGrad || Geom::V != 8) return Geom::C >= 3 ? 3 : 4;
   constexpr int C = Geom::C;
@@ -349,9 +350,11 @@ void qk_norm_rope_backward(const QkNormRopeBackwardParams& params) {
                       });
                     } else if (model && !kKeyOffset) {
                       if constexpr (!kKeyOffset) {
-                        rope::full_width_switch<Geom>(head_dim, [&](auto full_width) {
-                          launch_backward<Geom, false, AngleT, decltype(full_width)::value,
-                                          rope::ModelFeatures, true>(args, stream);
+                        rope::model_width_switch<Geom>(head_dim, [&](auto geometry,
+                                                                     auto full_width) {
+                          launch_backward<decltype(geometry), false, AngleT,
+                                          decltype(full_width)::value, rope::ModelFeatures, true>(
+                              args, stream);
                         });
                       }
                     } else if (weighted) {

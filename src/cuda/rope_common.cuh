@@ -273,13 +273,19 @@ __device__ __forceinline__ float load_value(const T* p, int64_t i) {
 // Row geometry and the head-width switch
 // ------------------------------------------------------------------------------------------------
 
-/// G lanes per row, C chunks of V elements per lane: rows up to V*G*C elements.
-template <int V_, int G_, int C_>
+/// G lanes per row, C chunks of V elements per lane: rows up to V*G*C elements. Chunk slot c of
+/// lane l holds elements V*(c*G + l) onwards. kNeoxPairsInLane: the geometry of the models'
+/// full-width kernels (NeoX over whole rows of exactly V*G*2 elements, NeoxPairGeometry), where
+/// slot 1 of each lane holds the NeoX partners (d + D/2) of its slot 0, so that no lane needs
+/// another's values.
+template <int V_, int G_, int C_, bool kNeoxPairsInLane_ = false>
 struct RowGeometry {
   static constexpr int V = V_;
   static constexpr int G = G_;
   static constexpr int C = C_;
   static constexpr int kMaxWidth = V * G * C;
+  static constexpr bool kNeoxPairsInLane = kNeoxPairsInLane_;
+  static_assert(!kNeoxPairsInLane || (C == 2 && V == 8), "NeoX pairs in lane: two 16-byte chunks");
   static_assert(G == 4 || G == 8 || G == 16 || G == 32,
                 "a lane group is 4, 8, 16 or 32 lanes: a power of two, so that the xor-shuffle "
                 "reduction stays inside the group and groups tile a warp");
@@ -352,6 +358,28 @@ constexpr bool has_full_width() {
   return Geom::V == 8 && (Geom::kMaxWidth & (Geom::kMaxWidth - 1)) == 0;
 }
 
+/// The geometry of the models' full-width kernels (ModelFeatures: NeoX over the whole row) for
+/// rows of Geom's full width: the same width on half the lanes with two chunks each, the NeoX
+/// partners in one lane (RowGeometry's kNeoxPairsInLane): 8 lanes x 2 at D = 128, 4 x 2 at
+/// D = 64, 16 x 2 (Geom's own) at D = 256. D = 32 keeps Geom (2 lanes would not tile a warp's
+/// reductions), and so do the other geometries.
+template <class Geom>
+struct NeoxPairGeometry {
+  using type = Geom;
+};
+template <>
+struct NeoxPairGeometry<RowGeometry<8, 16, 1>> {
+  using type = RowGeometry<8, 8, 2, true>;
+};
+template <>
+struct NeoxPairGeometry<RowGeometry<8, 8, 1>> {
+  using type = RowGeometry<8, 4, 2, true>;
+};
+template <>
+struct NeoxPairGeometry<RowGeometry<8, 16, 2>> {
+  using type = RowGeometry<8, 16, 2, true>;
+};
+
 /// Host side: f(std::true_type{}) when rows of width D take Geom's full-width form, else
 /// f(std::false_type{}). Each form is its own kernel (own register allocation).
 template <class Geom, typename F>
@@ -360,6 +388,19 @@ void full_width_switch(int64_t D, F&& f) {
     if (D == Geom::kMaxWidth) return f(std::true_type{});
   }
   f(std::false_type{});
+}
+
+/// Host side, the models' kernels: f(NeoxPairGeometry<Geom>::type{}, std::true_type{}) when rows
+/// of width D take Geom's full-width form, else f(Geom{}, std::false_type{}).
+template <class Geom, typename F>
+void model_width_switch(int64_t D, F&& f) {
+  full_width_switch<Geom>(D, [&](auto full_width) {
+    if constexpr (decltype(full_width)::value) {
+      f(typename NeoxPairGeometry<Geom>::type{}, full_width);
+    } else {
+      f(Geom{}, full_width);
+    }
+  });
 }
 
 /// Device side: the row width the kernel computes with, and the divisor of its row sums.

@@ -136,7 +136,9 @@ struct Partners {
   /// warp must call it: shuffles).
   __device__ __forceinline__ Chunk<V> of(const Chunk<V> (&x)[C], int c) const {
     Chunk<V> out;
-    if constexpr (V == 8) {
+    if constexpr (Geom::kNeoxPairsInLane) {
+      out = x[1 - c];  // the lane's other slot
+    } else if constexpr (V == 8) {
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
         uint32_t value = 0u;
@@ -169,19 +171,23 @@ struct Partners {
   __device__ __forceinline__ void values_of(const float (&v)[C][V], int c, float (&out)[V]) const {
 #pragma unroll
     for (int e = 0; e < V; ++e) {
-      const int source_lane = lane[c][V == 8 ? 0 : e];
-      const int source_slot = slot[c][V == 8 ? 0 : e];
       float value = 0.0f;
+      if constexpr (Geom::kNeoxPairsInLane) {
+        value = v[1 - c][e];  // the lane's other slot
+      } else {
+        const int source_lane = lane[c][V == 8 ? 0 : e];
+        const int source_slot = slot[c][V == 8 ? 0 : e];
 #pragma unroll
-      for (int s = 0; s < C; ++s) {
-        if constexpr (V == 8) {
-          const float got = __shfl_sync(0xffffffffu, v[s][e], source_lane, G);
-          value = C == 1 || s == source_slot ? got : value;  // one slot: no select
-        } else {
+        for (int s = 0; s < C; ++s) {
+          if constexpr (V == 8) {
+            const float got = __shfl_sync(0xffffffffu, v[s][e], source_lane, G);
+            value = C == 1 || s == source_slot ? got : value;  // one slot: no select
+          } else {
 #pragma unroll
-          for (int q = 0; q < V; ++q) {
-            const float got = __shfl_sync(0xffffffffu, v[s][q], source_lane, G);
-            value = s == source_slot && q == pos[c][e] ? got : value;
+            for (int q = 0; q < V; ++q) {
+              const float got = __shfl_sync(0xffffffffu, v[s][q], source_lane, G);
+              value = s == source_slot && q == pos[c][e] ? got : value;
+            }
           }
         }
       }
