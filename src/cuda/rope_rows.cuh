@@ -225,10 +225,19 @@ struct TokenAngles {
   using T = TableT<AngleT>;
   static constexpr bool kWords = V == 8;
 
+  // NeoX pairs in lane (the models' kernels: a cos/sin cache): slot 1's frequencies are slot 0's,
+  // loaded once.
+  static_assert(!Geom::kNeoxPairsInLane || std::is_same_v<Features, ModelFeatures>,
+                "NeoX pairs in lane: the models' layout");
+  static constexpr int kSlots = Geom::kNeoxPairsInLane ? 1 : C;
+  __device__ __forceinline__ static constexpr int slot(int c) {
+    return Geom::kNeoxPairsInLane ? 0 : c;
+  }
+
   // V = 8: a = f1 or cos, b = f2 or sin, pb = f2 at the partner chunk (NeoX tables, backward).
-  Values<T, 8> a[kWords ? C : 1];
-  Values<T, 8> b[kWords ? C : 1];
-  Values<T, 8> pb[kWords && Features::kGeneral ? C : 1];
+  Values<T, 8> a[kWords ? kSlots : 1];
+  Values<T, 8> b[kWords ? kSlots : 1];
+  Values<T, 8> pb[kWords && Features::kGeneral ? kSlots : 1];
   // V <= 2.
   float f1v[kWords ? 1 : C][V];
   float f2v[kWords ? 1 : C][V];
@@ -264,7 +273,7 @@ struct TokenAngles {
       const T* f2 = static_cast<const T*>(in.angles.factor2) + t * in.angles.factor2_stride +
                     angle_offset;
 #pragma unroll
-      for (int c = 0; c < C; ++c) {
+      for (int c = 0; c < kSlots; ++c) {
         const bool valid = token_ok && lanes.ok[c] && lanes.rot_end[c] > 0;
         const int d0 = lanes.d0[c];
         if constexpr (kWords) {
@@ -295,7 +304,7 @@ struct TokenAngles {
     const T* sin = cos + r / 2;
     const float nan = __uint_as_float(0x7fc00000u);
 #pragma unroll
-    for (int c = 0; c < C; ++c) {
+    for (int c = 0; c < kSlots; ++c) {
       const int d0 = lanes.d0[c];
       const bool valid = token_ok && lanes.ok[c] && lanes.rot_end[c] > 0;
       if constexpr (kWords) {
@@ -336,9 +345,9 @@ struct TokenAngles {
     if constexpr (!kWords) {
       return f1v[c][i];
     } else if constexpr (!Features::kGeneral) {
-      return a[c][i];
+      return a[slot(c)][i];
     } else {
-      return in.angles.cache && !in.dims.neox ? a[c][i >> 1] : a[c][i];
+      return in.angles.cache && !in.dims.neox ? a[slot(c)][i >> 1] : a[slot(c)][i];
     }
   }
 
@@ -346,11 +355,12 @@ struct TokenAngles {
     if constexpr (!kWords) {
       return f2v[c][i];
     } else if constexpr (!Features::kGeneral) {
-      return b[c][i];
+      return b[slot(c)][i];
     } else {
-      if (!in.angles.cache) return b[c][i];
-      const float sin = in.dims.neox ? b[c][i] : b[c][i >> 1];
-      const bool leads = in.dims.neox ? lead[c] : (i & 1) == 0;
+      if (!in.angles.cache) return b[slot(c)][i];
+      const float sin = in.dims.neox ? b[slot(c)][i] : b[slot(c)][i >> 1];
+      const bool leads =
+          in.dims.neox ? (Geom::kNeoxPairsInLane ? c == 0 : lead[c]) : (i & 1) == 0;
       return leads ? -sin : sin;
     }
   }
@@ -360,9 +370,9 @@ struct TokenAngles {
     if constexpr (!kWords) {
       return f2pv[c][i];
     } else if constexpr (!Features::kGeneral) {
-      return b[c][i ^ 1];
+      return b[slot(c)][i ^ 1];
     } else {
-      if (!in.angles.cache) return in.dims.neox ? pb[c][i] : b[c][i ^ 1];
+      if (!in.angles.cache) return in.dims.neox ? pb[slot(c)][i] : b[slot(c)][i ^ 1];
       return -f2(in, c, i);
     }
   }
