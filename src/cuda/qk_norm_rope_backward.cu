@@ -143,22 +143,35 @@ __device__ __forceinline__ void backward_unit(const BackwardArgs& p, const rope:
   if constexpr (kAnglesFirst) {
     angles.load(in, t, row, angle_offset, lanes, token_ok, /*backward=*/true);
   }
+  // Every row's gradient address before any load: place()'s paired branch then precedes the
+  // loads instead of splitting them into blocks (ptxas kept the second row's loads behind the
+  // first row's shuffles).
+  const uint16_t* g_rows[K];
+  int64_t g_strides[K];
+  bool row_is_key[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const qkvfuse::rope::Place at = qkvfuse::rope::place(in.dims, t, set + p.row_sets * k);
+    row_is_key[k] = at.is_key;
+    g_strides[k] = at.is_key ? p.grad.k_stride_t : p.grad.q_stride_t;
+    const int64_t stride_h = at.is_key ? p.grad.k_stride_h : p.grad.q_stride_h;
+    g_rows[k] = (at.is_key ? p.grad.k : p.grad.q) + at.token * g_strides[k] +
+                int64_t(at.head) * stride_h;
+  }
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     const int head2 = set + p.row_sets * k;
     const bool row_ok = token_ok && head2 < heads2;
-    const qkvfuse::rope::Place at = qkvfuse::rope::place(in.dims, t, head2);
-    const int64_t stride_t = at.is_key ? p.grad.k_stride_t : p.grad.q_stride_t;
-    const int64_t stride_h = at.is_key ? p.grad.k_stride_h : p.grad.q_stride_h;
-    const uint16_t* g_row =
-        (at.is_key ? p.grad.k : p.grad.q) + at.token * stride_t + int64_t(at.head) * stride_h;
+    const bool is_key = row_is_key[k];
+    const uint16_t* g_row = g_rows[k];
+    const int64_t stride_t = g_strides[k];
     // Key offset: g at t+1 of the same key head, for the lanes >= r.
-    const bool next_ok = kKeyOffset && row_ok && at.is_key && t + 1 < in.tokens;
+    const bool next_ok = kKeyOffset && row_ok && is_key && t + 1 < in.tokens;
 #pragma unroll
     for (int c = 0; c < C; ++c) {
       const bool ok = row_ok && lanes.ok[c];
       // Key offset: key grads are read twice (as g here, as g_next by the unit of t-1): cached.
-      g[k][c] = kKeyOffset && at.is_key
+      g[k][c] = kKeyOffset && is_key
                     ? rope::load_chunk_if<rope::Load::kCached, V>(ok, g_row + lanes.d0[c])
                     : rope::load_chunk_if<rope::Load::kStream, V>(ok, g_row + lanes.d0[c]);
       x[k][c] = rope::load_chunk_if<rope::Load::kStream, V>(ok, qk_token + k * qk_row_step +
