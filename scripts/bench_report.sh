@@ -14,8 +14,8 @@
 # Environment:
 #   QKVFUSE_BUILD_DIR    build tree with the benchmarks (default build-device)
 #   QKVFUSE_BENCH_DIR    raw outputs (default /tmp/qkvfuse-bench)
-#   QKVFUSE_COMMIT       commit to record (default: git rev-parse --short HEAD; the device
-#                        machine's copy of the tree has no .git)
+#   QKVFUSE_COMMIT       commit to record (default: git rev-parse --short HEAD; device_run.sh
+#                        passes the one device_prepare.sh wrote, the device's .git may be stale)
 #   QKVFUSE_DEVICE_SLUG  device part of the file names (default from nvidia-smi: h200, h100-...)
 #   QKVFUSE_BENCH_TORCH  0 skips the PyTorch benchmark (default 1)
 #   QKVFUSE_REFERENCE    reference implementation (default .seed/reference_triton.py)

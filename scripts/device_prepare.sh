@@ -6,6 +6,8 @@
 #   .seed/reference_triton.py   the reference implementation, for side-by-side runs
 #                               (QKVFUSE_SEED_DIR, default ../shared/seed: its one file)
 #   .whl/                       the Liger-Kernel wheel (bench_torch.py's side-by-side rows)
+#   .device/COMMIT              this tree's commit (git describe: -dirty when it has changes), the
+#                               one device_run.sh records (the device's copy of .git may be stale)
 #   .device/old-src-N/          per COMMIT argument: that commit's tree, an old side of
 #                               device_run.sh's ab stage (built there beside the new tree)
 #
@@ -26,14 +28,15 @@ mkdir -p .seed && cp "${seed_files[0]}" .seed/reference_triton.py
 mkdir -p .whl
 ls .whl/liger_kernel-*.whl >/dev/null 2>&1 ||
   python3 -m pip download -q --no-deps --only-binary=:all: liger-kernel -d .whl
-carry=(.gtest .deps .seed .whl)
+carry=(.gtest .deps .seed .whl .device)
 rm -rf .device/old-src*
+mkdir -p .device
+git describe --always --dirty --abbrev=7 >.device/COMMIT
 for i in $(seq 1 $#); do
   commit=$(git rev-parse --short "${!i}^{commit}")
   mkdir -p ".device/old-src-$i"
   git archive "$commit" | tar -x -C ".device/old-src-$i"
   echo "$commit" >".device/old-src-$i/COMMIT"
 done
-[ $# -ge 1 ] && carry+=(.device)
 du -sh "${carry[@]}" >&2
 printf '%s\n' "${carry[@]}"

@@ -25,7 +25,8 @@ note() { echo "$*" | tee -a "$summary"; pack; }
 has() { [[ " $stages " == *" $1 "* ]]; }
 
 note "device: $(nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null | head -1)"
-commit=${QKVFUSE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# The commit device_prepare.sh recorded here: the device's copy of .git can be older than the tree.
+commit=${QKVFUSE_COMMIT:-$(cat .device/COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 note "commit: $commit  date: $(date -u +%F)"
 
 # The A/B's old sides from source: each .device/old-src*/ holds another commit's tree (written by
