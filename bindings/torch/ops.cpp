@@ -15,8 +15,8 @@
 // results into one buffer (the packed forward's Q/K and V columns, the backward's two weight
 // gradients), the op returns that buffer whole and the Python package cuts the views
 // (python/qkvfuse/_layout.py). The schemas have no optional outputs: a norm weight's gradient is
-// returned as an empty float32 [0] tensor when that weight is absent. Fake (meta) kernels and
-// autograd live in the Python package.
+// returned as an empty float32 [0] tensor when that weight is absent. Fake (meta) kernels live in
+// the Python package, and so does the packed op's autograd; qk_norm_rope's is autograd.cpp.
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
@@ -26,6 +26,7 @@
 #include <tuple>
 #include <vector>
 
+#include "autograd.hpp"
 #include "convert.hpp"
 #include "qkvfuse/error.hpp"
 #include "qkvfuse/qkvfuse.hpp"
@@ -456,7 +457,7 @@ Tensor fp8_gemm(const Tensor& a, const Tensor& b, const Tensor& scale_a, const T
 // ops, the packed forward (whose gradient python/qkvfuse/packed.py defines around it) and
 // check_positions. It runs the op below autograd, so outputs simply do not require grad, instead
 // of carrying the fallback's grad_fn that fails only when a backward reaches it. (qk_norm_rope's
-// autograd is registered from Python with torch.library.register_autograd.)
+// Autograd kernel is autograd.cpp's.)
 void run_without_gradient(const c10::OperatorHandle& op, Stack* stack) {
   const at::AutoDispatchBelowADInplaceOrView guard;
   op.callBoxed(stack);
@@ -529,6 +530,8 @@ TORCH_LIBRARY(qkvfuse, m) { qkvfuse::torch_binding::define_ops(m); }
 TORCH_LIBRARY_IMPL(qkvfuse, CPU, m) { qkvfuse::torch_binding::register_kernels(m); }
 TORCH_LIBRARY_IMPL(qkvfuse, CUDA, m) { qkvfuse::torch_binding::register_kernels(m); }
 TORCH_LIBRARY_IMPL(qkvfuse, Autograd, m) {
+  m.impl("qk_norm_rope",
+         torch::CppFunction::makeFromBoxedFunction<&qkvfuse::torch_binding::qk_norm_rope_autograd>());
   for (const char* name : qkvfuse::torch_binding::kOpsWithoutGradient) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<
                      &qkvfuse::torch_binding::run_without_gradient>());

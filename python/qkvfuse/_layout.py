@@ -13,7 +13,7 @@ class RopeLayout(NamedTuple):
     """The layout arguments every rope op takes, in order: the schema fragment kRopeLayoutSchema
     of bindings/torch/ops.cpp, which the binding reads into qkvfuse::RopeLayout
     (include/qkvfuse/qk_norm_rope.hpp; SPEC.md section 8). `tuple(layout)` is those arguments;
-    `RopeLayout.of_op(args)` reads them back from an op's arguments (fake kernels, autograd).
+    `RopeLayout.of_op(args)` reads them back from an op's arguments (the fake kernels).
     The same names as qk_norm_rope's arguments.
 
     None means the C++ default: num_kv_heads = num_heads; rotary_dim = D with factor tables,
@@ -76,11 +76,6 @@ class RopeLayout(NamedTuple):
         """A backward op's weight gradients, None in place of an absent weight's placeholder."""
         return (None if self.q_weight is None else grad_q_weight,
                 None if self.k_weight is None else grad_k_weight)
-
-    def input_grads(self, grad_q_weight, grad_k_weight):
-        """One gradient per layout argument, as an autograd backward returns them: the weights'
-        (None where absent), None for everything else."""
-        return (None,) * (len(self._fields) - 2) + self.weight_grads(grad_q_weight, grad_k_weight)
 
 
 _FIRST_TENSOR = RopeLayout._fields.index("factor1")

@@ -1,4 +1,4 @@
-"""The functional API over torch.ops.qkvfuse, and the autograd of qk_norm_rope.
+"""The functional API over torch.ops.qkvfuse.
 
 Each function is a thin call of one registered op; shapes and dtypes are documented in SPEC.md and
 include/qkvfuse/*.hpp. Invalid arguments raise RuntimeError with the library's message, which names
@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.fx
 
-from ._layout import DEFAULT_EPS, RopeLayout, kernel_readable
+from ._layout import DEFAULT_EPS, RopeLayout
 
 _ops = torch.ops.qkvfuse
 
@@ -69,24 +69,6 @@ def qk_norm_rope(qk: torch.Tensor, factor1: Optional[torch.Tensor] = None,
                          q_weight=q_weight, k_weight=k_weight, weight_offset=weight_offset, eps=eps,
                          cos_sin=cos_sin, positions=positions)
     return _ops.qk_norm_rope(qk, *layout)
-
-
-def _qk_norm_rope_setup_context(ctx, inputs, output):
-    layout = RopeLayout.of_op(inputs)
-    ctx.save_for_backward(inputs[0], *layout.tensors())
-    ctx.options = layout.options()
-
-
-def _qk_norm_rope_backward(ctx, grad_q, grad_k):
-    qk, *tensors = ctx.saved_tensors
-    layout = RopeLayout(*ctx.options, *tensors)
-    grad_qk, grad_q_weight, grad_k_weight = _ops.qk_norm_rope_backward(
-        kernel_readable(grad_q), kernel_readable(grad_k), qk, *layout)
-    return (grad_qk, *layout.input_grads(grad_q_weight, grad_k_weight))
-
-
-torch.library.register_autograd("qkvfuse::qk_norm_rope", _qk_norm_rope_backward,
-                                setup_context=_qk_norm_rope_setup_context)
 
 
 def qkv_backward_fp8(grad_q, grad_k, grad_v, qk, factor1, factor2, grad_scale, num_heads: int,
