@@ -3,7 +3,7 @@
 # sanitizers and the benchmarks, and print a short table last. Logs and result files go to $OUT.
 #
 #   scripts/device_run.sh [stage ...]     stages: build test sanitize fuzz python profile ncu train train2
-#                                         ab bench
+#                                         ab general bench
 #                                         (default: build test python bench)
 # Needs, carried next to the tree (git-ignored): .gtest/ (GoogleTest sources; the GPU machine has
 # no network) and .seed/reference_triton.py (the reference implementation, for side-by-side runs).
@@ -174,6 +174,19 @@ if has ab; then
       --out "$LOG/ab_$i.md" | tee -a "$summary"
   done
   pack
+fi
+
+if has general; then
+  # bench/bench_general.py alone (the model shapes against torch.compile and Liger-Kernel; the
+  # bench stage runs it too, inside bench_torch.py), on the build stage's op library.
+  start=$SECONDS
+  QKVFUSE_TORCH_LIBRARY=$PWD/$build/bindings/torch/libqkvfuse_torch.so \
+    PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH} \
+    python3 bench/bench_general.py --liger-path .whl --commit "$commit" \
+    --out "$LOG/bench_general.csv" >"$LOG/bench_general.txt" 2>&1
+  note "bench_general: rc=$? in $((SECONDS - start)) s"
+  grep -E "^check|qkvfuse |^general fwd\+bwd" "$LOG/bench_general.txt" | grep -vE "^check passed" |
+    tee -a "$summary"
 fi
 
 if has bench; then
