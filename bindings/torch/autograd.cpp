@@ -1,6 +1,7 @@
-// autograd.cpp: the autograd of torch.ops.qkvfuse.qk_norm_rope, in C++.
+// autograd.cpp: the binding's Autograd kernels: qk_norm_rope's autograd, and the kernel of the ops
+// without a gradient of their own.
 //
-// The forward saves qk and the layout's tensors, and keeps the layout's other arguments by name;
+// qk_norm_rope's forward saves qk and the layout's tensors, and keeps the layout's other arguments by name;
 // the backward calls the registered qk_norm_rope_backward op with them and returns the gradients
 // of qk and of the norm weights (SPEC.md sections 2 and 8). It is C++ rather than
 // torch.library.register_autograd for the host's sake: the Python path took about 160 us of a
@@ -14,9 +15,11 @@
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 
-#include <algorithm>
+#include <optional>
 #include <string>
 #include <vector>
+
+#include "convert.hpp"
 
 namespace qkvfuse::torch_binding {
 namespace {
@@ -41,7 +44,8 @@ bool is_tensor_argument(const c10::Argument& argument) {
 
 /// A gradient as the kernels read it: last dim contiguous, no broadcast dims (autograd may hand in
 /// expanded or transposed gradients). An empty one becomes a fresh tensor with dense strides.
-/// Sizes and strides may be symbolic (torch.compile traces this function).
+/// Sizes and strides may be symbolic (torch.compile traces this function). The packed op's
+/// Python autograd does the same with python/qkvfuse/_layout.py's kernel_readable.
 Tensor kernel_readable(const Tensor& grad) {
   if (grad.sym_numel() == 0) return at::empty_symint(grad.sym_sizes(), grad.options());
   bool broadcast = false;
@@ -52,8 +56,9 @@ Tensor kernel_readable(const Tensor& grad) {
   return grad.contiguous();
 }
 
-/// The function: its differentiable inputs are qk and the norm weights; `args` is the forward op's
-/// whole argument stack (qk first, then the layout fragment, kRopeLayoutSchema of ops.cpp).
+/// The function: its differentiable inputs are qk and the norm weights (passed on their own so
+/// that autograd records them; the op reads them from `args`); `args` is the forward op's whole
+/// argument stack (qk first, then the layout fragment, kRopeLayoutSchema of ops.cpp).
 struct QkNormRopeFunction : torch::autograd::Function<QkNormRopeFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& /*qk*/,
                                const std::optional<Tensor>& /*q_weight*/,
@@ -103,33 +108,31 @@ struct QkNormRopeFunction : torch::autograd::Function<QkNormRopeFunction> {
   }
 };
 
-std::optional<Tensor> optional_tensor(const c10::IValue& value) {
-  if (value.isNone()) return std::nullopt;
-  return value.toTensor();
-}
-
 }  // namespace
 
+void run_without_gradient(const c10::OperatorHandle& op, Stack* stack) {
+  const at::AutoDispatchBelowADInplaceOrView guard;
+  op.callBoxed(stack);
+}
+
 void qk_norm_rope_autograd(const c10::OperatorHandle& op, Stack* stack) {
-  const c10::FunctionSchema& schema = op.schema();
-  const size_t count = schema.arguments().size();
-  Stack args(stack->end() - int64_t(count), stack->end());
-  torch::jit::drop(*stack, count);
-  const Tensor qk = args[0].toTensor();
-  const std::optional<Tensor> q_weight =
-      optional_tensor(args[*schema.argumentIndexWithName("q_weight")]);
-  const std::optional<Tensor> k_weight =
-      optional_tensor(args[*schema.argumentIndexWithName("k_weight")]);
+  Tensor qk;
+  std::optional<Tensor> q_weight;
+  std::optional<Tensor> k_weight;
+  {
+    const BoxedCall call(op, stack);
+    qk = call.tensor("qk");
+    q_weight = call.optional_tensor("q_weight");
+    k_weight = call.optional_tensor("k_weight");
+  }
   const bool needs_grad = at::GradMode::is_enabled() &&
                           (qk.requires_grad() || (q_weight && q_weight->requires_grad()) ||
                            (k_weight && k_weight->requires_grad()));
-  if (!needs_grad) {
-    // Nothing to record: run the op below autograd, as the ops without a gradient do.
-    const at::AutoDispatchBelowADInplaceOrView guard;
-    op.callBoxed(&args);
-    stack->insert(stack->end(), args.begin(), args.end());
-    return;
-  }
+  // Nothing to record: run the op as the ops without a gradient run.
+  if (!needs_grad) return run_without_gradient(op, stack);
+  const size_t count = op.schema().arguments().size();
+  Stack args(stack->end() - int64_t(count), stack->end());
+  torch::jit::drop(*stack, count);
   const variable_list outputs =
       QkNormRopeFunction::apply(qk, q_weight, k_weight, &op, std::move(args));
   stack->emplace_back(outputs[0]);

@@ -1,4 +1,4 @@
-// autograd.hpp: the Autograd kernels written in C++ (autograd.cpp).
+// autograd.hpp: the binding's Autograd kernels (autograd.cpp).
 #pragma once
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -6,8 +6,13 @@
 
 namespace qkvfuse::torch_binding {
 
+/// The Autograd kernel of the ops without a gradient of their own (ops.cpp's kOpsWithoutGradient):
+/// runs the op below autograd, so its outputs simply do not require grad, instead of carrying the
+/// fallback's grad_fn that fails only when a backward reaches it.
+void run_without_gradient(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+
 /// The Autograd kernel of qkvfuse::qk_norm_rope (boxed): records the backward when qk or a norm
-/// weight requires grad, else runs the op below autograd.
+/// weight requires grad, else runs as run_without_gradient.
 void qk_norm_rope_autograd(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 
 }  // namespace qkvfuse::torch_binding

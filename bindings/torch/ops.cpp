@@ -453,16 +453,9 @@ Tensor fp8_gemm(const Tensor& a, const Tensor& b, const Tensor& scale_a, const T
 
 // ---- registration -------------------------------------------------------------------------------
 
-// The Autograd kernel of the ops without a gradient of their own: the FP8 producers, the backward
-// ops, the packed forward (whose gradient python/qkvfuse/packed.py defines around it) and
-// check_positions. It runs the op below autograd, so outputs simply do not require grad, instead
-// of carrying the fallback's grad_fn that fails only when a backward reaches it. (qk_norm_rope's
-// Autograd kernel is autograd.cpp's.)
-void run_without_gradient(const c10::OperatorHandle& op, Stack* stack) {
-  const at::AutoDispatchBelowADInplaceOrView guard;
-  op.callBoxed(stack);
-}
-
+// The ops whose Autograd kernel is run_without_gradient (autograd.hpp): the FP8 producers, the
+// backward ops, the packed forward (whose gradient python/qkvfuse/packed.py defines around it) and
+// check_positions. (qk_norm_rope's Autograd kernel is qk_norm_rope_autograd.)
 constexpr const char* kOpsWithoutGradient[] = {
     "qk_norm_rope_backward", "qkv_backward_fp8",     "quantize_dual_layout",
     "quantize_dual_layout_amax", "quantize_weight_bank", "fp8_gemm",
