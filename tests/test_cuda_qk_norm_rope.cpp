@@ -198,6 +198,10 @@ struct RopeCase {
     return out.str();
   }
   int64_t factor_bytes() const { return int64_t(dtype_size(factor_dtype)); }
+  /// The float64 model's description of the case (as the CPU tests' cases give it).
+  ref::Rope rope() const {
+    return {tokens, heads, head_dim, key_offset ? rotary_dim : -1, paired, key_offset};
+  }
   int64_t qk_head_stride() const { return head_dim + qk_head_padding; }
   int64_t qk_token_stride() const { return 2 * heads * qk_head_stride() + qk_extra_columns; }
   int64_t factor_stride() const { return factor_width() + factor_padding; }
@@ -582,18 +586,11 @@ void check_backward(const RopeCase& c) {
   // dx = rstd * (dn - n * sum(dn * n) / D) can cancel far below its terms (at D = 2, whenever dn
   // is nearly parallel to n); the fp32 sums of the two backends, which differ in order and in
   // fusing, then differ by a rounding of the terms: the float64 model's term scale per row.
-  ref::Rope rope;
-  rope.tokens = c.tokens;
-  rope.heads = c.heads;
-  rope.head_dim = c.head_dim;
-  rope.rotary_dim = c.key_offset ? c.rotary_dim : -1;
-  rope.paired = c.paired;
-  rope.key_offset = c.key_offset;
   ref::RopeTensors tensors;
   tensors.factor1 = in.factor1.get();
   tensors.factor2 = in.factor2.get();
   const std::vector<double> term_scale =
-      ref::rope_gradients(rope, grad_q.get(), grad_k.get(), in.qk.get(), tensors).term_scale;
+      ref::rope_gradients(c.rope(), grad_q.get(), grad_k.get(), in.qk.get(), tensors).term_scale;
 
   const DeviceView dq = to_device(grad_q.view(), c.grad_offset);
   const DeviceView dk = to_device(grad_k.view(), c.grad_offset);
