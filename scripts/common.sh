@@ -3,6 +3,8 @@
 #
 #   need_build_tools [gtest]   installs cmake, ninja, g++ (and GoogleTest) with apt where missing
 #   python_outside ARGS...     python3 ARGS run from an empty directory outside the source tree
+#   start_old_builds DIR TARGET [CMAKE_ARG...]
+#                              the A/B's old sides, built in the background (device scripts)
 #
 # nvcc usually lives outside PATH in a fresh shell: /usr/local/cuda/bin joins PATH when it has one.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -36,4 +38,25 @@ python_outside() {
   (cd "$dir" && python3 "$@") || rc=$?
   rmdir "$dir"
   return $rc
+}
+
+# An A/B's old sides (device_run.sh, device_fused_gemm.sh): each .device/old-src*/ holds another
+# commit's tree (scripts/device_prepare.sh COMMIT ...). Configures each in DIR-<commit> (Release,
+# sm_90a, no tests or examples, plus CMAKE_ARGs) and builds TARGET there in the background, logging
+# to $LOG/build_old_<commit>.log. Sets old_sides (the commits), old_builders (the background
+# builds' pids) and old_bins (each side's DIR-<commit>/bench/TARGET).
+start_old_builds() {
+  local dir=$1 target=$2 src name
+  shift 2
+  old_sides=() old_builders=() old_bins=()
+  for src in .device/old-src*/; do
+    [ -f "$src/CMakeLists.txt" ] || continue
+    name=$(cat "$src/COMMIT")
+    (cmake -S "$src" -B "$dir-$name" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+       -DCMAKE_CUDA_ARCHITECTURES=90a -DQKVFUSE_BUILD_TESTS=OFF -DQKVFUSE_BUILD_EXAMPLES=OFF "$@" &&
+       ninja -C "$dir-$name" "$target") >"$LOG/build_old_$name.log" 2>&1 &
+    old_builders+=($!)
+    old_sides+=("$name")
+    old_bins+=("$dir-$name/bench/$target")
+  done
 }

@@ -29,20 +29,12 @@ note "device: $(nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem 
 commit=${QKVFUSE_COMMIT:-$(cat .device/COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 note "commit: $commit  date: $(date -u +%F)"
 
-# The A/B's old sides from source: each .device/old-src*/ holds another commit's tree (written by
-# scripts/device_prepare.sh COMMIT ...); their benchmarks build in the background beside the build
-# stage. QKVFUSE_AB_OLD names one prebuilt binary instead.
+# The A/B's old sides from source (.device/old-src*/, common.sh's start_old_builds): their
+# benchmarks build in the background beside the build stage. QKVFUSE_AB_OLD names one prebuilt
+# binary instead.
 old_bins=() old_builders=()
 if has ab && [ -z "${QKVFUSE_AB_OLD:-}" ]; then
-  for src in .device/old-src*/; do
-    [ -f "$src/CMakeLists.txt" ] || continue
-    name=$(cat "$src/COMMIT")
-    (cmake -S "$src" -B "build-old-$name" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-       -DCMAKE_CUDA_ARCHITECTURES=90a -DQKVFUSE_BUILD_TESTS=OFF -DQKVFUSE_BUILD_EXAMPLES=OFF &&
-       ninja -C "build-old-$name" qkvfuse_bench_kernels) >"$LOG/build_old_$name.log" 2>&1 &
-    old_builders+=($!)
-    old_bins+=("build-old-$name/bench/qkvfuse_bench_kernels")
-  done
+  start_old_builds build-old qkvfuse_bench_kernels
 fi
 [ -n "${QKVFUSE_AB_OLD:-}" ] && old_bins=("$QKVFUSE_AB_OLD")
 
