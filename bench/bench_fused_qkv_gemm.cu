@@ -14,7 +14,9 @@
 //   fused+qk            the same, also writing the raw qk for the backward
 //   fused alongM, N/sw2, N/sw4   the fused GEMM with other tile orders of the persistent scheduler
 // The differences cutlass -> store-only -> norm-only -> fused are what the epilogue's stores, its
-// norm, and its factor loads + rotary cost (fused_qkv_gemm_variants.cu).
+// norm, and its factor loads + rotary cost (fused_qkv_gemm_variants.cu). Shapes: D = 128, 96 and
+// 64 in the plain layout, then D = 128 and 96 paired (q, k [2T, H/2, D], [T, 2D] tables; the
+// baselines, the cutlass row and the fused rows only).
 //
 //   qkvfuse_bench_fused_qkv_gemm [--csv PATH] [--tokens T] [--iters N] [--head-dim D]
 //                                [--kernel VARIANT]
@@ -70,7 +72,7 @@ void fused_d128(const Problem& p, cudaStream_t stream) {
   cuda::launch_fused_qkv_gemm<128, kLayout, cuda::FusedFactor, kWork>(args, stream);
 }
 
-void bench_shape(int64_t tokens, int64_t head_dim, cudaStream_t stream, int iters,
+void bench_shape(int64_t tokens, int64_t head_dim, bool paired, cudaStream_t stream, int iters,
                  size_t l2_bytes, const std::string& only) {
   ProblemSpec spec;
   spec.shape.tokens = tokens;
@@ -79,6 +81,7 @@ void bench_shape(int64_t tokens, int64_t head_dim, cudaStream_t stream, int iter
   spec.shape.head_dim = head_dim;
   spec.shape.v_dim = 128;
   spec.shape.rotary_dim = head_dim;
+  spec.shape.paired = paired;
   spec.channels = 768;
   const QkvShape& s = spec.shape;
   const double flops = 2.0 * double(tokens) * double(s.n()) * double(spec.channels);
@@ -91,7 +94,8 @@ void bench_shape(int64_t tokens, int64_t head_dim, cudaStream_t stream, int iter
   std::vector<std::unique_ptr<Problem>> problems;
   for (int i = 0; i < sets; ++i) problems.push_back(std::make_unique<Problem>(spec, stream));
   const std::string shape = "T=" + std::to_string(tokens) + " N=" + std::to_string(s.n()) +
-                            " C=" + std::to_string(spec.channels) + " D=" + std::to_string(head_dim);
+                            " C=" + std::to_string(spec.channels) + " D=" + std::to_string(head_dim) +
+                            (paired ? " paired" : "");
 
   struct Variant {
     const char* name;
@@ -108,7 +112,7 @@ void bench_shape(int64_t tokens, int64_t head_dim, cudaStream_t stream, int iter
        "today's forward (2 kernels)"},
       {"cutlass", [&](const Problem& p) { p.gemm_cutlass(stream); }, "ping-pong 128x128x128, TMA epilogue"},
   };
-  if (head_dim == 128) {
+  if (head_dim == 128 && !paired) {
     using cuda::EpilogueLayout;
     using cuda::EpilogueWork;
     variants.push_back({"fused store-only",
@@ -175,9 +179,12 @@ int run(int argc, char** argv) {
               "note");
   cudaStream_t stream;
   BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  for (int64_t d : {128, 96, 64}) {
-    if (options.head_dim != 0 && d != options.head_dim) continue;
-    bench_shape(options.tokens, d, stream, options.iters, size_t(prop.l2CacheSize), options.kernel);
+  for (const bool paired : {false, true}) {
+    for (int64_t d : {128, 96, 64}) {
+      if ((options.head_dim != 0 && d != options.head_dim) || (paired && d == 64)) continue;
+      bench_shape(options.tokens, d, paired, stream, options.iters, size_t(prop.l2CacheSize),
+                  options.kernel);
+    }
   }
   BENCH_CUDA(cudaStreamDestroy(stream));
   if (g_rows.empty()) {
