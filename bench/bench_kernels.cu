@@ -24,6 +24,7 @@
 //                  + the weights' gradients
 //   FP8 backward   grad_q, grad_k 2*T*QK + grad_v 2*T*Hkv*Dv + qk 2*T*QK + angles + weights
 //                  + grad_scale 4 + grad_row T*qkv_dim + grad_t T*qkv_dim + the weights' gradients
+// where rotary alone (no norm, no weights: the Qwen3-8B/no-norm variant) reads no qk.
 // where the angles are factor tables 2*2*T*W (W = D, 2D paired) or a cos/sin cache read once
 // (2*P*r) and its positions (8*T), and the weights 2*D each.
 // GB/s = bytes / median time; "%copy" = that against the device-to-device copy bandwidth measured
@@ -243,6 +244,7 @@ struct Shape {
   bool cache = true;    ///< cos/sin cache at positions (else factor tables)
   bool neox = true;     ///< NeoX lanes (else interleaved)
   bool weights = true;  ///< both norm weights
+  bool normalize = true;  ///< the RMS norm (false, with no weights: Llama's and Mistral's layout)
 
   static constexpr int64_t kPositions = 8192;
   bool general() const { return model != nullptr; }
@@ -255,6 +257,10 @@ struct Shape {
   const char* label() const { return general() ? model : mode_name(mode); }
   /// qk as the model has it: the Q/K columns of the packed GEMM output (paired: dense).
   int64_t qk_row_stride() const { return mode == Mode::kPaired ? qk_features() : qkv_dim(); }
+  /// Whether the backward reads the saved rows qk: not for rotary alone (no norm, no weights).
+  bool reads_rows() const { return !general() || normalize || weights; }
+  /// Bytes of the norm weights' gradients (bf16, both).
+  double weight_grad_bytes() const { return general() && weights ? 2 * 2.0 * head_dim : 0.0; }
   /// Bytes of the angle source and the weights (see the file comment).
   double angle_bytes() const {
     const double weight_bytes = general() && weights ? 2 * 2.0 * head_dim : 0.0;
@@ -392,6 +398,7 @@ Views views_of(const Shape& s, const BufferSet& b) {
   layout.key_offset = s.mode == Mode::kKeyOffset;
   if (s.general()) {
     layout.rotary_style = s.neox ? RotaryStyle::kNeox : RotaryStyle::kInterleaved;
+    layout.normalize = s.normalize;
     layout.eps = 1e-6f;
     if (s.weights) {
       layout.weight_offset = s.weight_offset;
@@ -419,13 +426,13 @@ double forward_bytes(const Shape& s) {
 }
 double backward_bytes(const Shape& s) {
   const double qk = 2.0 * double(s.tokens) * double(s.qk_features());
-  return 3 * qk + s.angle_bytes() + (s.general() ? 2 * 2.0 * double(s.head_dim) : 0.0);
+  return (s.reads_rows() ? 3 : 2) * qk + s.angle_bytes() + s.weight_grad_bytes();
 }
 double fp8_bytes(const Shape& s) {
   const double t = double(s.tokens);
   const double qk = 2.0 * t * double(s.qk_features());
-  return 2 * qk + 2 * t * double(s.kv() * s.v_dim) + s.angle_bytes() + 4 + 2 * t * double(s.qkv_dim()) +
-         (s.general() ? 2 * 2.0 * double(s.head_dim) : 0.0);
+  return (s.reads_rows() ? 2 : 1) * qk + 2 * t * double(s.kv() * s.v_dim) + s.angle_bytes() + 4 +
+         2 * t * double(s.qkv_dim()) + s.weight_grad_bytes();
 }
 
 void bench_shape(const Shape& s, cudaStream_t stream, int iters, const std::string& only) {
@@ -597,7 +604,12 @@ int run(int argc, char** argv) {
     no_weights.weights = false;
     seed.model = "Qwen3-8B/speedrun-layout";
     seed.cache = seed.neox = seed.weights = false;
-    cases.insert(cases.end(), {tables, interleaved, no_weights, seed});
+    // No QK norm at all, the layout of Llama and Mistral (which the transformers integration
+    // sends through the general kernels): rotary only, at Llama-3.1-8B's heads.
+    Shape no_norm = models[0];
+    no_norm.model = "Qwen3-8B/no-norm";
+    no_norm.normalize = no_norm.weights = false;
+    cases.insert(cases.end(), {tables, interleaved, no_weights, seed, no_norm});
   }
   for (const Shape& shape : cases) {
     if (options.head_dim != 0 && shape.head_dim != options.head_dim) continue;
