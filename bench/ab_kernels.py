@@ -14,10 +14,10 @@ from pathlib import Path
 def read(paths):
     """{(kernel, mode, tokens, heads, kv_heads, head_dim, v_dim, n): [ms, ...]} and the copy GB/s.
 
-    n counts earlier rows of the same shape in the file: the Qwen3-8B variants of
-    QKVFUSE_BENCH_VARIANTS share its shape, and every build runs its cases in the same order
-    (bench_kernels.cu), so the n-th such row is the same case in both builds. With the variants,
-    Qwen3-8B's rows #1 to #4 are its tables, interleaved, no-weights and speedrun-layout cases."""
+    n counts earlier rows of the same key in the file, and every build runs its cases in the same
+    order (bench_kernels.cu), so the n-th such row is the same case in both builds. (The Qwen3-8B
+    variants of QKVFUSE_BENCH_VARIANTS share its shape but carry their own mode labels,
+    "Qwen3-8B/tables" and so on, so a variant one build lacks is left out, not mismatched.)"""
     rows, copy = {}, []
     for path in paths:
         lines = Path(path).read_text().splitlines()
