@@ -24,8 +24,8 @@
 //                  + the weights' gradients
 //   FP8 backward   grad_q, grad_k 2*T*QK + grad_v 2*T*Hkv*Dv + qk 2*T*QK + angles + weights
 //                  + grad_scale 4 + grad_row T*qkv_dim + grad_t T*qkv_dim + the weights' gradients
-// where rotary alone (no norm, no weights: the Qwen3-8B/no-norm variant) reads no qk.
-// where the angles are factor tables 2*2*T*W (W = D, 2D paired) or a cos/sin cache read once
+// (rotary alone, no norm and no weights as in the Qwen3-8B/no-norm variant, reads no qk), where
+// the angles are factor tables 2*2*T*W (W = D, 2D paired) or a cos/sin cache read once
 // (2*P*r) and its positions (8*T), and the weights 2*D each.
 // GB/s = bytes / median time; "%copy" = that against the device-to-device copy bandwidth measured
 // in the same run (cudaMemcpyAsync of a 2 GiB buffer, bytes read + written). "anchor" is the
@@ -259,13 +259,13 @@ struct Shape {
   int64_t qk_row_stride() const { return mode == Mode::kPaired ? qk_features() : qkv_dim(); }
   /// Whether the backward reads the saved rows qk: not for rotary alone (no norm, no weights).
   bool reads_rows() const { return !general() || normalize || weights; }
-  /// Bytes of the norm weights' gradients (bf16, both).
-  double weight_grad_bytes() const { return general() && weights ? 2 * 2.0 * head_dim : 0.0; }
+  /// Bytes of both norm weights (bf16, D each): read by every kernel, and written again as their
+  /// gradients by the backward kernels.
+  double weight_bytes() const { return general() && weights ? 2 * 2.0 * head_dim : 0.0; }
   /// Bytes of the angle source and the weights (see the file comment).
   double angle_bytes() const {
-    const double weight_bytes = general() && weights ? 2 * 2.0 * head_dim : 0.0;
-    if (general() && cache) return 2.0 * kPositions * head_dim + 8.0 * tokens + weight_bytes;
-    return 2 * 2.0 * tokens * factor_width() + weight_bytes;
+    if (general() && cache) return 2.0 * kPositions * head_dim + 8.0 * tokens + weight_bytes();
+    return 2 * 2.0 * tokens * factor_width() + weight_bytes();
   }
 };
 
@@ -426,13 +426,13 @@ double forward_bytes(const Shape& s) {
 }
 double backward_bytes(const Shape& s) {
   const double qk = 2.0 * double(s.tokens) * double(s.qk_features());
-  return (s.reads_rows() ? 3 : 2) * qk + s.angle_bytes() + s.weight_grad_bytes();
+  return (s.reads_rows() ? 3 : 2) * qk + s.angle_bytes() + s.weight_bytes();
 }
 double fp8_bytes(const Shape& s) {
   const double t = double(s.tokens);
   const double qk = 2.0 * t * double(s.qk_features());
   return (s.reads_rows() ? 2 : 1) * qk + 2 * t * double(s.kv() * s.v_dim) + s.angle_bytes() + 4 +
-         2 * t * double(s.qkv_dim()) + s.weight_grad_bytes();
+         2 * t * double(s.qkv_dim()) + s.weight_bytes();
 }
 
 void bench_shape(const Shape& s, cudaStream_t stream, int iters, const std::string& only) {
