@@ -17,6 +17,7 @@
 #include "qkvfuse/qkvfuse.hpp"
 #include "reference.hpp"
 #include "test_util.hpp"
+#include "validate.hpp"
 
 namespace qkvfuse::test {
 namespace {
@@ -1904,6 +1905,185 @@ TEST(Validation, QuantizeAndGemmScalesOnAnotherDeviceAreRefused) {
   p.scale_b = on_device(p.scale_b, kCuda0);
   EXPECT_TRUE(throws_error([&] { fp8_gemm(p); },
                            {"fp8_gemm: scale_b: is on cuda:0, but a is on cpu"}));
+}
+
+// ---- SPEC.md section 9: the families' options ----------------------------------------------------
+
+TEST(ValidationFamilies, QueryOnlyRefusals) {
+  const auto query_only = [](RopeLayout& l) {
+    l.query_only = true;
+    l.num_kv_heads = 0;
+    l.k_weight = TensorView{};
+  };
+  expect_layout_refused([](RopeLayout& l) { l.query_only = true; },
+                        {"layout.num_kv_heads: query_only has no key heads: expected 0, got 2"});
+  expect_layout_refused(
+      [&](RopeLayout& l) {
+        query_only(l);
+        l.key_offset = true;
+      },
+      {"layout.query_only: has no key heads, so neither paired nor key_offset"});
+  expect_layout_refused(
+      [&](RopeLayout& l) {
+        query_only(l);
+        l.paired = true;
+      },
+      {"layout.query_only: has no key heads, so neither paired nor key_offset"}, true);
+  LayoutArgs tensors;
+  const TensorView k_weight = tensors.k_weight.view();
+  expect_layout_refused(
+      [&](RopeLayout& l) {
+        query_only(l);
+        l.k_weight = k_weight;
+      },
+      {"layout.k_weight: given, but query_only has no key rows"});
+  expect_layout_refused(
+      [&](RopeLayout& l) {
+        query_only(l);
+        l.normalize_v = true;
+      },
+      {"layout.normalize_v: query_only has no V heads to normalize"});
+  // A valid query-only layout on these [T, Hq + Hkv, D] arguments: qk's shape is then wrong.
+  expect_layout_refused(query_only,
+                        {"qk: expected shape [T, 4, 32] (query_only: num_heads = 4 heads)"});
+}
+
+TEST(ValidationFamilies, NormScopeAndVNormRefusals) {
+  expect_layout_refused([](RopeLayout& l) { l.norm_scope = static_cast<NormScope>(5); },
+                        {"layout.norm_scope: expected kHead or kToken, got 5"});
+  expect_layout_refused(
+      [](RopeLayout& l) {
+        l.norm_scope = NormScope::kToken;
+        l.normalize_v = true;
+      },
+      {"layout.normalize_v: defined with norm_scope = kHead only"});
+  // Token scope: the weights are [Hq*D] and [Hkv*D], not [D].
+  expect_layout_refused([](RopeLayout& l) { l.norm_scope = NormScope::kToken; },
+                        {"layout.q_weight: expected shape [128] (norm_scope kToken: "
+                         "[num_heads * D]), got [32]"});
+  // The V norm reads v: the rope ops' V tensors go with it (named per op below).
+  LayoutArgs args;
+  auto f = args.forward();
+  f.layout.normalize_v = true;
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(f); },
+                           {"qk_norm_rope: v: missing (layout.normalize_v reads the V heads)"}));
+  auto p = args.fp8();
+  p.layout.normalize_v = true;
+  EXPECT_TRUE(throws_error([&] { qkv_backward_fp8(p); },
+                           {"qkv_backward_fp8: v: missing (layout.normalize_v reads the V heads)"}));
+  f = args.forward();
+  f.v = args.grad_v.view();
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(f); },
+                           {"qk_norm_rope: v: given, but layout.normalize_v is false"}));
+  f = args.forward();
+  f.layout.normalize_v = true;
+  f.v = args.grad_v.view();
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(f); }, {"qk_norm_rope: v_out: missing"}));
+  HostTensor v_out(DType::kBFloat16, {LayoutArgs::T, LayoutArgs::Hkv, LayoutArgs::Dv + 1});
+  f.v_out = v_out.view();
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(f); },
+                           {"qk_norm_rope: v_out: expected shape [4, 2, 16] (v's shape)"}));
+  auto b = args.backward();
+  b.layout.normalize_v = true;
+  b.v = args.grad_v.view();
+  b.grad_v_out = args.grad_v.view();
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope_backward(b); },
+                           {"qk_norm_rope_backward: grad_v: missing"}));
+  EXPECT_TRUE(args.nothing_written());
+}
+
+TEST(ValidationFamilies, NoAngleSourceRefusals) {
+  const auto no_angles = [](RopeLayout& l) {
+    l.cos_sin = TensorView{};
+    l.positions = TensorView{};
+    l.rotary_dim = -1;
+  };
+  expect_layout_refused(
+      [&](RopeLayout& l) {
+        no_angles(l);
+        l.rotary_dim = 2;
+      },
+      {"layout.rotary_dim: expected -1 or 0 without an angle source"});
+  expect_layout_refused(
+      [&](RopeLayout& l) {
+        no_angles(l);
+        l.num_kv_heads = 0;
+        l.paired = true;
+      },
+      {"layout.paired: defined with factor tables [T, 2D] only, got no angle source"});
+  // Valid without angles: nothing rotates.
+  LayoutArgs args;
+  auto f = args.forward();
+  no_angles(f.layout);
+  EXPECT_NO_THROW(qk_norm_rope(f));
+}
+
+TEST(ValidationFamilies, HeadWidthUpTo512) {
+  // D = 512 is valid (the shapes of these arguments are not, past the head width).
+  LayoutArgs args;
+  auto f = args.forward();
+  f.qk.sizes[2] = 512;
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(f); },
+                           {"qk_norm_rope: layout.q_weight: expected shape [512] ([D])"}));
+}
+
+/// `view` as if it lived on cuda:0 (the pointer is never read: the pending-option check reads
+/// only the device and the shape, and runs first).
+TensorView on_cuda(TensorView view) {
+  view.device = Device{DeviceType::kCUDA, 0};
+  return view;
+}
+
+TEST(ValidationFamilies, CudaRefusesEachPendingOptionByName) {
+  // Checked on the host before any CUDA call, so a build without CUDA (CI) gives the message too.
+  struct Pending {
+    std::function<void(RopeLayout&, TensorView&)> set;
+    std::string name;
+  };
+  const std::vector<Pending> pending = {
+      {[](RopeLayout&, TensorView& qk) { qk.sizes[2] = 512; }, "qk: head width D = 512 (above 256)"},
+      {[](RopeLayout& l, TensorView&) { l.normalize_v = true; }, "layout.normalize_v"},
+      {[](RopeLayout& l, TensorView&) { l.norm_scope = NormScope::kToken; },
+       "layout.norm_scope = kToken"},
+      {[](RopeLayout& l, TensorView&) { l.query_only = true; }, "layout.query_only"},
+      {[](RopeLayout& l, TensorView&) {
+         l.cos_sin = TensorView{};
+         l.positions = TensorView{};
+       },
+       "layout: no angle source (a call without rotary)"},
+  };
+  for (const Pending& option : pending) {
+    SCOPED_TRACE(option.name);
+    const std::string refused = ": " + option.name + ": not yet on the CUDA backend";
+    LayoutArgs args;
+    auto f = args.forward();
+    f.qk = on_cuda(f.qk);
+    option.set(f.layout, f.qk);
+    EXPECT_TRUE(throws_error([&] { qk_norm_rope(f); }, {"qk_norm_rope" + refused}));
+    auto b = args.backward();
+    b.qk = on_cuda(b.qk);
+    option.set(b.layout, b.qk);
+    EXPECT_TRUE(throws_error([&] { qk_norm_rope_backward(b); }, {"qk_norm_rope_backward" + refused}));
+    auto p = args.fp8();
+    p.qk = on_cuda(p.qk);
+    option.set(p.layout, p.qk);
+    EXPECT_TRUE(throws_error([&] { qkv_backward_fp8(p); }, {"qkv_backward_fp8" + refused}));
+    PackedQkvForwardParams forward;
+    forward.qk = on_cuda(args.qk.view());
+    option.set(forward.layout = args.layout(), forward.qk);
+    EXPECT_TRUE(throws_error([&] { packed_qkv_forward(forward); }, {"packed_qkv_forward" + refused}));
+    PackedQkvBackwardParams backward;
+    backward.qk = on_cuda(args.qk.view());
+    option.set(backward.layout = args.layout(), backward.qk);
+    EXPECT_TRUE(
+        throws_error([&] { packed_qkv_backward(backward); }, {"packed_qkv_backward" + refused}));
+    EXPECT_TRUE(args.nothing_written());
+  }
+  // The section 8 layout itself is not refused by this check (it goes on to the device checks).
+  RopeLayout plain;
+  EXPECT_EQ(validate::cuda_pending_option(plain, 256), "layout: no angle source (a call without rotary)");
+  LayoutArgs args;
+  EXPECT_EQ(validate::cuda_pending_option(args.layout(), 256), "");
 }
 
 }  // namespace
