@@ -1,7 +1,8 @@
 """Fake (meta) kernels for torch.compile and FakeTensor tracing: the same output shapes, dtypes and
 (contiguous) strides as bindings/torch/ops.cpp allocates. The rope ops end with the layout's
-arguments, which RopeLayout.of_op reads back. ops.cpp names this module with
-m.set_python_module, so torch can point at it when it is missing."""
+arguments (and, for the FP8 and packed backwards, the V norm's v), which RopeLayout.of_op reads
+back; its last fields have defaults, so a call may pass fewer of them, or pass them by name.
+ops.cpp names this module with m.set_python_module, so torch can point at it when it is missing."""
 import torch
 
 from ._layout import RopeLayout
@@ -15,19 +16,30 @@ def _dual_layout(x):
 
 
 @torch.library.register_fake("qkvfuse::qk_norm_rope")
-def _qk_norm_rope(qk, *layout):
-    q_shape, k_shape = RopeLayout.of_op(layout).output_shapes(qk.shape[0], qk.shape[2])
+def _qk_norm_rope(qk, *layout, **kwargs):
+    q_shape, k_shape = RopeLayout.of_op(layout, kwargs).output_shapes(qk.shape[0], qk.shape[2])
     return qk.new_empty(q_shape), qk.new_empty(k_shape)
 
 
+@torch.library.register_fake("qkvfuse::qkv_norm_rope")
+def _qkv_norm_rope(qk, v, *layout, **kwargs):
+    return (*_qk_norm_rope(qk, *layout, **kwargs), qk.new_empty(v.shape))
+
+
 @torch.library.register_fake("qkvfuse::qk_norm_rope_backward")
-def _qk_norm_rope_backward(grad_q, grad_k, qk, *layout):
-    return (qk.new_empty(qk.shape), *RopeLayout.of_op(layout).weight_grads_like(qk))
+def _qk_norm_rope_backward(grad_q, grad_k, qk, *layout, **kwargs):
+    return (qk.new_empty(qk.shape), *RopeLayout.of_op(layout, kwargs).weight_grads_like(qk))
+
+
+@torch.library.register_fake("qkvfuse::qkv_norm_rope_backward")
+def _qkv_norm_rope_backward(grad_q, grad_k, grad_v_out, qk, v, *layout, **kwargs):
+    return (qk.new_empty(qk.shape), qk.new_empty(v.shape),
+            *RopeLayout.of_op(layout, kwargs).weight_grads_like(qk))
 
 
 @torch.library.register_fake("qkvfuse::qkv_backward_fp8")
-def _qkv_backward_fp8(grad_q, grad_k, grad_v, qk, grad_scale, *layout):
-    layout = RopeLayout.of_op(layout)
+def _qkv_backward_fp8(grad_q, grad_k, grad_v, qk, grad_scale, *layout, **kwargs):
+    layout = RopeLayout.of_op(layout, kwargs)
     tokens = qk.shape[0]
     qkv_dim = layout.qkv_dim(qk.shape[2], grad_v.shape[2])
     return (qk.new_empty((tokens, qkv_dim), dtype=E4M3),
@@ -61,22 +73,24 @@ def _fp8_gemm(a, b, scale_a, scale_b, alpha=None, fast_accum=False):
 
 @torch.library.register_fake("qkvfuse::packed_qkv_forward")
 def _packed_qkv_forward(x_f8, weight_f8, x_scale, weight_scale, qkv_scale, qk_dim, v_dim,
-                        forward_gemm, *layout):
-    layout = RopeLayout.of_op(layout)
+                        forward_gemm, *layout, **kwargs):
+    layout = RopeLayout.of_op(layout, kwargs)
     tokens = x_f8.shape[0]
     q_shape, k_shape = layout.output_shapes(tokens, qk_dim)
     bf16 = torch.bfloat16
+    # With the V norm, v_out follows the projection in the buffer (_layout.v_out_view).
+    v_out = layout.kv_heads * v_dim if layout.normalize_v else 0
     return (x_f8.new_empty(q_shape, dtype=bf16), x_f8.new_empty(k_shape, dtype=bf16),
-            x_f8.new_empty((tokens * layout.qkv_dim(qk_dim, v_dim),), dtype=bf16))
+            x_f8.new_empty((tokens * (layout.qkv_dim(qk_dim, v_dim) + v_out),), dtype=bf16))
 
 
 @torch.library.register_fake("qkvfuse::packed_qkv_backward")
 def _packed_qkv_backward(grad_q, grad_k, grad_v, qk, x_f8_t, weight_f8_t, qk_weight, v_weight,
-                         x_scale, weight_scale, qkv_scale, grad_scale, *layout):
+                         x_scale, weight_scale, qkv_scale, grad_scale, *layout, **kwargs):
     tokens, channels = qk.shape[0], x_f8_t.shape[0]
     qkv_dim = qk_weight.shape[0] + v_weight.shape[0]
     bf16 = torch.bfloat16
     return (qk.new_empty((tokens, channels), dtype=bf16),
             qk.new_empty((qkv_dim, channels), dtype=bf16),
             qk.new_empty(qkv_scale.shape, dtype=torch.float32),
-            *RopeLayout.of_op(layout).weight_grads_like(qk))
+            *RopeLayout.of_op(layout, kwargs).weight_grads_like(qk))

@@ -19,14 +19,26 @@ _ops = torch.ops.qkvfuse
 def rope_layout(num_heads, rotary_dim=None, paired=False, key_offset=False, factor1=None,
                 factor2=None, *, num_kv_heads=None, rotary_style="interleaved", normalize=True,
                 q_weight=None, k_weight=None, weight_offset=0.0, eps=DEFAULT_EPS, cos_sin=None,
-                positions=None, op="qk_norm_rope") -> RopeLayout:
-    """The RopeLayout of the public functions' arguments (SPEC.md section 8); the library
+                positions=None, op="qk_norm_rope", normalize_v=False, norm_scope="head",
+                query_only=False) -> RopeLayout:
+    """The RopeLayout of the public functions' arguments (SPEC.md sections 8 and 9); the library
     validates it when the op runs, naming the argument at fault."""
     if num_heads is None:
         raise TypeError(f"{op}: num_heads is required")
+    if query_only and num_kv_heads == 0:
+        num_kv_heads = None  # a query-only layout has no key heads: the binding's None is 0
     return RopeLayout(num_heads, num_kv_heads, rotary_dim, rotary_style, normalize, eps,
                       weight_offset, paired, key_offset, factor1, factor2, cos_sin, positions,
-                      q_weight, k_weight)
+                      q_weight, k_weight, normalize_v, norm_scope, query_only)
+
+
+def _check_v(op, v, normalize_v):
+    """The V norm's tensor goes with the option (the library says the same as layout.normalize_v
+    and v, but a Python caller should read Python names)."""
+    if normalize_v and v is None:
+        raise ValueError(f"{op}: normalize_v=True needs v, the V heads [T, Hkv, Dv] to normalize")
+    if v is not None and not normalize_v:
+        raise ValueError(f"{op}: v: given, but normalize_v is False (v is the V norm's input)")
 
 
 def qk_norm_rope(qk: torch.Tensor, factor1: Optional[torch.Tensor] = None,
@@ -36,9 +48,12 @@ def qk_norm_rope(qk: torch.Tensor, factor1: Optional[torch.Tensor] = None,
                  rotary_style: str = "interleaved", normalize: bool = True,
                  q_weight: Optional[torch.Tensor] = None, k_weight: Optional[torch.Tensor] = None,
                  weight_offset: float = 0.0, eps: float = DEFAULT_EPS,
-                 cos_sin: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None):
+                 cos_sin: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None,
+                 v: Optional[torch.Tensor] = None, normalize_v: bool = False,
+                 norm_scope: str = "head", query_only: bool = False):
     """(q, k) = rotary(norm(qk)) per head (SPEC.md sections 1 and 8), differentiable in qk and the
-    norm weights (the backward is the registered qk_norm_rope_backward op).
+    norm weights (the backward is the registered qk_norm_rope_backward op); with normalize_v,
+    (q, k, v_out) (SPEC.md section 9).
 
       qk            [T, Hq + Hkv, D] (query heads first), bf16 (float32/float64 too on the CPU);
                     last dim contiguous, other strides free. D even, 2..256.
@@ -61,13 +76,25 @@ def qk_norm_rope(qk: torch.Tensor, factor1: Optional[torch.Tensor] = None,
                     [0, r/2) cos, [r/2, r) sin of frequency i; read at `positions`
       positions     int32 or int64 [T], each in [0, P). A position outside gives NaN in that
                     token's rotary lanes (never an out-of-bounds read); qkvfuse.check_positions
-                    or QKVFUSE_CHECK_POSITIONS=1 raise instead
+                    or QKVFUSE_CHECK_POSITIONS=1 raise instead. Without factor tables and
+                    cos_sin nothing rotates (rotary_dim None or 0): NoPE layers
+      v, normalize_v  the V norm: v [T, Hkv, Dv] (qk's dtype, last dim contiguous; may be a view
+                    of qk's key rows) comes back normalized per head row, v * rsqrt(mean(v^2) +
+                    eps), as a third output; differentiable in v too
+      norm_scope    "head" (one RMS per head row) or "token" (one over a token's Hq*D query values
+                    and one over its Hkv*D key values, OLMo 2/3; weights [Hq*D] and [Hkv*D])
+      query_only    qk holds the Hq query heads alone (Gemma 4's KV-shared layers): k is empty
+                    [T, 0, D]; num_kv_heads must be None
     q is [T, Hq, D] and k [T, Hkv, D] ([2T, Hq/2, D] when paired), qk's dtype.
     """
+    _check_v("qk_norm_rope", v, normalize_v)
     layout = rope_layout(num_heads, rotary_dim, paired, key_offset, factor1, factor2,
                          num_kv_heads=num_kv_heads, rotary_style=rotary_style, normalize=normalize,
                          q_weight=q_weight, k_weight=k_weight, weight_offset=weight_offset, eps=eps,
-                         cos_sin=cos_sin, positions=positions)
+                         cos_sin=cos_sin, positions=positions, normalize_v=normalize_v,
+                         norm_scope=norm_scope, query_only=query_only)
+    if normalize_v:
+        return _ops.qkv_norm_rope(qk, v, *layout)
     return _ops.qk_norm_rope(qk, *layout)
 
 
@@ -78,18 +105,24 @@ def qkv_backward_fp8(grad_q, grad_k, grad_v, qk, factor1, factor2, grad_scale, n
                      q_weight: Optional[torch.Tensor] = None,
                      k_weight: Optional[torch.Tensor] = None, weight_offset: float = 0.0,
                      eps: float = DEFAULT_EPS, cos_sin: Optional[torch.Tensor] = None,
-                     positions: Optional[torch.Tensor] = None):
+                     positions: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
+                     normalize_v: bool = False, norm_scope: str = "head",
+                     query_only: bool = False):
     """(grad_row [T, qkv_dim], grad_t [qkv_dim, T]), e4m3: the norm/rotary gradient of Q and K
     (rounded to bf16) and grad_v [T, Hkv, Dv], divided by grad_scale, in both layouts (SPEC.md
     sections 3 and 8; qkv_dim = (Hq + Hkv) * D + Hkv * Dv). The layout arguments are
-    qk_norm_rope's. With a norm weight given, returns (grad_row, grad_t, grad_q_weight,
-    grad_k_weight), None for the weight not given."""
+    qk_norm_rope's. With normalize_v, grad_v is the gradient of v_out and v the forward's v: the
+    V features are then the V norm's gradient, rounded to bf16 first (SPEC.md section 9). With a
+    norm weight given, returns (grad_row, grad_t, grad_q_weight, grad_k_weight), None for the
+    weight not given."""
+    _check_v("qkv_backward_fp8", v, normalize_v)
     layout = rope_layout(num_heads, rotary_dim, paired, key_offset, factor1, factor2,
                          num_kv_heads=num_kv_heads, rotary_style=rotary_style, normalize=normalize,
                          q_weight=q_weight, k_weight=k_weight, weight_offset=weight_offset, eps=eps,
-                         cos_sin=cos_sin, positions=positions, op="qkv_backward_fp8")
+                         cos_sin=cos_sin, positions=positions, op="qkv_backward_fp8",
+                         normalize_v=normalize_v, norm_scope=norm_scope, query_only=query_only)
     grad_row, grad_t, grad_q_weight, grad_k_weight = _ops.qkv_backward_fp8(
-        grad_q, grad_k, grad_v, qk, grad_scale, *layout)
+        grad_q, grad_k, grad_v, qk, grad_scale, *layout, v)
     if q_weight is None and k_weight is None:
         return grad_row, grad_t
     return (grad_row, grad_t, *layout.weight_grads(grad_q_weight, grad_k_weight))

@@ -15,7 +15,8 @@ from typing import Optional
 
 import torch
 
-from ._layout import DEFAULT_EPS, RopeLayout, kernel_readable, qkv_views, split_grad_weight
+from ._layout import (DEFAULT_EPS, RopeLayout, kernel_readable, qkv_views, split_grad_weight,
+                      v_out_view)
 from .ops import rope_layout
 
 _ops = torch.ops.qkvfuse
@@ -31,35 +32,40 @@ def _forward(ctx, x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale, 
     for name, weight, heads, what in (
             ("qk_weight", qk_weight, qk_heads, "num_heads + num_kv_heads"),
             ("v_weight", v_weight, layout.kv_heads, "num_kv_heads")):
+        if heads == 0 and weight.dim() == 2 and weight.shape[0] == 0:
+            continue  # query_only: no V rows
         if weight.dim() != 2 or heads < 1 or weight.shape[0] % heads:
             raise RuntimeError(f"packed_fp8_qkv: {name}: expected 2 dims whose rows are a "
                                f"multiple of {what} = {heads}, got shape {list(weight.shape)}")
     qk_dim = qk_weight.shape[0] // qk_heads
-    v_dim = v_weight.shape[0] // layout.kv_heads
+    # query_only has no V heads: any V width serves its empty V.
+    v_dim = v_weight.shape[0] // layout.kv_heads if layout.kv_heads else qk_dim
     q, k, qkv = _ops.packed_qkv_forward(x_f8, weight_f8, x_scale, weight_scale, qkv_scale, qk_dim,
                                         v_dim, forward_gemm, *layout)
     qk, v = qkv_views(qkv, x_f8.shape[0], layout, qk_dim, v_dim)
-    ctx.save_for_backward(qk, x_f8_t, weight_f8_t, qk_weight, v_weight, x_scale, weight_scale,
-                          qkv_scale, *layout.tensors())
+    # With the V norm the raw V is the backward's input and the normalized one the output.
+    v_out = v_out_view(qkv, x_f8.shape[0], layout, qk_dim, v_dim)
+    ctx.save_for_backward(qk, v if v_out is not None else None, x_f8_t, weight_f8_t, qk_weight,
+                          v_weight, x_scale, weight_scale, qkv_scale, *layout.tensors())
     # grad_scale is read when the backward runs, not saved with a version check: a tensor
     # hook on q, k or v may set it from this step's gradients (current scaling; see
     # examples/train_gpt.py).
     ctx.grad_scale = grad_scale
     ctx.x_shape = x.shape
     ctx.options = layout.options()
-    return q, k, v
+    return q, k, v if v_out is None else v_out
 
 
 def _backward(ctx, grad_q, grad_k, grad_v):
     """(grad_x, grad_qk_weight, grad_v_weight, grad_qkv_scale, grad_q_weight, grad_k_weight), the
     norm weights' None where absent."""
-    (qk, x_f8_t, weight_f8_t, qk_weight, v_weight, x_scale, weight_scale, qkv_scale,
+    (qk, v, x_f8_t, weight_f8_t, qk_weight, v_weight, x_scale, weight_scale, qkv_scale,
      *tensors) = ctx.saved_tensors
-    layout = RopeLayout(*ctx.options, *tensors)
+    layout = RopeLayout.of_parts(ctx.options, tensors)
     grad_x, grad_weight, grad_qkv_scale, grad_q_weight, grad_k_weight = _ops.packed_qkv_backward(
         kernel_readable(grad_q), kernel_readable(grad_k), kernel_readable(grad_v), qk, x_f8_t,
         weight_f8_t, qk_weight, v_weight, x_scale, weight_scale, qkv_scale, ctx.grad_scale,
-        *layout)
+        *layout, v)
     grad_qk_weight, grad_v_weight = split_grad_weight(grad_weight, qk_weight.shape[0])
     return (grad_x.view(ctx.x_shape), grad_qk_weight, grad_v_weight, grad_qkv_scale,
             *layout.weight_grads(grad_q_weight, grad_k_weight))
@@ -103,7 +109,8 @@ class PackedFP8QKVLayoutFunction(torch.autograd.Function):
     def backward(ctx, grad_q, grad_k, grad_v):
         grad_x, grad_qk_weight, grad_v_weight, grad_qkv_scale, grad_q_weight, grad_k_weight = (
             _backward(ctx, grad_q, grad_k, grad_v))
-        layout_grads = (None,) * (len(RopeLayout._fields) - 2) + (grad_q_weight, grad_k_weight)
+        weight_grads = {"q_weight": grad_q_weight, "k_weight": grad_k_weight}
+        layout_grads = tuple(weight_grads.get(name) for name in RopeLayout._fields)
         return (grad_x, grad_qk_weight, grad_v_weight, None, None, None, grad_qkv_scale, None,
                 None, None, None, None, *layout_grads)
 
@@ -119,7 +126,8 @@ def packed_fp8_qkv(x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale,
                    q_weight: Optional[torch.Tensor] = None,
                    k_weight: Optional[torch.Tensor] = None, weight_offset: float = 0.0,
                    eps: float = DEFAULT_EPS, cos_sin: Optional[torch.Tensor] = None,
-                   positions: Optional[torch.Tensor] = None, forward_gemm: str = "cublaslt"):
+                   positions: Optional[torch.Tensor] = None, forward_gemm: str = "cublaslt",
+                   normalize_v: bool = False, norm_scope: str = "head", query_only: bool = False):
     """(q, k, v) = norm + rotary of x @ (qkv_scale * [Wq; Wk; Wv]).T, as one FP8 GEMM off the cached
     packed weight (two for paired layers, so that v is dense).
 
@@ -141,6 +149,10 @@ def packed_fp8_qkv(x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale,
     by default, weightless RMS norm, bf16 factor tables, D = 64, 96 or 128; otherwise an error
     says why) or "auto" (fused where it runs). Not yet faster than cuBLASLt (docs/STATUS.md); the
     backward is the same either way.
+    SPEC.md section 9, as qk_norm_rope's: normalize_v (v comes back normalized per head row; its
+    gradient goes through the V norm into v_weight), norm_scope, query_only (the weight's Q rows
+    alone: qk_weight [Hq*D, C], v_weight [0, C], k and v empty); without factor1/2 and cos_sin
+    nothing rotates.
     Returns q [T, Hq, D], k [T, Hkv, D] ([2T, Hq/2, D] each when paired) and v [T, Hkv, Dv], bf16.
     """
     # The op refuses it too, but as a RuntimeError from inside the autograd function: a typo is a
@@ -151,7 +163,8 @@ def packed_fp8_qkv(x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale,
     layout = rope_layout(num_heads, rotary_dim, paired, key_offset, factor1, factor2,
                          num_kv_heads=num_kv_heads, rotary_style=rotary_style, normalize=normalize,
                          q_weight=q_weight, k_weight=k_weight, weight_offset=weight_offset, eps=eps,
-                         cos_sin=cos_sin, positions=positions, op="packed_fp8_qkv")
+                         cos_sin=cos_sin, positions=positions, op="packed_fp8_qkv",
+                         normalize_v=normalize_v, norm_scope=norm_scope, query_only=query_only)
     return PackedFP8QKVLayoutFunction.apply(x, qk_weight, v_weight, weight_f8, weight_f8_t,
                                             weight_scale, qkv_scale, x_scale, grad_scale, x_f8,
                                             x_f8_t, forward_gemm, *layout)

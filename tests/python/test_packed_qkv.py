@@ -27,7 +27,8 @@ REFERENCE_ARGUMENTS = [
 # The general layout's options, then the forward's GEMM: keyword-only, after the reference's
 # arguments.
 OPTIONS = ["num_kv_heads", "rotary_style", "normalize", "q_weight", "k_weight", "weight_offset",
-           "eps", "cos_sin", "positions", "forward_gemm"]
+           "eps", "cos_sin", "positions", "forward_gemm", "normalize_v", "norm_scope",
+           "query_only"]
 
 
 def test_argument_order_is_the_reference_order():
