@@ -362,7 +362,7 @@ RopeShape rope_inputs(const Checker& check, const TensorView& qk, const RopeLayo
       check.last_dim_contiguous(factor.view, factor.name);
       check.element_aligned(factor.view, factor.name);
     }
-  } else {
+  } else if (!is_absent(layout.cos_sin)) {
     float_dtypes(layout.cos_sin, "layout.cos_sin");
     // The CUDA kernels address a cache row with a 32-bit index.
     QKVF_CHECK(layout.cos_sin.sizes[0] >= 1 && layout.cos_sin.sizes[0] <= INT32_MAX, check.op(),

@@ -104,17 +104,20 @@ int64_t position_at(const TensorView& positions, int64_t t) {
 }
 
 /// 1 / sqrt(mean of squares + eps) over `count` rows of width W (the view's last dim) from row
-/// (t, first) of a [T, H, W] view, summed row by row in index order.
+/// (t, first) of a [T, H, W] view: each row's squares summed in index order, then the row sums in
+/// row order (a token's thousands of squares in one running sum would lose more bits).
 template <typename Compute, typename Storage>
 Compute rms_rstd(const TensorView& view, int64_t t, int64_t first, int64_t count, float eps) {
   const int64_t width = view.sizes[2];
   Compute sum = 0;
   for (int64_t h = first; h < first + count; ++h) {
     const Storage* x = row_of<const Storage>(view, t, h);
+    Compute row = 0;
     for (int64_t d = 0; d < width; ++d) {
       const Compute value = load<Compute>(x, d);
-      sum += value * value;
+      row += value * value;
     }
+    sum += row;
   }
   return Compute(1) / std::sqrt(sum / Compute(count * width) + Compute(eps));
 }
