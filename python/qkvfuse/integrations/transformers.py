@@ -15,6 +15,16 @@ Supported (the attention modules' classes, matched exactly; SPEC.md section 8 ha
 | Llama | LlamaAttention | none | NeoX, GQA, normalize=False |
 | Mistral | MistralAttention | none | as Llama |
 
+and the families of SPEC.md section 9 (transformers_families.py; docs/families.md):
+
+| family | attention class | qkvfuse layout (what stays the model's own code) |
+| --- | --- | --- |
+| Gemma 4 (text) | Gemma4TextAttention | RMS * w, V norm, D 256 / 512, k_eq_v (V from the key rows), KV-shared layers query-only (the sharing of K and V) |
+| Qwen3-Next, Qwen3.5, Qwen3.5-MoE | Qwen3NextAttention, Qwen3_5Attention, Qwen3_5MoeAttention | RMS * (1 + w), partial rotary, gated query (the gate: sigmoid(gate) * attention; under fp8 its projection, bf16) |
+| GLM-4.x MoE | Glm4MoeAttention | RMS * w when use_qk_norm, partial rotary |
+| OLMo 2, OLMo 3 | Olmo2Attention, Olmo3Attention | token-wide RMS * w ([H * D] weights) |
+| SmolLM3 | SmolLM3Attention | no norm; no rotary on NoPE layers |
+
 A model with any other attention module (or none) is refused with UnsupportedModelError naming
 the model's class and the attention classes found. The multimodal Gemma3ForConditionalGeneration
 is refused for its vision tower's attention (SiglipAttention); its text model,
@@ -115,6 +125,8 @@ import torch.nn.functional as F
 import qkvfuse
 from qkvfuse._layout import DEFAULT_EPS
 
+from . import transformers_families as families
+
 try:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 except ImportError as error:  # pragma: no cover - exercised only without the optional dependency
@@ -124,7 +136,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the op
     ) from error
 
 __all__ = ["SUPPORTED", "UnsupportedModelError", "apply_qkvfuse", "attention_input",
-           "fp8_refresh_count", "refresh_fp8_weights", "remove_qkvfuse"]
+           "attention_states", "fp8_refresh_count", "refresh_fp8_weights", "remove_qkvfuse"]
 
 E4M3_MAX = 448.0
 # Headroom of the gradient scale over max |grad q, k, v|: the norm's backward can grow a row's
@@ -161,7 +173,7 @@ _FAMILIES = (
             None),
     _Family("Mistral", "transformers.models.mistral.modeling_mistral", "MistralAttention", None,
             0.0, "config"),
-)
+) + families.FAMILIES  # SPEC.md section 9's: transformers_families.py
 SUPPORTED = tuple(f"{f.name} ({f.attention})" for f in _FAMILIES)
 
 
@@ -194,8 +206,14 @@ class _Fp8Weights:
         self.refreshes = 0    # how many times the cache was (re)quantized
 
     def _weights(self, i):
+        """The row blocks of layer i's packed [Q | K | V] weight (q_proj, k_proj, v_proj's
+        weights; their query rows only for a gated query, and so on: weight_blocks)."""
         m = self._modules[i]
-        return m.q_proj.weight, m.k_proj.weight, m.v_proj.weight
+        qk, v = families.weight_blocks(m, m._qkvfuse.spec, fp8=True)
+        # Detached: the cache copies from them under no_grad, and a model holding row views of
+        # its parameters made there could not be deep-copied (the views share the parameters'
+        # storage and version counters either way).
+        return tuple(w.detach() for w in qk + v)
 
     @staticmethod
     def _versions(weights):
@@ -254,14 +272,16 @@ class _ModelState:
 
 
 def _rope_cache(cos, sin, batch, seq, head_dim, accept):
-    """qkvfuse's cos/sin cache [rows, D] and positions [B*S] from HF's cos, sin [B or 1, S, D]."""
-    if cos.shape[-1] != head_dim or sin.shape != cos.shape:
+    """qkvfuse's cos/sin cache [rows, r] and positions [B*S] from HF's cos, sin [B or 1, S, r]:
+    r = head_dim, or a partial rotary's even r < head_dim (GLM-4.x, Qwen3-Next: the families'
+    apply_rotary_pos_emb rotates lanes [0, r) and passes the rest through, as rotary_dim does)."""
+    width = cos.shape[-1]
+    if width % 2 or not 0 < width <= head_dim or sin.shape != cos.shape:
         raise ValueError(
-            f"qkvfuse: position_embeddings: expected cos and sin of width head_dim = {head_dim} "
-            f"(full rotary, as the family's apply_rotary_pos_emb needs), got {tuple(cos.shape)} "
-            f"and {tuple(sin.shape)}")
-    half = head_dim // 2
-    cos_sin = torch.cat((cos[..., :half], sin[..., :half]), dim=-1).reshape(-1, head_dim)
+            f"qkvfuse: position_embeddings: expected cos and sin of an even width up to head_dim "
+            f"= {head_dim}, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    half = width // 2
+    cos_sin = torch.cat((cos[..., :half], sin[..., :half]), dim=-1).reshape(-1, width)
     if cos_sin.dtype not in accept:
         cos_sin = cos_sin.float()
     tokens = batch * seq
@@ -285,17 +305,20 @@ class _Layer:
         self.state = state
         self.index = index
         self.fp8 = fp8
-        config = module.config
-        self.q_heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads
-        self.head_dim = module.head_dim
-        self.normalize = family.norm is not None
-        self.eps = _norm_eps(module.q_norm) if self.normalize else DEFAULT_EPS
+        # What the module computes before its attention function (transformers_families.py).
+        self.spec = spec = _spec_of(module, family)
+        self.q_heads = spec.q_heads
+        self.kv_heads = spec.kv_heads
+        self.head_dim = spec.head_dim
+        self.normalize = spec.normalize
+        self.eps = _norm_eps(spec.q_norm) if self.normalize else DEFAULT_EPS
+        if spec.v_norm is not None and not self.normalize:
+            self.eps = _norm_eps(spec.v_norm)
         self.eager = sys.modules[type(module).__module__].eager_attention_forward
         # transformers >= 5.2x names the KV cache `cache` (past_key_values before) and hands the
         # call's keyword arguments to its update: the patched forward does what the class does.
         self.cache_kwargs = "cache" in inspect.signature(type(module).forward).parameters
-        projections = (module.q_proj, module.k_proj, module.v_proj)
+        projections = families.projections(module, spec)
         self.plain = all(type(p) is nn.Linear for p in projections)
         self.bias = self.plain and any(p.bias is not None for p in projections)
 
@@ -305,12 +328,19 @@ class _Layer:
 
     @property
     def features(self):
-        return (self.q_heads + 2 * self.kv_heads) * self.head_dim
+        """Output features of the one bf16 GEMM: Q, K, V (none for k_eq_v: V is K's rows) and
+        the gate."""
+        v_heads = 0 if self.spec.k_eq_v else self.kv_heads
+        gate = self.q_heads if self.spec.gated else 0
+        return (self.q_heads + self.kv_heads + v_heads + gate) * self.head_dim
 
 
-def _norm_eps(norm):
-    eps = getattr(norm, "variance_epsilon", None)
-    return float(norm.eps if eps is None else eps)
+def _spec_of(module, family):
+    describe = getattr(family, "describe", None)
+    return describe(module) if describe is not None else families.legacy_spec(module, family)
+
+
+_norm_eps = families.norm_eps
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -323,9 +353,17 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 def attention_input(module: nn.Module, hidden_states: torch.Tensor, position_embeddings):
     """The patched part of a patched attention module alone: (query, key, value) states
     [B, H, S, D] from its input hidden_states [B, S, C] and the decoder's position_embeddings,
-    exactly as its patched forward computes them (for profiling and tests)."""
+    exactly as its patched forward computes them (for profiling and tests). A KV-shared layer's
+    key and value are None; a gated query's gate: attention_states."""
+    return attention_states(module, hidden_states, position_embeddings)[:3]
+
+
+def attention_states(module: nn.Module, hidden_states: torch.Tensor, position_embeddings):
+    """attention_input's (query, key, value) and the gate [B, S, Hq*D] of a gated query (None
+    for other families)."""
     layer = module._qkvfuse
-    if position_embeddings is None:
+    spec = layer.spec
+    if position_embeddings is None and spec.rotary:
         raise ValueError(f"qkvfuse: {type(module).__name__}.forward: position_embeddings "
                          f"(cos, sin) are required")
     if hidden_states.dim() != 3:
@@ -346,48 +384,87 @@ def attention_input(module: nn.Module, hidden_states: torch.Tensor, position_emb
     if fp8 and dtype != torch.bfloat16:
         raise TypeError(f"qkvfuse: {type(module).__name__}: fp8=True needs bfloat16 activations "
                         f"(autocast to bfloat16 or a bf16 model), got {dtype}")
-    # The cos/sin cache: bf16 or float32 (the CPU also takes qk's own dtype).
-    accept = (torch.bfloat16, torch.float32) + ((dtype,) if device.type == "cpu" else ())
-    cos, sin = position_embeddings
-    cos_sin, positions = layer.state.rope(cos, sin, batch, seq, layer.head_dim, accept)
-    norms = dict(num_kv_heads=layer.kv_heads, rotary_style="neox", normalize=layer.normalize,
-                 cos_sin=cos_sin, positions=positions)
+    norms = dict(num_kv_heads=layer.kv_heads or None, rotary_style="neox",
+                 normalize=layer.normalize, query_only=spec.kv_shared,
+                 norm_scope=spec.norm_scope)
+    if spec.rotary:
+        # The cos/sin cache: bf16 or float32 (the CPU also takes qk's own dtype).
+        accept = (torch.bfloat16, torch.float32) + ((dtype,) if device.type == "cpu" else ())
+        cos, sin = position_embeddings
+        norms["cos_sin"], norms["positions"] = layer.state.rope(cos, sin, batch, seq,
+                                                                layer.head_dim, accept)
     if layer.normalize:
-        norms.update(q_weight=module.q_norm.weight, k_weight=module.k_norm.weight,
+        norms.update(q_weight=spec.q_norm.weight,
+                     k_weight=None if spec.kv_shared else spec.k_norm.weight,
                      weight_offset=layer.family.weight_offset, eps=layer.eps)
+    if spec.v_norm is not None:
+        norms.update(normalize_v=True, eps=layer.eps)
     x = hidden_states.reshape(tokens, channels)
     if fp8:
-        q, k, v = _fp8_projection(module, layer, x, norms)
+        q, k, v, gate = _fp8_projection(module, layer, x, norms)
     else:
-        qk, v = _bf16_projection(module, layer, x.to(dtype), dtype)
-        q, k = qkvfuse.qk_norm_rope(qk, num_heads=layer.q_heads, **norms)
-    return tuple(t.view(batch, seq, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
+        qk, v, gate = _bf16_projection(module, layer, x.to(dtype), dtype)
+        if not (layer.normalize or spec.rotary or spec.v_norm is not None):
+            # Nothing to fuse (SmolLM3's NoPE layers): the projection's views, as the model has.
+            q, k = qk[:, :layer.q_heads], qk[:, layer.q_heads:]
+        elif spec.v_norm is not None:
+            q, k, v = qkvfuse.qk_norm_rope(qk, num_heads=layer.q_heads, v=v, **norms)
+        else:
+            q, k = qkvfuse.qk_norm_rope(qk, num_heads=layer.q_heads, **norms)
+    if spec.kv_shared:
+        k = v = None
+    states = tuple(None if t is None else t.view(batch, seq, t.shape[1], t.shape[2]).transpose(1, 2)
+                   for t in (q, k, v))
+    return (*states, None if gate is None else gate.view(batch, seq, -1))
 
 
 def _bf16_projection(module, layer, x, dtype):
-    """(qk [T, Hq + Hkv, D], v [T, Hkv, D]) in `dtype`: one GEMM against the concatenated
-    weight, or three projections and a cat of q and k, whichever copies less (module docstring)."""
+    """(qk [T, Hq + Hkv, D], v [T, Hkv, D] or None, gate [T, Hq*D] or None) in `dtype`: one GEMM
+    against the concatenated weight rows (transformers_families.weight_blocks: a gated query's
+    query rows first, its gate rows last), or the projections called as modules and a cat of q and
+    k, whichever copies less (module docstring). attention_k_eq_v: v is a view of qk's key rows;
+    a KV-shared layer: qk holds the query heads alone, v is None."""
+    spec = layer.spec
     tokens = x.shape[0]
     d = layer.head_dim
     heads = layer.q_heads + layer.kv_heads
     if layer.plain and tokens * layer.qk_features >= layer.features * x.shape[1]:
-        projections = (module.q_proj, module.k_proj, module.v_proj)
-        weight = torch.cat([p.weight.to(dtype) for p in projections])
-        bias = torch.cat([p.bias.to(dtype) for p in projections]) if layer.bias else None
-        qkv = F.linear(x, weight, bias)
-        return (qkv[:, :layer.qk_features].view(tokens, heads, d),
-                qkv[:, layer.qk_features:].view(tokens, layer.kv_heads, d))
-    q = module.q_proj(x).to(dtype).view(tokens, layer.q_heads, d)
-    k = module.k_proj(x).to(dtype).view(tokens, layer.kv_heads, d)
-    v = module.v_proj(x).to(dtype).view(tokens, layer.kv_heads, d)
-    return torch.cat((q, k), dim=1), v
+        qk_rows, v_rows = families.weight_blocks(module, spec, fp8=False)
+        gate_rows = families.gate_blocks(module, spec)
+        weight = torch.cat([w.to(dtype) for w in qk_rows + v_rows + gate_rows])
+        bias = None
+        if layer.bias:
+            qk_bias, v_bias = families.weight_blocks(module, spec, fp8=False, bias=True)
+            bias = torch.cat([b.to(dtype) for b in qk_bias + v_bias +
+                              families.gate_blocks(module, spec, bias=True)])
+        out = F.linear(x, weight, bias)
+        qk = out[:, :layer.qk_features].view(tokens, heads, d)
+        v_features = sum(w.shape[0] for w in v_rows)
+        v = out[:, layer.qk_features:layer.qk_features + v_features].view(tokens, -1, d)
+        gate = out[:, layer.qk_features + v_features:] if spec.gated else None
+    else:
+        q = module.q_proj(x).to(dtype)
+        gate = None
+        if spec.gated:
+            q = q.view(tokens, layer.q_heads, 2 * d)
+            q, gate = q[..., :d], q[..., d:].reshape(tokens, -1)
+        q = q.view(tokens, layer.q_heads, d)
+        if spec.kv_shared:
+            return q, None, gate  # a query-only call reads q (a strided view when gated) as is
+        k = module.k_proj(x).to(dtype).view(tokens, layer.kv_heads, d)
+        qk = torch.cat((q, k), dim=1)
+        v = None if spec.k_eq_v else module.v_proj(x).to(dtype).view(tokens, layer.kv_heads, d)
+    if spec.k_eq_v:
+        v = qk[:, layer.q_heads:]  # V is the key projection before k_norm
+    return qk, None if spec.kv_shared else v, gate
 
 
 @torch.compiler.disable
 def _fp8_projection(module, layer, x, norms):
-    """(q, k, v) through packed_fp8_qkv, with current scaling of x and of the gradient. Runs
-    eagerly under torch.compile (a graph break): the cache's version checks and the per-call
-    gradient hooks are Python."""
+    """(q, k, v, gate) through packed_fp8_qkv, with current scaling of x and of the gradient.
+    Runs eagerly under torch.compile (a graph break): the cache's version checks and the
+    per-call gradient hooks are Python. A gated query's gate is the module's own projection
+    (its rows of q_proj) in bf16: the packed op's features are Q, K and V."""
     bf16 = torch.bfloat16
     x = x.to(bf16)
     detached = x.detach()
@@ -397,8 +474,10 @@ def _fp8_projection(module, layer, x, norms):
     x_scale = torch.clamp_min(amax, MIN_SCALE) / E4M3_MAX
     x_f8, x_f8_t = qkvfuse.quantize_dual_layout(detached, x_scale)
     cached = layer.state.weights.get(layer.index)
-    qk_weight = torch.cat((module.q_proj.weight.to(bf16), module.k_proj.weight.to(bf16)))
-    v_weight = module.v_proj.weight.to(bf16)
+    qk_rows, v_rows = families.weight_blocks(module, layer.spec, fp8=True)
+    qk_weight = torch.cat([w.to(bf16) for w in qk_rows])
+    v_weight = (torch.cat([w.to(bf16) for w in v_rows]) if v_rows
+                else x.new_empty((0, x.shape[1])))
     # This call's gradient scale, set by the hook below before the op's backward reads it: the
     # hook runs once the gradients of q, k and v have arrived, and the backward needs them first.
     grad_scale = torch.empty((), dtype=torch.float32, device=x.device)
@@ -411,7 +490,12 @@ def _fp8_projection(module, layer, x, norms):
         # or several forwards before one backward. One hook for the three gradients: a third of
         # the Python calls and half the kernel launches of one hook per tensor.
         torch.autograd.graph.register_multi_grad_hook((q, k, v), _grad_scale_hook(grad_scale))
-    return q, k, v
+    gate = None
+    if layer.spec.gated:
+        gate_bias = families.gate_blocks(module, layer.spec, bias=True) if layer.bias else None
+        gate = F.linear(x, torch.cat([w.to(bf16) for w in families.gate_blocks(
+            module, layer.spec)]), torch.cat([b.to(bf16) for b in gate_bias]) if gate_bias else None)
+    return q, k, v, gate
 
 
 def _grad_scale_hook(grad_scale):
@@ -433,8 +517,8 @@ def _patched_forward(self, hidden_states, position_embeddings=None, attention_ma
     layer = self._qkvfuse
     cache = kwargs.pop("cache", None) if past_key_values is None else past_key_values
     input_shape = hidden_states.shape[:-1]
-    query_states, key_states, value_states = attention_input(self, hidden_states,
-                                                             position_embeddings)
+    query_states, key_states, value_states, gate = attention_states(self, hidden_states,
+                                                                    position_embeddings)
 
     if cache is not None:
         if layer.cache_kwargs:
@@ -461,6 +545,8 @@ def _patched_forward(self, hidden_states, position_embeddings=None, attention_ma
     )
 
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    if gate is not None:
+        attn_output = attn_output * torch.sigmoid(gate)  # Qwen3-Next / Qwen3.5's gated query
     attn_output = self.o_proj(attn_output)
     return attn_output, attn_weights
 
@@ -497,7 +583,9 @@ def apply_qkvfuse(model: nn.Module, fp8: bool = False) -> nn.Module:
     state = _ModelState(modules, fp8)
     for index, (_, module, family) in enumerate(found):
         module._qkvfuse = _Layer(module, family, state, index, fp8)
-        module.forward = types.MethodType(_patched_forward, module)
+        own = getattr(family, "forward", None)  # Gemma 4's (transformers_families.FORWARDS)
+        forward = families.FORWARDS[own] if own else _patched_forward
+        module.forward = types.MethodType(forward, module)
     model._qkvfuse_state = state
     return model
 
@@ -539,31 +627,34 @@ def _state(model):
 
 def _check_module(model_name, name, module, family, fp8):
     where = f"qkvfuse.apply_qkvfuse: {model_name}: {name} ({type(module).__name__})"
-    config = module.config
-    q_heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, module.head_dim
-    if d % 2 or not 2 <= d <= 256:
+    spec = _spec_of(module, family)
+    q_heads, kv_heads, d = spec.q_heads, spec.kv_heads, spec.head_dim
+    if d % 2 or not 2 <= d <= 512:
         raise UnsupportedModelError(f"{where}: head_dim {d}: qkvfuse needs an even head width "
-                                    f"from 2 to 256")
-    if q_heads % kv_heads:
+                                    f"from 2 to 512")
+    if kv_heads and q_heads % kv_heads:
         raise UnsupportedModelError(f"{where}: {kv_heads} key/value heads do not divide "
                                     f"{q_heads} query heads")
-    for proj, heads in (("q_proj", q_heads), ("k_proj", kv_heads), ("v_proj", kv_heads)):
-        p = getattr(module, proj)
+    widths = {"q_proj": q_heads * d * (2 if spec.gated else 1), "k_proj": kv_heads * d,
+              "v_proj": kv_heads * d}
+    for p in families.projections(module, spec):
+        proj = next(n for n in widths if getattr(module, n, None) is p)
         out = getattr(p, "out_features", None)
-        if out is not None and out != heads * d:
+        if out is not None and out != widths[proj]:
             raise UnsupportedModelError(f"{where}: {proj} has {out} outputs, expected "
-                                        f"{heads} heads x {d}")
-    if family.norm is not None:
+                                        f"{widths[proj] // d} x {d}")
+    if family.norm is not None and not hasattr(family, "describe"):
         for norm in ("q_norm", "k_norm"):
             cls = type(getattr(module, norm, None)).__name__
             if cls != family.norm:
                 raise UnsupportedModelError(f"{where}: {norm} is {cls}, expected the family's "
                                             f"{family.norm} (another patch applied first?)")
+    families.check_layer(where, module, spec, family, fp8, UnsupportedModelError)
     if "forward" in module.__dict__:
         raise UnsupportedModelError(f"{where}: its forward is already replaced on the instance "
                                     f"by something else")
     if fp8:
-        projections = (module.q_proj, module.k_proj, module.v_proj)
+        projections = families.projections(module, spec)
         if not all(type(p) is nn.Linear for p in projections):
             kinds = ", ".join(type(p).__name__ for p in projections)
             raise UnsupportedModelError(f"{where}: fp8=True needs q_proj, k_proj and v_proj to be "
@@ -572,8 +663,9 @@ def _check_module(model_name, name, module, family, fp8):
             raise UnsupportedModelError(f"{where}: fp8=True: the packed FP8 op has no q/k/v bias "
                                         f"(attention_bias=True); use fp8=False")
         channels = module.q_proj.in_features
-        packed = (q_heads + 2 * kv_heads) * d
+        qk_rows, v_rows = families.weight_blocks(module, spec, fp8=True)
+        packed = sum(w.shape[0] for w in qk_rows + v_rows)
         if channels % FP8_MULTIPLE or packed % FP8_MULTIPLE:
             raise UnsupportedModelError(
                 f"{where}: fp8=True needs hidden_size ({channels}) and the packed q/k/v width "
-                f"(Hq + 2 Hkv) * D = {packed} to be multiples of {FP8_MULTIPLE} (cuBLASLt FP8)")
+                f"{packed} to be multiples of {FP8_MULTIPLE} (cuBLASLt FP8)")
