@@ -17,6 +17,10 @@ Gemma 4's attention has no 1/sqrt(D) (scaling 1), so its logits react more to ro
 the tests halve its q/k norm weights (a sharpness such a tiny random model would not train to), and
 its FP8 bounds are GEMMA4_FP8's."""
 import copy
+import csv
+import math
+import subprocess
+import sys
 import types
 
 import pytest
@@ -36,6 +40,7 @@ from qkvfuse.integrations.transformers import (  # noqa: E402
 )
 from test_transformers_integration import (  # noqa: E402
     BF16,
+    EXAMPLE,
     F64,
     FP8_TOLERANCE,
     VOCAB,
@@ -403,3 +408,22 @@ def test_cuda(family, fp8):
     else:
         assert_within_bf16_families(on_cuda(mine), on_cuda(cast(copy.deepcopy(model), BF16)),
                                     exact)
+
+
+# ---- the example ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen3-next", "olmo3"])
+def test_train_hf_example_runs_each_family(tmp_path, family):
+    """examples/train_hf.py --family: a few CPU steps of the three variants, from the same weights
+    and batches (their first losses agree to bf16 / FP8 error)."""
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--device", "cpu", "--tiny", "--steps", "2", "--family",
+         family, "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with (tmp_path / "loss.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["variant"] for r in rows} == {"unpatched-bf16", "qkvfuse-bf16", "qkvfuse-fp8"}
+    for r in rows:
+        assert math.isfinite(float(r["train_loss"])) and math.isfinite(float(r["val_loss"]))
+    first = {r["variant"]: float(r["train_loss"]) for r in rows if r["step"] == "0"}
+    assert max(first.values()) - min(first.values()) <= 0.02 * first["unpatched-bf16"]
