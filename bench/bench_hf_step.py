@@ -199,20 +199,21 @@ def target_lines(rows) -> dict:
     """{shape: [lines]}: issue 31's targets, from the rows that ran."""
     lines = {}
     for shape, variant, against, goal in TARGETS:
-        row, base = ok_row(rows, shape, variant), ok_row(rows, shape, against)
         if not any(r["shape"] == shape for r in rows):
             continue
+        row, base = ok_row(rows, shape, variant), ok_row(rows, shape, against)
         if row and base:
             ratio = number(base["ms_median"]) / number(row["ms_median"])
-            verdict = "met" if ratio >= goal else "NOT met"
-            text = f"{ratio:.3f}x, {verdict}"
+            text = f"{ratio:.3f}x, {'met' if ratio >= goal else 'NOT met'}"
         else:
-            missing = [f"{name}: {r['status']}" if r else f"{name}: not run"
-                       for name, r in ((variant, next((x for x in rows if x["shape"] == shape and
-                                                        x["variant"] == variant), None)),
-                                       (against, next((x for x in rows if x["shape"] == shape and
-                                                       x["variant"] == against), None)))]
-            text = "not measured (" + ", ".join(missing) + ")"
+            missing = []
+            for name in (variant, against):
+                ran = [r for r in rows if r["shape"] == shape and r["variant"] == name]
+                if not ran:
+                    missing.append(f"{name}: not run")
+                elif ran[0]["status"] != "ok":
+                    missing.append(f"{name}: {ran[0]['status']}")
+            text = f"not measured ({', '.join(missing)})"
         lines.setdefault(shape, []).append(f"{variant} >= {goal:.2f}x {against}: {text}")
     return lines
 
