@@ -279,7 +279,7 @@ def section(rows, shape, raw_path) -> str:
              f"`bench/bench_hf_step.py`: transformers `Qwen3ForCausalLM` from a config "
              f"({s.describe().split('(', 1)[1]}, random weights, float32 master weights, bf16 "
              f"autocast, sdpa attention, fused AdamW; forward, loss, backward and optimizer step; "
-             f"median of {first.get('steps')} steps after {first.get('warmup')} warm-up steps, "
+             f"median of {first.get('steps')} steps after {first.get('warmup')} warm-up step(s), "
              f"each variant in its own process. \"vs baseline\": the baseline's median over this "
              f"row's (above 1: faster).", "",
              f"- device: {first.get('device')}",
@@ -289,7 +289,8 @@ def section(rows, shape, raw_path) -> str:
     if raw_path:
         lines.append(f"- raw results: `{raw_path}`")
     lines += ["", "| variant | ms/step | tokens/s | vs baseline | peak memory (GiB) | "
-              "first-step loss | graph breaks |", "| --- | ---: | ---: | --- | ---: | ---: | ---: |"]
+              "first-step loss | graph breaks |",
+              "| --- | ---: | ---: | --- | ---: | ---: | ---: |"]
     for row in mine:
         label = VARIANTS[row["variant"]].label
         if row["status"] != "ok":

@@ -1,6 +1,6 @@
-"""bench/bench_hf_step.py stays runnable (its GPU run: scripts/device_run.sh hfstep). The CPU smoke
-run builds the tiny Qwen3 model, runs every variant that runs on the CPU for two steps (torch.compile
-through the aot_eager backend: Dynamo and AOTAutograd as on the GPU, without Inductor's C++
+"""bench/bench_hf_step.py stays runnable (its GPU run: scripts/device_run.sh hfstep). The CPU
+smoke run builds the tiny Qwen3 model, runs every variant that runs on the CPU for two steps
+(torch.compile through the aot_eager backend: Dynamo and AOTAutograd as on the GPU, without Inductor's C++
 compile, which takes minutes on a small CI machine) and reports Liger-Kernel and torchao as
 skipped; the report's arithmetic and markdown are checked on rows made up here."""
 import csv
@@ -19,6 +19,7 @@ SCRIPT = BENCH / "bench_hf_step.py"
 sys.path.insert(0, str(BENCH))
 import bench_hf_step  # noqa: E402
 import hf_step_variant  # noqa: E402
+import report  # noqa: E402
 
 RUNS_ON_CPU = ("eager", "qkvfuse", "qkvfuse-fp8", "compile", "qkvfuse+compile",
                "qkvfuse-fp8+compile")
@@ -162,3 +163,20 @@ def test_loss_check_fails_beyond_the_tolerance():
     rows[-1]["first_loss"] = 10.4 * (1 + 2.5 * bench_hf_step.LOSS_TOLERANCE)
     passed, line = bench_hf_step.loss_check(rows, "qwen3-0.6b")
     assert not passed and "DISAGREES" in line and "qkvfuse-fp8+compile" in line
+
+
+def test_report_py_keeps_the_sections_it_does_not_write(tmp_path):
+    """bench/report.py rewrites docs/benchmarks.md from the kernel benchmarks; the whole-step
+    sections between bench_hf_step.py's markers must survive it, each shape's once."""
+    rows = made_up_rows()
+    rows += [dict(row, shape="qwen3-8b") for row in made_up_rows()]
+    bench_hf_step.add_ratios(rows)
+    path = tmp_path / "benchmarks.md"
+    path.write_text("# qkvfuse benchmarks\n\n## Memory-bound kernels\n\n| a | b |\n")
+    bench_hf_step.write_markdown(rows, path, None)
+    kept = report.kept_sections(path.read_text())
+    assert [k.splitlines()[1] for k in kept] == [
+        "## Whole training step: Qwen3-0.6B shapes, 12 layers, 8 x 2048 tokens",
+        "## Whole training step: Qwen3-8B shapes, 4 layers, 4 x 2048 tokens"]
+    assert kept == [bench_hf_step.section(rows, shape, None) for shape in ("qwen3-0.6b",
+                                                                          "qwen3-8b")]
