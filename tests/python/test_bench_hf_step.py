@@ -1,8 +1,8 @@
 """bench/bench_hf_step.py stays runnable (its GPU run: scripts/device_run.sh hfstep). The CPU
 smoke run builds the tiny Qwen3 model, runs every variant that runs on the CPU for two steps
-(torch.compile through the aot_eager backend: Dynamo and AOTAutograd as on the GPU, without Inductor's C++
-compile, which takes minutes on a small CI machine) and reports Liger-Kernel and torchao as
-skipped; the report's arithmetic and markdown are checked on rows made up here."""
+(torch.compile through the aot_eager backend: Dynamo and AOTAutograd as on the GPU, without
+Inductor's C++ compile, which takes minutes on a small CI machine) and reports Liger-Kernel and
+torchao as skipped; the report's arithmetic and markdown are checked on rows made up here."""
 import csv
 import math
 import subprocess
