@@ -142,6 +142,9 @@ def run_all(args, shapes, variants) -> list:
             row.update(date=date, commit=args.commit, steps=args.steps, warmup=args.warmup,
                        tokens=SHAPES[shape].tokens)
             rows.append(row)
+            if args.out:  # after every variant: a run cut short keeps the rows it finished
+                add_ratios(rows)
+                write_csv(rows, args.out)
             ms = f"{row['ms_median']:.2f} ms/step" if row.get("ms_median") is not None else ""
             print(f"[{shape} {variant}] {row['status']} {ms} {row.get('reason', '')[:200]}"
                   f" (wall {row['wall_s']} s, first step {row.get('first_step_s', '-')} s)",
