@@ -45,7 +45,7 @@ the same run's ratios. Each variant's wall time (process start to end) is printe
 
   python bench/bench_hf_step.py [--shapes qwen3-0.6b,qwen3-8b] [--variants eager,qkvfuse,...]
       [--steps 25] [--warmup 3] [--out hf_step.csv] [--markdown [docs/benchmarks.md]]
-      [--commit SHA] [--raw-path bench/results/...csv]
+      [--commit SHA] [--raw-path PATH]
   python bench/bench_hf_step.py --profile qkvfuse-fp8 [--shapes qwen3-0.6b]
       (the variant's timed row, then bench/hf_step_profile.py's tables: top kernels, and the share
       of the attention input, which bounds what qkvfuse can win)

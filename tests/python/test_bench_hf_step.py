@@ -150,11 +150,11 @@ def test_report_ratios_targets_and_refusals_on_made_up_rows():
     assert "liger+qkvfuse >= 1.10x liger: not measured (liger+qkvfuse: refused)" in targets
     assert "qkvfuse-fp8+compile >= 1.12x compile: 1.122x, met" in targets
     assert any(t.startswith("qkvfuse+compile >= 1.07x compile: not measured") for t in targets)
-    text = bench_hf_step.section(rows, "qwen3-0.6b", "bench/results/x.csv")
+    text = bench_hf_step.section(rows, "qwen3-0.6b", "/results/x.csv")
     # The refusal's message is the row, its "|" escaped so the table keeps its columns.
     assert "| refused: q_norm is LigerRMSNorm \\| expected Qwen3RMSNorm |" in text
     assert "| `apply_qkvfuse(model)` | 100.0 | 163,840 | 1.700x eager |" in text
-    assert "- raw results: `bench/results/x.csv`" in text and "- device: H100" in text
+    assert "- raw results: `/results/x.csv`" in text and "- device: H100" in text
 
 
 def test_loss_check_fails_beyond_the_tolerance():
