@@ -13,7 +13,7 @@ tokens. Shapes (--shapes):
               4 x 2048 tokens
   tiny        --smoke's (CPU, CI)
 Variants (--variants; each in its own process, bench/hf_step_variant.py, since Liger patches
-transformers' modules globally; the order of the name is the order of the calls):
+transformers' modules globally; the order within a name is the order of the calls):
   eager                 unpatched
   qkvfuse               apply_qkvfuse(model)
   qkvfuse-fp8           apply_qkvfuse(model, fp8=True)
