@@ -250,11 +250,18 @@ def write_csv(rows, path) -> None:
             writer.writerow({k: row.get(k, "") for k in COLUMNS})
 
 
+def repository_path(path) -> str:
+    """`path` relative to the repository when it lies inside, else as given."""
+    resolved = Path(path).resolve()
+    return str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else str(path)
+
+
 def read_csv(paths) -> list:
+    """The rows of earlier runs, each with the file it came from (the markdown cites it)."""
     rows = []
     for path in paths:
         with open(path, newline="") as f:
-            rows += list(csv.DictReader(f))
+            rows += [dict(row, source=repository_path(path)) for row in csv.DictReader(f)]
     unknown = {(r["shape"], r["variant"]) for r in rows
                if r["shape"] not in SHAPES or r["variant"] not in VARIANTS}
     if unknown:
@@ -289,8 +296,10 @@ def section(rows, shape, raw_path) -> str:
              f"- date: {first.get('date')}",
              f"- commit: {first.get('commit')}",
              f"- {versions}"]
-    if raw_path:
-        lines.append(f"- raw results: `{raw_path}`")
+    sources = [raw_path] if raw_path else list(dict.fromkeys(r["source"] for r in mine
+                                                              if r.get("source")))
+    if sources:
+        lines.append("- raw results: " + ", ".join(f"`{source}`" for source in sources))
     lines += ["", "| variant | ms/step | tokens/s | vs baseline | peak memory (GiB) | "
               "first-step loss | graph breaks |",
               "| --- | ---: | ---: | --- | ---: | ---: | ---: |"]
@@ -365,8 +374,8 @@ def main() -> int:
     parser.add_argument("--markdown", nargs="?", const=str(ROOT / "docs" / "benchmarks.md"),
                         help="replace (or append) each shape's section of this file "
                              "(default docs/benchmarks.md)")
-    parser.add_argument("--raw-path", help="where the markdown says the CSV is kept (default: "
-                                           "--out, relative to the repository)")
+    parser.add_argument("--raw-path", help="where the markdown says the rows are kept (default: "
+                                           "--out, or --report's CSVs)")
     parser.add_argument("--commit", default=None, help="default: .device/COMMIT or git describe")
     parser.add_argument("--profile", metavar="VARIANT",
                         help="run this variant alone (per shape) and profile it")
@@ -412,10 +421,7 @@ def main() -> int:
     if args.markdown and args.profile:
         print("--markdown: not written with --profile (one variant; the tables keep the full runs)")
     elif args.markdown:
-        raw = args.raw_path
-        if raw is None and args.out:
-            out = Path(args.out).resolve()
-            raw = str(out.relative_to(ROOT)) if out.is_relative_to(ROOT) else None
+        raw = args.raw_path or (repository_path(args.out) if args.out else None)
         write_markdown(rows, args.markdown, raw)
         print(f"markdown: {args.markdown}")
     return status

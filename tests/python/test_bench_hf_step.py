@@ -104,6 +104,7 @@ def test_smoke_markdown_section_is_replaced_not_repeated(smoke, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     again = copy.read_text()
     assert again.count("<!-- bench_hf_step tiny: begin") == 1
+    assert f"- raw results: `{csv_path}`" in again  # outside the repository: as given
     assert again.endswith("A later paragraph.\n")
     assert again.startswith("# Benchmarks\n\nWritten by someone else.\n")
 
