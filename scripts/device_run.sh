@@ -214,6 +214,8 @@ if has hfstep; then
   shapes=${QKVFUSE_HFSTEP_SHAPES:-qwen3-0.6b,qwen3-8b}
   prefix=$(date -u +%F)_${commit//[^A-Za-z0-9._-]/-}_$(device_slug)
   csv=bench/results/${prefix}_hf_step_${shapes//,/_}.csv
+  # A profiled run's one row must not take the name of the full run's rows.
+  [[ " ${QKVFUSE_HFSTEP_ARGS:-} " == *" --profile "* ]] && csv=${csv%.csv}_profile.csv
   if [ ! -f "$library" ]; then
     note "hfstep: $library is missing: run the build stage first"
   else
