@@ -12,6 +12,8 @@
              against the eager Hugging Face chain, torch.compile of it and Liger-Kernel
 Any of the three may be left out (its tables then say so). Every number in the report comes from
 the CSVs; only the method text is fixed here. The chart needs matplotlib (imported only for it).
+The whole-training-step sections that bench/bench_hf_step.py --markdown wrote into the file (between
+its markers) are kept, after the tables: they come from another benchmark's run.
 """
 import argparse
 import csv
@@ -432,7 +434,18 @@ def header(run, md_path, png_path):
     return lines + [""]
 
 
+# bench/bench_hf_step.py's sections: from its begin marker to the matching end marker.
+KEPT_SECTION = re.compile(r"<!-- bench_hf_step (\S+): begin.*?<!-- bench_hf_step \1: end -->",
+                          re.S)
+
+
+def kept_sections(text):
+    """The sections of `text` that another benchmark owns (KEPT_SECTION), in their order."""
+    return [match.group(0) for match in KEPT_SECTION.finditer(text)]
+
+
 def write_markdown(run, md_path, png_path):
+    kept = kept_sections(Path(md_path).read_text()) if Path(md_path).exists() else []
     lines = header(run, md_path, png_path)
     lines += memory_bound_section(run) + gemm_section(run) + packed_section(run)
     lines += general_section(run)
@@ -440,6 +453,8 @@ def write_markdown(run, md_path, png_path):
     failures = run.failures()
     if failures:
         lines += ["## Failed cases", ""] + [f"- {f}" for f in failures] + [""]
+    for section in kept:
+        lines += [section, ""]
     Path(md_path).parent.mkdir(parents=True, exist_ok=True)
     Path(md_path).write_text("\n".join(lines).rstrip() + "\n")
 

@@ -5,6 +5,8 @@
 #   python_outside ARGS...     python3 ARGS run from an empty directory outside the source tree
 #   start_old_builds DIR TARGET [CMAKE_ARG...]
 #                              the A/B's old sides, built in the background (device scripts)
+#   device_slug                the GPU's name for result file names ("NVIDIA H200" -> h200;
+#                              QKVFUSE_DEVICE_SLUG overrides)
 #
 # nvcc usually lives outside PATH in a fresh shell: /usr/local/cuda/bin joins PATH when it has one.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -59,4 +61,12 @@ start_old_builds() {
     old_sides+=("$name")
     old_bins+=("$dir-$name/bench/$target")
   done
+}
+
+# The device part of bench/results/ file names: <date>_<commit>_<device>_<benchmark>.
+device_slug() {
+  local gpu
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+  echo "${QKVFUSE_DEVICE_SLUG:-$(echo "${gpu:-gpu}" | tr '[:upper:]' '[:lower:]' |
+    sed -E 's/^nvidia //; s/[^a-z0-9]+/-/g; s/^-+|-+$//g')}"
 }

@@ -3,10 +3,11 @@
 # sanitizers and the benchmarks, and print a short table last. Logs and result files go to $OUT.
 #
 #   scripts/device_run.sh [stage ...]     stages: build test sanitize fuzz python profile ncu train train2
-#                                         ab general bench
+#                                         ab general bench hfstep
 #                                         (default: build test python bench)
 # Needs, carried next to the tree (git-ignored): .gtest/ (GoogleTest sources; the GPU machine has
-# no network) and .seed/reference_triton.py (the reference implementation, for side-by-side runs).
+# no network), .seed/reference_triton.py (the reference implementation, for side-by-side runs) and
+# .whl/ (the wheels of the packages the machine lacks); scripts/device_prepare.sh puts them there.
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 OUT=${OUT:-/tmp/qkvfuse-out}
@@ -198,6 +199,48 @@ if has bench; then
   done
 fi
 
+if has hfstep; then
+  # bench/bench_hf_step.py: the whole training step of a transformers Qwen3 model, unpatched and
+  # with Liger-Kernel, torch.compile and torchao float8, each with and without qkvfuse, on the build
+  # stage's op library (this call's or an earlier call's on the same machine), with the carried
+  # wheels (.whl/: Liger-Kernel, torchao) installed into /tmp/qkvfuse-site.
+  # QKVFUSE_HFSTEP_SHAPES and QKVFUSE_HFSTEP_VARIANTS choose (default: both shapes, every variant),
+  # QKVFUSE_HFSTEP_ARGS adds arguments (--steps 15; --profile VARIANT: that variant alone,
+  # profiled, no markdown). The CSV goes to bench/results/ and $OUT, its sections to
+  # docs/benchmarks.md, which comes back in $OUT.
+  start=$SECONDS
+  library=$PWD/$build/bindings/torch/libqkvfuse_torch.so
+  site=/tmp/qkvfuse-site
+  shapes=${QKVFUSE_HFSTEP_SHAPES:-qwen3-0.6b,qwen3-8b}
+  prefix=$(date -u +%F)_${commit//[^A-Za-z0-9._-]/-}_$(device_slug)
+  csv=bench/results/${prefix}_hf_step_${shapes//,/_}.csv
+  # A profiled run's one row must not take the name of the full run's rows.
+  [[ " ${QKVFUSE_HFSTEP_ARGS:-} " == *" --profile "* ]] && csv=${csv%.csv}_profile.csv
+  if [ ! -f "$library" ]; then
+    note "hfstep: $library is missing: run the build stage first"
+  else
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target $site .whl/*.whl >"$LOG/hfstep_pip.log" 2>&1
+    note "hfstep wheels: rc=$? $(cd .whl 2>/dev/null && echo *.whl)"
+    # Variants finish one by one, minutes in all: pack every 20 s, so that the rows printed so far
+    # (and the CSV, rewritten after each variant) survive the call's time limit.
+    (while sleep 20; do cp "$csv" "$LOG"/ 2>/dev/null; pack; done) &
+    packer=$!
+    # shellcheck disable=SC2086  # QKVFUSE_HFSTEP_ARGS is a list of arguments
+    QKVFUSE_TORCH_LIBRARY=$library PYTHONPATH=$PWD/python:$site${PYTHONPATH:+:$PYTHONPATH} \
+      PYTHONUNBUFFERED=1 python3 bench/bench_hf_step.py --shapes "$shapes" \
+      ${QKVFUSE_HFSTEP_VARIANTS:+--variants "$QKVFUSE_HFSTEP_VARIANTS"} --commit "$commit" \
+      --out "$csv" --markdown docs/benchmarks.md ${QKVFUSE_HFSTEP_ARGS:-} >"$LOG/hf_step.txt" 2>&1
+    rc=$?
+    kill "$packer" 2>/dev/null
+    cp "$csv" "$LOG"/ 2>/dev/null
+    cp "$csv" docs/benchmarks.md "$OUT"/ 2>/dev/null
+    note "bench_hf_step: rc=$rc in $((SECONDS - start)) s, rows: $csv"
+    grep -E "^\[|^check|^target|^failed|^total wall|^== profile|^-- attention input|^bound" \
+      "$LOG/hf_step.txt" | tee -a "$summary"
+    pack
+  fi
+fi
 
 if has ncu; then
   # Nsight Compute on one launch of each memory-bound kernel at the model shape (H=6, D=128,
