@@ -399,7 +399,9 @@ def train(variant, args, data, device, rank, world):
                 print(f"{variant}: step {step}/{args.steps} loss {loss:.3f} "
                       f"val {last_val:.3f} {tokens_s:,.0f} tok/s", flush=True)
     report_checksums(f"{variant}: after step {args.steps}", module, rank, world)
-    return rows, (sorted(step_ms)[len(step_ms) // 2] if step_ms else float("nan"))
+    median = sorted(step_ms)[len(step_ms) // 2] if step_ms else float("nan")
+    report_step_times(variant, median, rank, world)
+    return rows, median
 
 
 def report_checksums(when, module, rank, world):
@@ -417,6 +419,18 @@ def report_checksums(when, module, rank, world):
         same = all(s == sums[0] for s in sums)
         print(f"{when}: parameter checksums per rank {sums}: "
               f"{'identical' if same else 'DIFFERENT'}", flush=True)
+
+
+def report_step_times(variant, median_ms, rank, world):
+    """Under several ranks: each rank's median step time (its own clock; the gradient reduction
+    makes them wait for each other, so they differ by the ranks' own work between reductions)."""
+    if world == 1:
+        return
+    times = [None] * world
+    dist.all_gather_object(times, median_ms)
+    if rank == 0:
+        print(f"{variant}: median step per rank {', '.join(f'{t:.2f}' for t in times)} ms",
+              flush=True)
 
 
 @torch.no_grad()
@@ -475,15 +489,29 @@ def write_plot(path, rows, title):
 
 def plot_from(specs, out, title):
     """--plot-from CSV[=LABEL] ...: one plot of earlier runs' curves, each variant named LABEL
-    variant (e.g. the one-GPU and the two-GPU run side by side)."""
-    rows = []
+    variant (e.g. the one-GPU and the two-GPU run side by side). Prints each curve's final
+    validation loss and median logged step time, and how far the final loss is from the first
+    run's for the same variant."""
+    rows, first_label = [], None
     for spec in specs:
         path, _, label = spec.partition("=")
+        first_label = label if first_label is None else first_label
         with open(path, newline="") as f:
             for r in csv.DictReader(f):
                 name = f"{label} {r['variant']}" if label else r["variant"]
                 rows.append((int(r["step"]), name, float(r["train_loss"]), float(r["val_loss"]),
                              float(r["ms_per_step"])))
+    finals = {}
+    for name in dict.fromkeys(r[1] for r in rows):
+        mine = sorted(r for r in rows if r[1] == name)
+        times = sorted(r[4] for r in mine[1:]) or [float("nan")]
+        finals[name] = mine[-1][3]
+        line = (f"{name}: final validation loss {mine[-1][3]:.4f} at step {mine[-1][0]}, "
+                f"median logged step {times[len(times) // 2]:.2f} ms")
+        base = f"{first_label} {name.split(' ', 1)[-1]}" if first_label else None
+        if base in finals and base != name:
+            line += f" ({100 * (finals[name] / finals[base] - 1):+.2f} % from {base})"
+        print(line)
     out.mkdir(parents=True, exist_ok=True)
     write_plot(out / "loss.png", rows, title)
 

@@ -66,7 +66,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_gpt import (  # noqa: E402
     Batches, gradient_sync, init_distributed, mean_over_ranks, parallelize, plot_from,
-    report_checksums, stdlib_bytes, write_plot)
+    report_checksums, report_step_times, stdlib_bytes, write_plot)
 
 import transformers  # noqa: E402
 
@@ -187,6 +187,7 @@ def train(variant, config, initial_state, args, data, device, rank, world):
             raise RuntimeError(f"{variant}: the FP8 weight cache was refreshed {refreshes} times "
                                f"in {args.steps} steps: it did not follow the optimizer")
     median = sorted(step_ms)[len(step_ms) // 2] if step_ms else float("nan")
+    report_step_times(variant, median, rank, world)
     profile = None
     if args.profile and world == 1:  # under DDP every rank would have to run the steps
         profile = profile_variant(variant, module, step, args, device)
