@@ -253,8 +253,8 @@ class Attention(nn.Module):
                 [(self.qk_weight, self.v_weight)])[0]
             q, k, v = qkvfuse.packed_fp8_qkv(
                 x, self.qk_weight.to(BF16), self.v_weight.to(BF16), w.weight_f8, w.weight_f8_t,
-                w.weight_scale, self.qkv_scale.reshape(()), self.x_scale, self.grad_scale, factor1, factor2, heads,
-                spec.paired, spec.key_offset, spec.rotary_dim, *x_q)
+                w.weight_scale, self.qkv_scale.reshape(()), self.x_scale, self.grad_scale,
+                factor1, factor2, heads, spec.paired, spec.key_offset, spec.rotary_dim, *x_q)
             if q.requires_grad:
                 self.grad_amax.zero_()
                 for output in (q, k, v):

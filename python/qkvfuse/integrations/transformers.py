@@ -257,10 +257,11 @@ class _Fp8Weights:
             raise RuntimeError(
                 f"qkvfuse: fp8=True: {type(self._modules[i]).__name__} layer {i}: "
                 f"{', '.join(sharded)} {'is a DTensor' if len(sharded) == 1 else 'are DTensors'} "
-                f"(sharded) in this forward; the FP8 weight is quantized from the full weights, which FSDP gathers around the "
-                f"forward of the module fully_shard was applied to (call the model, or that "
-                f"module, not the attention module alone). Tensor-parallel plans that shard "
-                f"q_proj/k_proj/v_proj are not supported with fp8=True")
+                f"(sharded) in this forward; the FP8 weight is quantized from the full weights, "
+                f"which FSDP gathers around the forward of the module fully_shard was applied to "
+                f"(call the model, or that module, not the attention module alone). "
+                f"Tensor-parallel plans that shard q_proj/k_proj/v_proj are not supported with "
+                f"fp8=True")
         bank = torch.cat([w.detach().to(torch.bfloat16) for w in weights])[None]
         row, t, scale = qkvfuse.quantize_weight_bank(bank)
         self.refreshes += 1
@@ -275,7 +276,7 @@ def _fsdp_managed(attention: nn.Module) -> bool:
     FSDP swaps in the full weight, gathered anew into storage it frees again afterwards, and
     gathers it without bumping its version counter. The cache's key (version counters and data
     pointers) can therefore not tell an updated weight from a stale one (a caching allocator
-    hands the freed block back at the same address), and a bank of every layer cannot be built
+    may hand the freed block back at the same address), and a bank of every layer cannot be built
     while the other layers hold shards. Such layers are quantized in each call instead: one more
     read of a weight that FSDP has just gathered, from the full weight, never from a shard."""
     return any(getattr(getattr(attention, name), "_is_fsdp_managed_module", False)
