@@ -29,8 +29,9 @@ constexpr std::string_view kLayoutPrefix = "layout.";
 bool is_word(char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; }
 
 std::string python_token(std::string_view token, std::initializer_list<Rename> renames) {
-  if (token.substr(0, kLayoutPrefix.size()) == kLayoutPrefix && token.size() > kLayoutPrefix.size()) {
-    token.remove_prefix(kLayoutPrefix.size());
+  const size_t prefix = kLayoutPrefix.size();
+  if (token.size() > prefix && token.substr(0, prefix) == kLayoutPrefix) {
+    token.remove_prefix(prefix);
   }
   for (std::string_view dtype : kDtypes) {
     if (token == dtype) return "torch." + std::string(dtype);

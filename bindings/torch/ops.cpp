@@ -435,7 +435,8 @@ std::tuple<Tensor, Tensor, Tensor> quantize_weight_bank(const Tensor& weights) {
         const c10::DeviceGuard guard(weights.device());
         args.expect_dims(weights, 3, "src", "[B, M, N]");
         auto [row, t] = alloc_dual_layout(args, weights);
-        // Empty entries get scale 1, as all-zero ones do (the library writes nothing for an empty src).
+        // Empty entries get scale 1, as all-zero ones do (the library writes nothing for an
+        // empty src).
         const auto f32 = weights.options().dtype(at::kFloat);
         Tensor scale = weights.numel() == 0 ? at::ones({weights.size(0)}, f32)
                                             : at::empty({weights.size(0)}, f32);

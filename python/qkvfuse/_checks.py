@@ -15,7 +15,8 @@ import torch
 
 E4M3 = torch.float8_e4m3fn
 
-# What the ops take for a scale (the library reads it on the device, never on the host).
+# What the ops take for a scale: a tensor, whose value the library reads where it lives (so that
+# nothing waits for a GPU).
 SCALAR = "a torch.float32 tensor of shape [] or [1] on the op's device"
 
 _INTEGERS = (int, torch.SymInt)
@@ -75,9 +76,8 @@ def same_device(op: str, tensors: dict) -> None:
                                f"{first[1]}; all tensors of one call must share a device")
 
 
-def _expect(op, name, value: torch.Tensor, ok: bool, expected: str) -> None:
-    if not ok:
-        raise RuntimeError(f"{op}: {name}: expected {expected}, got {_describe(value)}")
+def _refuse(op, name, value: torch.Tensor, expected: str):
+    raise RuntimeError(f"{op}: {name}: expected {expected}, got {_describe(value)}")
 
 
 def _describe(value: torch.Tensor) -> str:
@@ -87,67 +87,72 @@ def _describe(value: torch.Tensor) -> str:
 
 def _row_major(value: torch.Tensor) -> bool:
     """2-D, last dim contiguous, rows not overlapping (the library's row_major)."""
-    return value.dim() == 2 and (value.shape[1] <= 1 or value.stride(1) == 1) and (
-        value.shape[0] <= 1 or value.stride(0) >= value.shape[1])
+    rows, columns = value.shape
+    return (columns <= 1 or value.stride(1) == 1) and (rows <= 1 or value.stride(0) >= columns)
 
 
-def _f32_scalar(op, name, value):
-    _expect(op, name, value,
-            value.dtype == torch.float32 and tuple(value.shape) in ((), (1,)),
-            "a torch.float32 tensor of shape [] or [1]")
+def _f32_scalar(value: torch.Tensor) -> bool:
+    return value.dtype == torch.float32 and value.dim() <= 1 and value.numel() == 1
 
 
 # The packed op's forward reads x_f8, weight_f8, the three forward scales and the layout: the
-# library checks those when the forward runs. Its backward alone reads the others.
+# library checks those when the forward runs (and the fake kernels their devices, when one is on
+# meta). Its backward alone reads the others, which are checked here.
 PACKED_TENSORS = ("x", "qk_weight", "v_weight", "weight_f8", "weight_f8_t", "weight_scale",
                   "qkv_scale", "x_scale", "grad_scale", "x_f8", "x_f8_t")
+_BACKWARD_ONLY = ("x", "qk_weight", "v_weight", "weight_f8_t", "grad_scale", "x_f8_t")
 
 
 def packed_arguments(op: str, args: dict, layout) -> tuple:
     """Checks packed_fp8_qkv's arguments (`args`: PACKED_TENSORS by name) before its forward
-    runs: the Python types of all, their devices (those of the layout too), and whatever only
-    the backward reads (x, the master weights, the transposed FP8 operands and grad_scale).
-    Returns (qk_dim, v_dim), from the master weights' rows."""
+    runs: the Python types of all, and the device, dtype and shape of those only the backward
+    reads (x, the master weights, the transposed FP8 operands and grad_scale). Returns
+    (qk_dim, v_dim), from the master weights' rows. Messages are built only on failure: this
+    runs on every call, on the host's hot path."""
     for name in PACKED_TENSORS:
-        expected = SCALAR if name.endswith("scale") else ""
-        hint = ("; the backward reads it when it runs, so that a hook can set it from the "
-                "gradients: e.g. torch.tensor(1 / 448, device=x.device)"
-                if name == "grad_scale" else "")
-        tensor(op, name, args[name], expected=expected, hint=hint)
-    same_device(op, {**{name: args[name] for name in PACKED_TENSORS},
-                     **layout.named_tensors()})
-    x, x_f8, x_f8_t = args["x"], args["x_f8"], args["x_f8_t"]
-    _expect(op, "x_f8", x_f8, x_f8.dim() == 2, "2 dims [T, C]")
+        if not isinstance(args[name], torch.Tensor):
+            expected = SCALAR if name.endswith("scale") else ""
+            hint = ("; the backward reads it when it runs, so that a hook can set it from the "
+                    "gradients: e.g. torch.tensor(1 / 448, device=x.device)"
+                    if name == "grad_scale" else "")
+            tensor(op, name, args[name], expected=expected, hint=hint)
+    x_f8 = args["x_f8"]
+    device = x_f8.device
+    for name in _BACKWARD_ONLY:
+        if args[name].device != device:
+            same_device(op, {"x_f8": x_f8, name: args[name]})
+    if x_f8.dim() != 2:
+        _refuse(op, "x_f8", x_f8, "2 dims [T, C]")
     tokens, channels = x_f8.shape
-    _expect(op, "x", x, x.is_floating_point() and x.numel() == tokens * channels,
-            f"a floating-point tensor of T * C = {tokens * channels} elements (x_f8 is [T, C] = "
-            f"[{tokens}, {channels}])")
-    _expect(op, "x_f8_t", x_f8_t,
-            x_f8_t.dtype == E4M3 and tuple(x_f8_t.shape) == (channels, tokens)
-            and _row_major(x_f8_t),
-            f"a row-major torch.float8_e4m3fn tensor of shape [C, T] = [{channels}, {tokens}] "
-            f"(x_f8 transposed)")
-    qk_heads = layout.num_heads + layout.kv_heads
+    x, x_f8_t = args["x"], args["x_f8_t"]
+    if not (x.is_floating_point() and x.numel() == tokens * channels):
+        _refuse(op, "x", x, f"a floating-point tensor of T * C = {tokens * channels} elements "
+                            f"(x_f8 is [T, C] = [{tokens}, {channels}])")
+    if not (x_f8_t.dtype == E4M3 and x_f8_t.shape == (channels, tokens) and _row_major(x_f8_t)):
+        _refuse(op, "x_f8_t", x_f8_t, f"a row-major torch.float8_e4m3fn tensor of shape [C, T] = "
+                                      f"[{channels}, {tokens}] (x_f8 transposed)")
     dims = []
-    for name, heads, count, width in (("qk_weight", qk_heads, "num_heads + num_kv_heads", "D"),
-                                      ("v_weight", layout.kv_heads, "num_kv_heads", "Dv")):
+    for name, heads, count, width in (
+            ("qk_weight", layout.num_heads + layout.kv_heads, "num_heads + num_kv_heads", "D"),
+            ("v_weight", layout.kv_heads, "num_kv_heads", "Dv")):
         weight = args[name]
         rows = weight.shape[0] if weight.dim() == 2 else 0
-        _expect(op, name, weight,
-                weight.dim() == 2 and heads >= 1 and rows >= heads and rows % heads == 0
+        if not (weight.dim() == 2 and heads >= 1 and rows >= heads and rows % heads == 0
                 and weight.shape[1] == channels and weight.dtype == torch.bfloat16
-                and weight.is_contiguous(),
-                f"a contiguous torch.bfloat16 tensor of shape [heads * {width}, C] with heads = "
-                f"{count} = {heads} and C = {channels} (from x_f8)")
+                and weight.is_contiguous()):
+            _refuse(op, name, weight, f"a contiguous torch.bfloat16 tensor of shape "
+                                      f"[heads * {width}, C] with heads = {count} = {heads} and "
+                                      f"C = {channels} (from x_f8)")
         dims.append(rows // heads)
+    weight_f8_t = args["weight_f8_t"]
     qkv_dim = args["qk_weight"].shape[0] + args["v_weight"].shape[0]
-    _expect(op, "weight_f8_t", args["weight_f8_t"],
-            args["weight_f8_t"].dtype == E4M3
-            and tuple(args["weight_f8_t"].shape) == (channels, qkv_dim)
-            and _row_major(args["weight_f8_t"]),
-            f"a row-major torch.float8_e4m3fn tensor of shape [C, qkv_dim] = [{channels}, "
-            f"{qkv_dim}] (qkv_dim: the rows of qk_weight and v_weight)")
-    _f32_scalar(op, "grad_scale", args["grad_scale"])
+    if not (weight_f8_t.dtype == E4M3 and weight_f8_t.shape == (channels, qkv_dim)
+            and _row_major(weight_f8_t)):
+        _refuse(op, "weight_f8_t", weight_f8_t,
+                f"a row-major torch.float8_e4m3fn tensor of shape [C, qkv_dim] = [{channels}, "
+                f"{qkv_dim}] (qkv_dim: the rows of qk_weight and v_weight)")
+    if not _f32_scalar(args["grad_scale"]):
+        _refuse(op, "grad_scale", args["grad_scale"], "a torch.float32 tensor of shape [] or [1]")
     return tuple(dims)
 
 

@@ -350,10 +350,11 @@ CASES = [
         grad_scale=torch.tensor(0.5, dtype=torch.float64, device=i.device)), RT, PK,
       "grad_scale", r"expected a torch.float32 tensor of shape \[\] or \[1\]"),
     C("packed_grad_scale_on_meta", lambda i: i.packed(
-        grad_scale=torch.tensor(0.5, device="meta")), RT, PK, "grad_scale", "is on meta, but x is"),
+        grad_scale=torch.tensor(0.5, device="meta")), RT, PK, "grad_scale",
+      "is on meta, but x_f8 is on"),
     C("packed_qk_weight_on_meta", lambda i: i.packed(
         qk_weight=torch.zeros(192, 64, dtype=BF16, device="meta")), RT, PK, "qk_weight",
-      "is on meta, but x is"),
+      "is on meta, but x_f8 is on"),
     C("packed_x_f8_one_dim", lambda i: i.packed(
         x_f8=torch.zeros(2048, device=i.device).to(E4M3)), RT, PK, "x_f8", r"expected 2 dims"),
     C("packed_x_f8_bf16", lambda i: i.packed(
