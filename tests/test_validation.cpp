@@ -111,6 +111,48 @@ TEST(Validation, QkNormRopeWrongDtype) {
   EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"factor2: expected dtype bfloat16"}));
 }
 
+// float16 and float8_e5m2 have DType tags (so that the PyTorch binding can hand them in) but no op
+// takes them: each is refused by the argument's own check, listing what that argument takes.
+TEST(Validation, DtypesNoOpTakesAreRefusedPerArgument) {
+  RopeArgs args;
+  auto p = args.forward();
+  p.qk.dtype = DType::kFloat16;
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); },
+                           {"qk_norm_rope: qk: expected dtype bfloat16, float32 or float64, got "
+                            "float16 ["}));
+  p = args.forward();
+  p.layout.factor1.dtype = DType::kFloat16;
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); },
+                           {"qk_norm_rope: layout.factor1: expected dtype bfloat16 or float32, "
+                            "got float16 ["}));
+  auto f = args.fp8();
+  f.grad_row.dtype = DType::kFloat8E5M2;
+  EXPECT_TRUE(throws_error([&] { qkv_backward_fp8(f); },
+                           {"qkv_backward_fp8: grad_row: expected dtype float8_e4m3fn, got "
+                            "float8_e5m2 ["}));
+}
+
+// what() is the message and the location; the PyTorch binding reads the parts apart.
+TEST(Validation, ErrorKeepsMessageAndLocationApart) {
+  RopeArgs args;
+  auto p = args.forward();
+  p.layout.num_heads = 3;
+  try {
+    qk_norm_rope(p);
+    FAIL() << "did not throw";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.message().rfind("qk_norm_rope: qk: expected shape [T, 6, 32]", 0), 0u)
+        << error.message();
+    EXPECT_NE(std::string(error.file()).find("validate.cpp"), std::string::npos) << error.file();
+    EXPECT_GT(error.line(), 0);
+    EXPECT_EQ(std::string(error.what()), error.message() + " [" + error.file() + ":" +
+                                             std::to_string(error.line()) + "]");
+  }
+  const Error bare("no location");
+  EXPECT_STREQ(bare.what(), "no location");
+  EXPECT_STREQ(bare.file(), "");
+}
+
 TEST(Validation, QkNormRopeWrongHeadCountAndShapes) {
   RopeArgs args;
   auto p = args.forward();
@@ -319,7 +361,7 @@ TEST(Validation, RopeLayoutFlags) {
   p = args.forward();
   p.layout.paired = true;
   p.layout.key_offset = true;
-  EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"paired and key_offset cannot both be set"}));
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"layout.paired, layout.key_offset: cannot both be set"}));
 
   p = args.forward();
   p.layout.num_heads = 0;
@@ -337,7 +379,8 @@ TEST(Validation, PairedNeedsEvenHeads) {
         qk_norm_rope({qk.view(), out.view(), out2.view(),
                       tables_layout(H, D, true, false, f.view(), f.view())});
       },
-      {"layout.paired: needs num_kv_heads = num_heads and an even num_heads, got 3 and 3"}));
+      {"layout.paired: needs layout.num_kv_heads = layout.num_heads and an even layout.num_heads, "
+       "got 3 and 3"}));
 }
 
 TEST(Validation, QkNormRopeOutputAliasing) {
@@ -645,14 +688,14 @@ TEST(ValidationLayout, KvHeadsMustDivideQueryHeads) {
   for (int64_t bad : {3, -1, 5}) {
     SCOPED_TRACE(bad);
     expect_layout_refused([bad](RopeLayout& l) { l.num_kv_heads = bad; },
-                          {"layout.num_kv_heads: expected a divisor of num_heads = 4 (0 for "
-                           "num_heads), got " + std::to_string(bad)});
+                          {"layout.num_kv_heads: expected a divisor of layout.num_heads = 4, "
+                           "got " + std::to_string(bad)});
   }
 }
 
 TEST(ValidationLayout, UnknownRotaryStyle) {
   expect_layout_refused([](RopeLayout& l) { l.rotary_style = static_cast<RotaryStyle>(7); },
-                        {"layout.rotary_style: expected kInterleaved or kNeox, got 7"});
+                        {"layout.rotary_style: expected RotaryStyle::kInterleaved or RotaryStyle::kNeox, got 7"});
 }
 
 TEST(ValidationLayout, ExactlyOneAngleSource) {
@@ -664,23 +707,29 @@ TEST(ValidationLayout, ExactlyOneAngleSource) {
         l.factor1 = f1;
         l.factor2 = f2;
       },
-      {"layout: expected one angle source, got both the factor tables (factor1, factor2) and a "
-       "cos/sin cache (cos_sin, positions)"});
+      {"layout.factor1, layout.cos_sin: expected one angle source, got both the factor tables "
+       "(layout.factor1, layout.factor2) and a cos/sin cache (layout.cos_sin, layout.positions)"});
   expect_layout_refused([&](RopeLayout& l) { l.factor1 = f1; }, {"expected one angle source"});
   expect_layout_refused(
       [](RopeLayout& l) {
         l.cos_sin = TensorView{};
         l.positions = TensorView{};
       },
-      {"layout: expected an angle source: factor1 and factor2, or cos_sin and positions"});
+      {"layout.factor1, layout.cos_sin: expected an angle source, got none: the factor tables "
+       "(layout.factor1 and layout.factor2) or a cos/sin cache (layout.cos_sin and "
+       "layout.positions)"});
   expect_layout_refused([](RopeLayout& l) { l.factor2 = TensorView{}; },
-                        {"layout: factor1 and factor2 go together, got only factor1"}, true);
+                        {"layout.factor2: missing: layout.factor1 and layout.factor2 go together, got "
+                         "only layout.factor1"}, true);
   expect_layout_refused([](RopeLayout& l) { l.factor1 = TensorView{}; },
-                        {"layout: factor1 and factor2 go together, got only factor2"}, true);
+                        {"layout.factor1: missing: layout.factor1 and layout.factor2 go together, got "
+                         "only layout.factor2"}, true);
   expect_layout_refused([](RopeLayout& l) { l.positions = TensorView{}; },
-                        {"layout: cos_sin and positions go together, got only cos_sin"});
+                        {"layout.positions: missing: layout.cos_sin and layout.positions go together, "
+                         "got only layout.cos_sin"});
   expect_layout_refused([](RopeLayout& l) { l.cos_sin = TensorView{}; },
-                        {"layout: cos_sin and positions go together, got only positions"});
+                        {"layout.cos_sin: missing: layout.cos_sin and layout.positions go together, "
+                         "got only layout.positions"});
   (void)cos_sin;
   (void)positions;
 }
@@ -733,8 +782,8 @@ TEST(ValidationLayout, PairedAndKeyOffsetNeedEqualHeads) {
   HostTensor wide1(DType::kBFloat16, {LayoutArgs::T, 2 * LayoutArgs::D});
   HostTensor wide2(DType::kBFloat16, {LayoutArgs::T, 2 * LayoutArgs::D});
   expect_layout_refused([](RopeLayout& l) { l.paired = true; },
-                        {"layout.paired: needs num_kv_heads = num_heads and an even num_heads, "
-                         "got 4 and 2"},
+                        {"layout.paired: needs layout.num_kv_heads = layout.num_heads and an "
+                         "even layout.num_heads, got 4 and 2"},
                         true);
   // Paired with a cache, even with equal heads: defined with factor tables only.
   expect_layout_refused(
@@ -744,27 +793,27 @@ TEST(ValidationLayout, PairedAndKeyOffsetNeedEqualHeads) {
       },
       {"layout.paired: defined with factor tables [T, 2D] only, got a cos/sin cache"});
   expect_layout_refused([](RopeLayout& l) { l.key_offset = true; },
-                        {"layout.key_offset: needs num_kv_heads = num_heads, got 4 and 2"});
+                        {"layout.key_offset: needs layout.num_kv_heads = layout.num_heads, got 4 and 2"});
   expect_layout_refused([](RopeLayout& l) { l.key_offset = true; },
-                        {"layout.key_offset: needs num_kv_heads = num_heads, got 4 and 2"}, true);
+                        {"layout.key_offset: needs layout.num_kv_heads = layout.num_heads, got 4 and 2"}, true);
   // MQA and an odd head count for paired.
   expect_layout_refused(
       [](RopeLayout& l) {
         l.paired = true;
         l.num_kv_heads = 1;
       },
-      {"layout.paired: needs num_kv_heads = num_heads", "got 4 and 1"}, true);
+      {"layout.paired: needs layout.num_kv_heads = layout.num_heads", "got 4 and 1"}, true);
 }
 
 TEST(ValidationLayout, WeightsNeedTheNorm) {
   expect_layout_refused([](RopeLayout& l) { l.normalize = false; },
-                        {"layout: norm weights (q_weight, k_weight) need normalize = true"});
+                        {"layout.q_weight: norm weights need layout.normalize = true, got false"});
   expect_layout_refused(
       [](RopeLayout& l) {
         l.normalize = false;
         l.q_weight = TensorView{};
       },
-      {"layout: norm weights (q_weight, k_weight) need normalize = true"});
+      {"layout.k_weight: norm weights need layout.normalize = true, got false"});
   // Without weights, no norm is fine (and eps is not read: 0 passes).
   LayoutArgs args;
   auto f = args.forward();
@@ -1111,7 +1160,7 @@ TEST(ValidationLayout, PackedOpWithAGeneralLayout) {
   f.layout.key_offset = true;
   EXPECT_TRUE(throws_error([&] { packed_qkv_forward(f); },
                            {"packed_qkv_forward",
-                            "layout.key_offset: needs num_kv_heads = num_heads"}));
+                            "layout.key_offset: needs layout.num_kv_heads = layout.num_heads"}));
   f = args.forward();
   f.layout.positions.sizes[0] = PackedLayoutArgs::T - 1;
   EXPECT_TRUE(throws_error([&] { packed_qkv_forward(f); },

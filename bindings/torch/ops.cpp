@@ -28,6 +28,7 @@
 
 #include "autograd.hpp"
 #include "convert.hpp"
+#include "errors.hpp"
 #include "qkvfuse/error.hpp"
 #include "qkvfuse/qkvfuse.hpp"
 
@@ -365,10 +366,12 @@ void packed_qkv_backward(const c10::OperatorHandle& op, Stack* stack) {
 }
 
 void check_positions(const Tensor& positions, int64_t num_positions) {
-  const OpArgs args("check_positions");
-  const c10::DeviceGuard guard(positions.device());
-  qkvfuse::check_positions(args.view(positions, "positions"), num_positions,
-                           current_stream(positions));
+  python_errors([&] {
+    const OpArgs args("check_positions");
+    const c10::DeviceGuard guard(positions.device());
+    qkvfuse::check_positions(args.view(positions, "positions"), num_positions,
+                             current_stream(positions));
+  });
 }
 
 // ---- the FP8 producers (unboxed) ----------------------------------------------------------------
@@ -406,49 +409,65 @@ std::tuple<Tensor, Tensor, std::optional<Tensor>> run_quantize_dual(const char* 
   return {row, t, amax};
 }
 
+// The library calls the source `src`; the Python functions call it `x` (and `weights` below).
 std::tuple<Tensor, Tensor> quantize_dual_layout(const Tensor& x, const Tensor& scale) {
-  auto [row, t, amax] = run_quantize_dual("quantize_dual_layout", x, scale, false);
-  return {row, t};
+  return python_errors(
+      [&]() -> std::tuple<Tensor, Tensor> {
+        auto [row, t, amax] = run_quantize_dual("quantize_dual_layout", x, scale, false);
+        return {row, t};
+      },
+      {{"src", "x"}});
 }
 
 std::tuple<Tensor, Tensor, Tensor> quantize_dual_layout_amax(const Tensor& x, const Tensor& scale) {
-  auto [row, t, amax] = run_quantize_dual("quantize_dual_layout", x, scale, true);
-  return {row, t, *amax};
+  return python_errors(
+      [&]() -> std::tuple<Tensor, Tensor, Tensor> {
+        auto [row, t, amax] = run_quantize_dual("quantize_dual_layout", x, scale, true);
+        return {row, t, *amax};
+      },
+      {{"src", "x"}});
 }
 
 std::tuple<Tensor, Tensor, Tensor> quantize_weight_bank(const Tensor& weights) {
-  const OpArgs args("quantize_weight_bank");
-  const c10::DeviceGuard guard(weights.device());
-  args.expect_dims(weights, 3, "src", "[B, M, N]");
-  auto [row, t] = alloc_dual_layout(args, weights);
-  // Empty entries get scale 1, as all-zero ones do (the library writes nothing for an empty src).
-  const auto f32 = weights.options().dtype(at::kFloat);
-  Tensor scale = weights.numel() == 0 ? at::ones({weights.size(0)}, f32)
-                                      : at::empty({weights.size(0)}, f32);
-  qkvfuse::quantize_weight_bank({.src = args.view(weights, "src"),
-                                 .scale = args.view(scale, "scale"),
-                                 .row = args.view(row, "row"),
-                                 .t = args.view(t, "t"),
-                                 .stream = current_stream(weights)});
-  return {row, t, scale};
+  return python_errors(
+      [&]() -> std::tuple<Tensor, Tensor, Tensor> {
+        const OpArgs args("quantize_weight_bank");
+        const c10::DeviceGuard guard(weights.device());
+        args.expect_dims(weights, 3, "src", "[B, M, N]");
+        auto [row, t] = alloc_dual_layout(args, weights);
+        // Empty entries get scale 1, as all-zero ones do (the library writes nothing for an
+        // empty src).
+        const auto f32 = weights.options().dtype(at::kFloat);
+        Tensor scale = weights.numel() == 0 ? at::ones({weights.size(0)}, f32)
+                                            : at::empty({weights.size(0)}, f32);
+        qkvfuse::quantize_weight_bank({.src = args.view(weights, "src"),
+                                       .scale = args.view(scale, "scale"),
+                                       .row = args.view(row, "row"),
+                                       .t = args.view(t, "t"),
+                                       .stream = current_stream(weights)});
+        return {row, t, scale};
+      },
+      {{"src", "weights"}});
 }
 
 Tensor fp8_gemm(const Tensor& a, const Tensor& b, const Tensor& scale_a, const Tensor& scale_b,
                 const std::optional<Tensor>& alpha, bool fast_accum) {
-  const OpArgs args("fp8_gemm");
-  const c10::DeviceGuard guard(a.device());
-  args.expect_dims(a, 2, "a", "[M, K]");
-  args.expect_dims(b, 2, "b", "[N, K]");
-  Tensor d = at::empty({a.size(0), b.size(0)}, a.options().dtype(at::kBFloat16));
-  qkvfuse::fp8_gemm({.a = args.view(a, "a"),
-                     .b = args.view(b, "b"),
-                     .scale_a = args.view(scale_a, "scale_a"),
-                     .scale_b = args.view(scale_b, "scale_b"),
-                     .alpha = args.optional_view(alpha, "alpha"),
-                     .d = args.view(d, "d"),
-                     .fast_accum = fast_accum,
-                     .stream = current_stream(a)});
-  return d;
+  return python_errors([&] {
+    const OpArgs args("fp8_gemm");
+    const c10::DeviceGuard guard(a.device());
+    args.expect_dims(a, 2, "a", "[M, K]");
+    args.expect_dims(b, 2, "b", "[N, K]");
+    Tensor d = at::empty({a.size(0), b.size(0)}, a.options().dtype(at::kBFloat16));
+    qkvfuse::fp8_gemm({.a = args.view(a, "a"),
+                       .b = args.view(b, "b"),
+                       .scale_a = args.view(scale_a, "scale_a"),
+                       .scale_b = args.view(scale_b, "scale_b"),
+                       .alpha = args.optional_view(alpha, "alpha"),
+                       .d = args.view(d, "d"),
+                       .fast_accum = fast_accum,
+                       .stream = current_stream(a)});
+    return d;
+  });
 }
 
 // ---- registration -------------------------------------------------------------------------------
@@ -463,8 +482,14 @@ constexpr const char* kOpsWithoutGradient[] = {
 };
 
 template <void (*kernel)(const c10::OperatorHandle&, Stack*)>
+void boxed_for_python(const c10::OperatorHandle& op, Stack* stack) {
+  python_errors([&] { kernel(op, stack); });
+}
+
+/// A boxed kernel whose errors Python sees in its own terms (errors.hpp).
+template <void (*kernel)(const c10::OperatorHandle&, Stack*)>
 torch::CppFunction boxed() {
-  return torch::CppFunction::makeFromBoxedFunction<kernel>();
+  return torch::CppFunction::makeFromBoxedFunction<&boxed_for_python<kernel>>();
 }
 
 void register_kernels(torch::Library& m) {

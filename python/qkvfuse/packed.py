@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from . import _checks
 from ._layout import DEFAULT_EPS, RopeLayout, kernel_readable, qkv_views, split_grad_weight
 from .ops import rope_layout
 
@@ -26,16 +27,12 @@ FORWARD_GEMMS = ("cublaslt", "fused", "auto")
 
 def _forward(ctx, x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale, qkv_scale,
              x_scale, grad_scale, x_f8, x_f8_t, layout: RopeLayout, forward_gemm: str):
-    qk_heads = layout.num_heads + layout.kv_heads
-    # The head widths come from the master weights' rows; the library checks everything else.
-    for name, weight, heads, what in (
-            ("qk_weight", qk_weight, qk_heads, "num_heads + num_kv_heads"),
-            ("v_weight", v_weight, layout.kv_heads, "num_kv_heads")):
-        if weight.dim() != 2 or heads < 1 or weight.shape[0] % heads:
-            raise RuntimeError(f"packed_fp8_qkv: {name}: expected 2 dims whose rows are a "
-                               f"multiple of {what} = {heads}, got shape {list(weight.shape)}")
-    qk_dim = qk_weight.shape[0] // qk_heads
-    v_dim = v_weight.shape[0] // layout.kv_heads
+    # What only the backward reads is checked now, so that a mistake fails this call; the head
+    # widths come from the master weights' rows. The library checks the rest when the op runs.
+    qk_dim, v_dim = _checks.packed_arguments("packed_fp8_qkv", dict(
+        x=x, qk_weight=qk_weight, v_weight=v_weight, weight_f8=weight_f8, weight_f8_t=weight_f8_t,
+        weight_scale=weight_scale, qkv_scale=qkv_scale, x_scale=x_scale, grad_scale=grad_scale,
+        x_f8=x_f8, x_f8_t=x_f8_t), layout)
     q, k, qkv = _ops.packed_qkv_forward(x_f8, weight_f8, x_scale, weight_scale, qkv_scale, qk_dim,
                                         v_dim, forward_gemm, *layout)
     qk, v = qkv_views(qkv, x_f8.shape[0], layout, qk_dim, v_dim)
@@ -56,6 +53,7 @@ def _backward(ctx, grad_q, grad_k, grad_v):
     (qk, x_f8_t, weight_f8_t, qk_weight, v_weight, x_scale, weight_scale, qkv_scale,
      *tensors) = ctx.saved_tensors
     layout = RopeLayout(*ctx.options, *tensors)
+    _checks.positive_scale("packed_fp8_qkv", "grad_scale", ctx.grad_scale)
     grad_x, grad_weight, grad_qkv_scale, grad_q_weight, grad_k_weight = _ops.packed_qkv_backward(
         kernel_readable(grad_q), kernel_readable(grad_k), kernel_readable(grad_v), qk, x_f8_t,
         weight_f8_t, qk_weight, v_weight, x_scale, weight_scale, qkv_scale, ctx.grad_scale,
@@ -115,7 +113,7 @@ PackedFP8QKV = PackedFP8QKVFunction.apply
 def packed_fp8_qkv(x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale, qkv_scale,
                    x_scale, grad_scale, factor1, factor2, num_heads, paired, key_offset, rotary_dim,
                    x_f8, x_f8_t, *, num_kv_heads: Optional[int] = None,
-                   rotary_style: str = "interleaved", normalize: bool = True,
+                   rotary_style: Optional[str] = None, normalize: bool = True,
                    q_weight: Optional[torch.Tensor] = None,
                    k_weight: Optional[torch.Tensor] = None, weight_offset: float = 0.0,
                    eps: float = DEFAULT_EPS, cos_sin: Optional[torch.Tensor] = None,
@@ -129,13 +127,19 @@ def packed_fp8_qkv(x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale,
                    the cached packed weight (PackedWeightCache); qkv_dim = (Hq+Hkv)*D + Hkv*Dv
       qkv_scale    float32 scalar, learnable
       x_scale, grad_scale  float32 scalars; x_f8 [T, C], x_f8_t [C, T]: x quantized with x_scale.
-                   grad_scale is read when the backward runs: it must bring the gradients into
-                   e4m3 range (a fixed 1/448 lets small gradients round to zero), and a tensor
-                   hook on q, k or v may set it from the gradients of the step (current scaling)
+                   grad_scale is read when the backward runs: it must be positive and bring the
+                   gradients into e4m3 range (a fixed 1/448 lets small gradients round to zero),
+                   and a tensor hook on q, k or v may set it from the gradients of the step
+                   (current scaling). On the CPU the backward refuses a scale that is not
+                   positive and finite (ValueError); on CUDA nothing reads it on the host (that
+                   would synchronize): a zero scale there gives zero (or NaN) gradients
+                   (docs/special_values.md)
       factor1/2    rotary tables [T, D] ([T, 2D] when paired), bf16 or float32; None with cos_sin
       num_heads    Hq; paired, key_offset, rotary_dim (None: the default) as qk_norm_rope's
-    Keyword-only, as qk_norm_rope's: num_kv_heads, rotary_style, normalize, q_weight, k_weight
-    (these receive gradients), weight_offset, eps, cos_sin, positions. And the forward's GEMM,
+    Keyword-only, as qk_norm_rope's: num_kv_heads, rotary_style (required with cos_sin),
+    normalize, q_weight, k_weight (these receive gradients), weight_offset, eps, cos_sin,
+    positions. Every argument is checked when the forward runs, those only the backward reads
+    included. And the forward's GEMM,
     forward_gemm: "cublaslt" (the default: cuBLASLt, then the norm + rotary kernel; every layout),
     "fused" (one CUTLASS kernel writes q, k and v: CUDA, a build with CUTLASS, which pip's is not
     by default, weightless RMS norm, bf16 factor tables, D = 64, 96 or 128; otherwise an error

@@ -153,3 +153,30 @@ def test_compiled_check_positions_still_checks():
         assert torch.equal(a, b)
     with pytest.raises(RuntimeError, match=r"check_positions: positions\[1\] = 6 lies outside"):
         compiled(qk, cos_sin, torch.tensor([0, 6, 2, 1, 3]))
+
+
+def test_meta_tensors_give_meta_outputs():
+    """Every tensor on the meta device: the fake kernels answer with outputs of the right shapes
+    on meta, as tracing and device="meta" model building need (a meta tensor among real ones is
+    an error instead: test_errors.py)."""
+    layout, options = LAYOUT_CASES["qwen3_gqa"]
+    p = Problem(layout, "meta", options)
+    q, k, v = qkvfuse.packed_fp8_qkv(*p.arguments(), **p.options)
+    assert [t.shape for t in (q, k, v)] == [(32, 4, 32), (32, 2, 32), (32, 2, 32)]
+    grads = torch.autograd.grad((q, k, v), (p.x, p.qk_weight, p.v_weight, p.qkv_scale,
+                                            p.options["q_weight"]),
+                                [torch.ones_like(t) for t in (q, k, v)])
+    assert [g.shape for g in grads] == [p.x.shape, p.qk_weight.shape, p.v_weight.shape, (),
+                                        (32,)]
+    qk = p.x.new_empty((32, 6, 32)).requires_grad_()
+    q, k = qkvfuse.qk_norm_rope(qk, **p.rope_layout(detach=True))
+    (grad_qk,) = torch.autograd.grad((q, k), (qk,), (torch.ones_like(q), torch.ones_like(k)))
+    grad_row, grad_t, _, _ = qkvfuse.qkv_backward_fp8(
+        q.detach(), k.detach(), v.detach(), qk.detach(), grad_scale=p.grad_scale,
+        **p.rope_layout(detach=True))
+    row, t, amax = qkvfuse.quantize_dual_layout(p.x.detach(), p.x_scale, amax=True)
+    d = qkvfuse.fp8_gemm(row, row, p.x_scale, p.x_scale)
+    outputs = (q, k, grad_qk, grad_row, grad_t, row, t, amax, d, *grads)
+    assert all(t.device.type == "meta" for t in outputs)
+    assert (grad_qk.shape, grad_row.shape, grad_t.shape, t.shape, d.shape) == (
+        qk.shape, (32, 256), (256, 32), (64, 32), (32, 32))

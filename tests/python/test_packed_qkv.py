@@ -122,13 +122,15 @@ def test_gradients_only_for_x_weights_and_qkv_scale():
 @pytest.mark.parametrize("device", DEVICES)
 def test_grad_scale_is_read_when_the_backward_runs(device):
     """A hook on q may set grad_scale from the step's gradients (current scaling): the backward
-    must use the value set then, exactly as if it had been passed in."""
+    must use the value set then, exactly as if it had been passed in. The value at the forward
+    does not matter, zero included (qkvfuse.integrations passes an uninitialized one): the
+    backward checks it when it runs (test_errors.py)."""
     p = Problem(LAYOUTS["plain"], device)
     args = list(p.arguments())
     wanted = 2.0 ** -6
     grads, results = None, []
     for set_by_hook in (False, True):
-        scale = torch.tensor(0.5 if set_by_hook else wanted, device=device)
+        scale = torch.tensor(0.0 if set_by_hook else wanted, device=device)
         args[8] = scale
         q, k, v = qkvfuse.packed_fp8_qkv(*args)
         if set_by_hook:
@@ -197,59 +199,6 @@ def test_opcheck(device, name):
             (torch.randn_like(q), torch.randn_like(k), torch.randn_like(v), qk, p.x_f8_t,
              w.weight_f8_t, p.qk_weight.detach(), p.v_weight.detach(), p.x_scale,
              w.weight_scale, p.qkv_scale.detach(), p.grad_scale, *layout))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_errors_name_the_argument(device):
-    p = Problem(LAYOUTS["plain"], device)
-    args = list(p.arguments())
-    bad_x = list(args)
-    bad_x[15] = p.x.detach()  # bf16 where e4m3 x_f8 belongs
-    with pytest.raises(RuntimeError, match="x_f8"):
-        qkvfuse.packed_fp8_qkv(*bad_x)
-    bad_weight = list(args)
-    bad_weight[3] = args[3][:-16]
-    with pytest.raises(RuntimeError, match="weight_f8"):
-        qkvfuse.packed_fp8_qkv(*bad_weight)
-    bad_factor = list(args)
-    bad_factor[9] = args[9][:-1]
-    with pytest.raises(RuntimeError, match="layout.factor1"):
-        qkvfuse.packed_fp8_qkv(*bad_factor)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_layout_errors_name_the_argument(device):
-    layout, options = LAYOUT_CASES["qwen3_gqa"]
-    p = Problem(layout, device, options)
-    args = p.arguments()
-
-    def call(**changes):
-        return qkvfuse.packed_fp8_qkv(*args, **{**p.options, **changes})
-
-    with pytest.raises(RuntimeError, match=r"packed_qkv_forward: .*layout.q_weight"):
-        call(q_weight=p.options["q_weight"][:-2])
-    with pytest.raises(RuntimeError, match="packed_qkv_forward: layout.num_kv_heads: expected a "
-                                           "divisor"):
-        call(num_kv_heads=8)  # rows still divide: D = 16, Dv = 8
-    with pytest.raises(RuntimeError, match="packed_qkv_forward: layout.rotary_style"):
-        call(rotary_style="half")
-    with pytest.raises(RuntimeError, match="packed_fp8_qkv: qk_weight: expected 2 dims whose rows "
-                                           "are a multiple of num_heads . num_kv_heads = 7"):
-        call(num_kv_heads=3)
-    with pytest.raises(TypeError, match="packed_fp8_qkv: num_heads is required"):
-        qkvfuse.packed_fp8_qkv(*args[:11], None, *args[12:], **p.options)
-    # The backward op checks the layout again (here a norm weight of the wrong width).
-    w = p.cache[0]
-    layout = RopeLayout(**p.rope_layout(detach=True))
-    q, k, qkv = torch.ops.qkvfuse.packed_qkv_forward(p.x_f8, w.weight_f8, p.x_scale,
-                                                     w.weight_scale, p.qkv_scale.detach(),
-                                                     p.qk_dim, p.v_dim, "cublaslt", *layout)
-    qk, v = qkv_views(qkv, p.tokens, layout, p.qk_dim, p.v_dim)
-    with pytest.raises(RuntimeError, match="packed_qkv_backward: .*layout.k_weight"):
-        torch.ops.qkvfuse.packed_qkv_backward(
-            q, k, v.contiguous(), qk, p.x_f8_t, w.weight_f8_t, p.qk_weight.detach(),
-            p.v_weight.detach(), p.x_scale, w.weight_scale, p.qkv_scale.detach(), p.grad_scale,
-            *layout._replace(k_weight=layout.k_weight[:-2]))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -343,8 +292,8 @@ def test_forward_gemm_fused_refuses_float32_factor_tables():
     args = list(p.arguments())
     args[9], args[10] = args[9].float(), args[10].float()
     with pytest.raises(RuntimeError, match="packed_qkv_forward: forward_gemm = kFused: "
-                                           "layout.factor1: the fused epilogue is built for "
-                                           "bfloat16 factor tables only, got float32"):
+                                           "factor1: the fused epilogue is built for "
+                                           "torch.bfloat16 factor tables only, got torch.float32"):
         qkvfuse.packed_fp8_qkv(*args, forward_gemm="fused")
     # "auto" takes them, on the unfused forward.
     outputs, grads, grads_out = forward_and_grads(p, "cublaslt", args=args)

@@ -86,10 +86,11 @@ examples/train_gpt.py runs it:
   lets small gradients round to zero in e4m3, docs/training/README.md).
 - the master weights receive their gradients in their own dtype (fp32 under autocast), and so do
   the q/k norm weights (from the fused backward).
-FP8 needs bf16 activations (autocast to bfloat16 or a bf16 model), no q/k/v bias, and C and the
-packed width (Hq + 2 Hkv) * D multiples of 16 (cuBLASLt FP8), which apply_qkvfuse checks. A call
-whose token count T = batch x sequence is not a multiple of 16 (generate's decode steps, odd
-batches) runs the bf16 path for that call: same weights, no FP8 GEMM.
+FP8 computes in bf16 (its q, k and v are cast back to the activations' dtype: a float32 model
+without autocast runs too, on the CPU), and needs no q/k/v bias and C and the packed width
+(Hq + 2 Hkv) * D multiples of 16 (cuBLASLt FP8), which apply_qkvfuse checks. A call whose token
+count T = batch x sequence is not a multiple of 16 (generate's decode steps, odd batches) runs
+the bf16 path for that call: same weights, no FP8 GEMM.
 
 Numerics. HF rounds to the activation dtype between steps (the normalized row before the weight,
 each product of the rotary); qkvfuse rounds once, so the patched bf16 model differs from the
@@ -409,21 +410,25 @@ def attention_input(module: nn.Module, hidden_states: torch.Tensor, position_emb
             f"run it under torch.autocast(dtype=torch.bfloat16)); float32 and float64 run on the "
             f"CPU only")
     fp8 = layer.fp8 and tokens % FP8_MULTIPLE == 0 and tokens > 0
-    if fp8 and dtype != torch.bfloat16:
-        raise TypeError(f"qkvfuse: {type(module).__name__}: fp8=True needs bfloat16 activations "
-                        f"(autocast to bfloat16 or a bf16 model), got {dtype}")
-    # The cos/sin cache: bf16 or float32 (the CPU also takes qk's own dtype).
-    accept = (torch.bfloat16, torch.float32) + ((dtype,) if device.type == "cpu" else ())
+    # The cos/sin cache and the norm weights: bf16 or float32 (the CPU also takes qk's own dtype,
+    # which is bf16 in the FP8 op).
+    accept = (torch.bfloat16, torch.float32) + ((dtype,) if device.type == "cpu" and not fp8
+                                                else ())
     cos, sin = position_embeddings
     cos_sin, positions = layer.state.rope(cos, sin, batch, seq, layer.head_dim, accept)
     norms = dict(num_kv_heads=layer.kv_heads, rotary_style="neox", normalize=layer.normalize,
                  cos_sin=cos_sin, positions=positions)
     if layer.normalize:
-        norms.update(q_weight=module.q_norm.weight, k_weight=module.k_norm.weight,
+        weights = module.q_norm.weight, module.k_norm.weight
+        norms.update(zip(("q_weight", "k_weight"),
+                         (w if w.dtype in accept else w.float() for w in weights)),
                      weight_offset=layer.family.weight_offset, eps=layer.eps)
     x = hidden_states.reshape(tokens, channels)
     if fp8:
-        q, k, v = _fp8_projection(module, layer, x, norms)
+        # The FP8 op reads x in bf16 and writes bf16: q, k, v come back in the activations'
+        # dtype, so a float32 model without autocast runs FP8 too (at FP8's precision), whatever
+        # T is, and a call whose T is no multiple of 16 runs the bf16 path in that dtype.
+        q, k, v = (t.to(dtype) for t in _fp8_projection(module, layer, x, norms))
     else:
         qk, v = _bf16_projection(module, layer, x.to(dtype), dtype)
         q, k = qkvfuse.qk_norm_rope(qk, num_heads=layer.q_heads, **norms)
