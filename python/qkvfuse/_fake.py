@@ -60,8 +60,7 @@ def _fp8_gemm(a, b, scale_a, scale_b, alpha=None, fast_accum=False):
 
 
 @torch.library.register_fake("qkvfuse::packed_qkv_forward")
-def _packed_qkv_forward(x_f8, weight_f8, x_scale, weight_scale, qkv_scale, qk_dim, v_dim,
-                        forward_gemm, *layout):
+def _packed_qkv_forward(x_f8, weight_f8, x_scale, weight_scale, qkv_scale, qk_dim, v_dim, *layout):
     layout = RopeLayout.of_op(layout)
     tokens = x_f8.shape[0]
     q_shape, k_shape = layout.output_shapes(tokens, qk_dim)
