@@ -257,7 +257,7 @@ PACKED_STEPS = [  # (row label, bench_torch section suffix, C++ (name suffix, no
     ("fwd+bwd eager", "fwd+bwd eager", ("fwd+bwd", "eager")),
     ("fwd+bwd CUDA graph", "fwd+bwd CUDA graph", ("fwd+bwd", "CUDA graph replay")),
 ]
-PACKED_BASELINES = ("qkvfuse fused forward", "reference", "bf16 eager chain", "bf16 compiled chain")
+PACKED_BASELINES = ("reference", "bf16 eager chain", "bf16 compiled chain")
 
 
 def packed_section(run):
@@ -295,8 +295,7 @@ def packed_section(run):
         "Forward (quantized x given, as in training where layers share it) and forward + backward "
         "(gradients of x, both weights and qkv_scale), eager and as one replayed CUDA graph. "
         "qkvfuse (`qkvfuse.packed_fp8_qkv` through autograd) and the baselines are timed side by "
-        "side in the PyTorch benchmark, each baseline as ms (its time over qkvfuse's); "
-        "\"qkvfuse fused forward\" is the same op with `forward_gemm=\"fused\"`; the bf16 "
+        "side in the PyTorch benchmark, each baseline as ms (its time over qkvfuse's); the bf16 "
         "chains are the unfused bf16 projection + norm + rotary that the op replaces. C++ API: "
         "`packed_qkv_forward` / `_backward` in `qkvfuse_bench_fp8`, without autograd."), "",
            table(["shape", "mode", "step", "qkvfuse ms", "C++ API ms"] +
@@ -304,7 +303,7 @@ def packed_section(run):
 
     overhead = []
     for heads, dim, mode in shapes:
-        for impl in ("qkvfuse", "qkvfuse fused forward", "reference"):
+        for impl in ("qkvfuse", "reference"):
             values = []
             for what in ("eager wall/step", "eager host/step", "graph wall/step"):
                 found = [number(r["ms"]) for r in run.torch_rows(f"packed op fwd+bwd {what}", impl)

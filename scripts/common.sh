@@ -42,10 +42,10 @@ python_outside() {
   return $rc
 }
 
-# An A/B's old sides (device_run.sh, device_fused_gemm.sh): each .device/old-src*/ holds another
-# commit's tree (scripts/device_prepare.sh COMMIT ...). Configures each in DIR-<commit> (Release,
-# sm_90a, no tests or examples, plus CMAKE_ARGs) and builds TARGET there in the background, logging
-# to $LOG/build_old_<commit>.log. Sets old_sides (the commits), old_builders (the background
+# An A/B's old sides (device_run.sh): each .device/old-src*/ holds another commit's tree
+# (scripts/device_prepare.sh COMMIT ...). Configures each in DIR-<commit> (Release, sm_90a, no tests
+# or examples, plus CMAKE_ARGs) and builds TARGET there in the background, logging to
+# $LOG/build_old_<commit>.log. Sets old_sides (the commits), old_builders (the background
 # builds' pids) and old_bins (each side's DIR-<commit>/bench/TARGET).
 start_old_builds() {
   local dir=$1 target=$2 src name

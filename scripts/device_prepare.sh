@@ -2,7 +2,6 @@
 # Puts next to the tree what the GPU machine (no network) needs, in git-ignored folders that a
 # device call carries, and prints that carry list:
 #   .gtest/                     GoogleTest sources (Debian's googletest package; device_run.sh build)
-#   .deps/                      the CUTLASS 4.2 wheel and headers (scripts/fetch_cutlass.sh)
 #   .seed/reference_triton.py   the reference implementation, for side-by-side runs
 #                               (QKVFUSE_SEED_DIR, default ../shared/seed: its one file)
 #   .whl/                       the wheels of the Python packages the GPU machine lacks (WHEELS
@@ -19,7 +18,6 @@ source "$(dirname "$0")/common.sh"
 
 need_build_tools gtest
 rm -rf .gtest && cp -r /usr/src/googletest .gtest
-scripts/fetch_cutlass.sh >/dev/null
 seed_dir=${QKVFUSE_SEED_DIR:-../shared/seed}
 seed_files=("$seed_dir"/*)
 if [ ${#seed_files[@]} -ne 1 ] || [ ! -f "${seed_files[0]}" ]; then
@@ -60,7 +58,7 @@ for entry in "${WHEELS[@]}"; do
   fi
 done
 echo "wheels: $(du -ch .whl/*.whl | tail -1 | cut -f1) in .whl:" $(cd .whl && echo *.whl) >&2
-carry=(.gtest .deps .seed .whl .device)
+carry=(.gtest .seed .whl .device)
 rm -rf .device/old-src*
 mkdir -p .device
 git describe --always --dirty --abbrev=7 >.device/COMMIT

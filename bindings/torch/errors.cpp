@@ -17,9 +17,6 @@ constexpr std::string_view kDtypes[] = {"bfloat16",      "float16",     "float32
 constexpr Rename kEnumValues[] = {
     {"RotaryStyle::kInterleaved", "\"interleaved\""},
     {"RotaryStyle::kNeox", "\"neox\""},
-    {"ForwardGemm::kCublasLt", "\"cublaslt\""},
-    {"ForwardGemm::kFused", "\"fused\""},
-    {"ForwardGemm::kAuto", "\"auto\""},
     {"true", "True"},
     {"false", "False"},
 };

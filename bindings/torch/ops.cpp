@@ -224,10 +224,8 @@ void qkv_backward_fp8(const c10::OperatorHandle& op, Stack* stack) {
 }
 
 // packed_qkv_forward(Tensor x_f8, Tensor weight_f8, Tensor x_scale, Tensor weight_scale,
-//                    Tensor qkv_scale, int qk_dim, int v_dim, str forward_gemm, <layout>)
+//                    Tensor qkv_scale, int qk_dim, int v_dim, <layout>)
 //   -> (Tensor q, Tensor k, Tensor qkv)
-// forward_gemm ("cublaslt", "fused" or "auto": qkvfuse::ForwardGemm) is the forward's own choice,
-// not part of the layout, which the backward and the other rope ops share.
 // qkv is one flat bf16 buffer of T * qkv_dim holding the GEMM's Q/K columns (saved for the
 // backward) and V. Plain layers store it as row-major [T, qkv_dim] so that one GEMM writes both
 // column slices; paired layers store [T, (Hq+Hkv)*D] then [T, Hkv*Dv] so that V is dense (two
@@ -242,17 +240,6 @@ void packed_qkv_forward(const c10::OperatorHandle& op, Stack* stack) {
   const int64_t v_dim = call.integer("v_dim");
   args.expect_positive(qk_dim, "qk_dim");
   args.expect_positive(v_dim, "v_dim");
-  const std::string forward_gemm_name = call.text("forward_gemm");
-  ForwardGemm forward_gemm = ForwardGemm::kCublasLt;
-  if (forward_gemm_name == "fused") {
-    forward_gemm = ForwardGemm::kFused;
-  } else if (forward_gemm_name == "auto") {
-    forward_gemm = ForwardGemm::kAuto;
-  } else {
-    QKVF_CHECK(forward_gemm_name == "cublaslt", args.op(),
-               ": forward_gemm: expected \"cublaslt\", \"fused\" or \"auto\", got \"",
-               forward_gemm_name, "\"");
-  }
   const RopeLayout layout = rope_layout(call, args);
   const int64_t tokens = x_f8.size(0);
   const int64_t qk_heads = layout.num_heads + kv_heads(layout);
@@ -285,7 +272,6 @@ void packed_qkv_forward(const c10::OperatorHandle& op, Stack* stack) {
        .q = args.view(q, "q"),
        .k = args.view(k, "k"),
        .layout = layout,
-       .forward_gemm = forward_gemm,
        .stream = current_stream(x_f8)});
   call.finish(std::move(q), std::move(k), std::move(qkv));
 }
@@ -521,7 +507,7 @@ void define_ops(torch::Library& m) {
                   "(Tensor grad_row, Tensor grad_t, Tensor grad_q_weight, Tensor grad_k_weight)"),
       rope_schema("packed_qkv_forward",
                   "Tensor x_f8, Tensor weight_f8, Tensor x_scale, Tensor weight_scale, "
-                  "Tensor qkv_scale, int qk_dim, int v_dim, str forward_gemm",
+                  "Tensor qkv_scale, int qk_dim, int v_dim",
                   "(Tensor q, Tensor k, Tensor qkv)"),
       rope_schema("packed_qkv_backward",
                   "Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor qk, Tensor x_f8_t, "

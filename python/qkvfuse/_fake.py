@@ -80,8 +80,7 @@ def _fp8_gemm(a, b, scale_a, scale_b, alpha=None, fast_accum=False):
 
 
 @torch.library.register_fake("qkvfuse::packed_qkv_forward")
-def _packed_qkv_forward(x_f8, weight_f8, x_scale, weight_scale, qkv_scale, qk_dim, v_dim,
-                        forward_gemm, *layout):
+def _packed_qkv_forward(x_f8, weight_f8, x_scale, weight_scale, qkv_scale, qk_dim, v_dim, *layout):
     layout = RopeLayout.of_op(layout)
     _rope_devices("packed_qkv_forward", layout, x_f8=x_f8, weight_f8=weight_f8, x_scale=x_scale,
                   weight_scale=weight_scale, qkv_scale=qkv_scale)

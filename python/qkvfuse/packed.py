@@ -21,12 +21,9 @@ from .ops import rope_layout
 
 _ops = torch.ops.qkvfuse
 
-# packed_fp8_qkv's forward_gemm values (qkvfuse::ForwardGemm, include/qkvfuse/packed_qkv.hpp).
-FORWARD_GEMMS = ("cublaslt", "fused", "auto")
-
 
 def _forward(ctx, x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale, qkv_scale,
-             x_scale, grad_scale, x_f8, x_f8_t, layout: RopeLayout, forward_gemm: str):
+             x_scale, grad_scale, x_f8, x_f8_t, layout: RopeLayout):
     # What only the backward reads is checked now, so that a mistake fails this call; the head
     # widths come from the master weights' rows. The library checks the rest when the op runs.
     qk_dim, v_dim = _checks.packed_arguments("packed_fp8_qkv", dict(
@@ -34,7 +31,7 @@ def _forward(ctx, x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale, 
         weight_scale=weight_scale, qkv_scale=qkv_scale, x_scale=x_scale, grad_scale=grad_scale,
         x_f8=x_f8, x_f8_t=x_f8_t), layout)
     q, k, qkv = _ops.packed_qkv_forward(x_f8, weight_f8, x_scale, weight_scale, qkv_scale, qk_dim,
-                                        v_dim, forward_gemm, *layout)
+                                        v_dim, *layout)
     qk, v = qkv_views(qkv, x_f8.shape[0], layout, qk_dim, v_dim)
     ctx.save_for_backward(qk, x_f8_t, weight_f8_t, qk_weight, v_weight, x_scale, weight_scale,
                           qkv_scale, *layout.tensors())
@@ -73,7 +70,7 @@ class PackedFP8QKVFunction(torch.autograd.Function):
         layout = RopeLayout(num_heads, rotary_dim=rotary_dim, paired=paired,
                             key_offset=key_offset, factor1=factor1, factor2=factor2)
         return _forward(ctx, x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale,
-                        qkv_scale, x_scale, grad_scale, x_f8, x_f8_t, layout, "cublaslt")
+                        qkv_scale, x_scale, grad_scale, x_f8, x_f8_t, layout)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k, grad_v):
@@ -85,17 +82,15 @@ class PackedFP8QKVFunction(torch.autograd.Function):
 
 
 class PackedFP8QKVLayoutFunction(torch.autograd.Function):
-    """The general layout: the projection's arguments, the forward's GEMM (packed_fp8_qkv's
-    forward_gemm), then RopeLayout's fields in order (their tensors factor1, factor2, cos_sin,
-    positions, q_weight, k_weight). Gradients for x, qk_weight, v_weight, qkv_scale and the norm
-    weights."""
+    """The general layout: the projection's arguments, then RopeLayout's fields in order (their
+    tensors factor1, factor2, cos_sin, positions, q_weight, k_weight). Gradients for x, qk_weight,
+    v_weight, qkv_scale and the norm weights."""
 
     @staticmethod
     def forward(ctx, x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale, qkv_scale,
-                x_scale, grad_scale, x_f8, x_f8_t, forward_gemm, *layout):
+                x_scale, grad_scale, x_f8, x_f8_t, *layout):
         return _forward(ctx, x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale,
-                        qkv_scale, x_scale, grad_scale, x_f8, x_f8_t, RopeLayout(*layout),
-                        forward_gemm)
+                        qkv_scale, x_scale, grad_scale, x_f8, x_f8_t, RopeLayout(*layout))
 
     @staticmethod
     def backward(ctx, grad_q, grad_k, grad_v):
@@ -103,7 +98,7 @@ class PackedFP8QKVLayoutFunction(torch.autograd.Function):
             _backward(ctx, grad_q, grad_k, grad_v))
         layout_grads = (None,) * (len(RopeLayout._fields) - 2) + (grad_q_weight, grad_k_weight)
         return (grad_x, grad_qk_weight, grad_v_weight, None, None, None, grad_qkv_scale, None,
-                None, None, None, None, *layout_grads)
+                None, None, None, *layout_grads)
 
 
 # The reference exports its autograd function's apply under this name: calling it runs the op.
@@ -117,7 +112,7 @@ def packed_fp8_qkv(x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale,
                    q_weight: Optional[torch.Tensor] = None,
                    k_weight: Optional[torch.Tensor] = None, weight_offset: float = 0.0,
                    eps: float = DEFAULT_EPS, cos_sin: Optional[torch.Tensor] = None,
-                   positions: Optional[torch.Tensor] = None, forward_gemm: str = "cublaslt"):
+                   positions: Optional[torch.Tensor] = None):
     """(q, k, v) = norm + rotary of x @ (qkv_scale * [Wq; Wk; Wv]).T, as one FP8 GEMM off the cached
     packed weight (two for paired layers, so that v is dense).
 
@@ -139,23 +134,13 @@ def packed_fp8_qkv(x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale,
     Keyword-only, as qk_norm_rope's: num_kv_heads, rotary_style (required with cos_sin),
     normalize, q_weight, k_weight (these receive gradients), weight_offset, eps, cos_sin,
     positions. Every argument is checked when the forward runs, those only the backward reads
-    included. And the forward's GEMM,
-    forward_gemm: "cublaslt" (the default: cuBLASLt, then the norm + rotary kernel; every layout),
-    "fused" (one CUTLASS kernel writes q, k and v: CUDA, a build with CUTLASS, which pip's is not
-    by default, weightless RMS norm, bf16 factor tables, D = 64, 96 or 128; otherwise an error
-    says why) or "auto" (fused where it runs). Not yet faster than cuBLASLt (docs/STATUS.md); the
-    backward is the same either way.
+    included.
     Returns q [T, Hq, D], k [T, Hkv, D] ([2T, Hq/2, D] each when paired) and v [T, Hkv, Dv], bf16.
     """
-    # The op refuses it too, but as a RuntimeError from inside the autograd function: a typo is a
-    # bad Python argument, reported as such before anything runs.
-    if forward_gemm not in FORWARD_GEMMS:
-        raise ValueError(f"packed_fp8_qkv: forward_gemm: expected 'cublaslt', 'fused' or 'auto', "
-                         f"got {forward_gemm!r}")
     layout = rope_layout(num_heads, rotary_dim, paired, key_offset, factor1, factor2,
                          num_kv_heads=num_kv_heads, rotary_style=rotary_style, normalize=normalize,
                          q_weight=q_weight, k_weight=k_weight, weight_offset=weight_offset, eps=eps,
                          cos_sin=cos_sin, positions=positions, op="packed_fp8_qkv")
     return PackedFP8QKVLayoutFunction.apply(x, qk_weight, v_weight, weight_f8, weight_f8_t,
                                             weight_scale, qkv_scale, x_scale, grad_scale, x_f8,
-                                            x_f8_t, forward_gemm, *layout)
+                                            x_f8_t, *layout)

@@ -97,44 +97,6 @@ def test_compiled_layout_step_matches_eager(device, name, dynamic):
         assert torch.equal(raw_bytes(a), raw_bytes(b))
 
 
-def gemm_step(x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale, qkv_scale, x_scale,
-              grad_scale, factor1, factor2, num_heads, paired, key_offset, rotary_dim,
-              forward_gemm):
-    """The packed projection alone, with the forward's GEMM chosen by forward_gemm."""
-    x_f8, x_f8_t = qkvfuse.quantize_dual_layout(x.detach(), x_scale)
-    return qkvfuse.packed_fp8_qkv(x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale,
-                                  qkv_scale, x_scale, grad_scale, factor1, factor2, num_heads,
-                                  paired, key_offset, rotary_dim, x_f8, x_f8_t,
-                                  forward_gemm=forward_gemm)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_compiled_forward_gemm_auto_matches_eager(device):
-    """forward_gemm="auto" through torch.compile(fullgraph=True): the choice is made in the op at
-    run time (the fused GEMM where it runs: CUDA tensors, a build with CUTLASS, this layout), so
-    the compiled graph runs what eager runs, bit for bit."""
-    torch._dynamo.reset()
-    p = Problem(LAYOUTS["key_offset"], device)  # D = 64: a layout the fused GEMM is built for
-    w = p.cache[0]
-    inputs = (p.x, p.qk_weight, p.v_weight, p.qkv_scale)
-
-    def run_gemm(fn, grads_out=None):
-        outputs = fn(p.x, p.qk_weight, p.v_weight, w.weight_f8, w.weight_f8_t, w.weight_scale,
-                     p.qkv_scale, p.x_scale, p.grad_scale, p.factor1, p.factor2, p.heads,
-                     p.paired, p.key_offset, p.rotary_dim, "auto")
-        if grads_out is None:
-            grads_out = [torch.randn_like(t) for t in outputs]
-        grads = torch.autograd.grad(outputs, inputs, grads_out)
-        return [t.detach() for t in outputs] + list(grads), grads_out
-
-    eager, grads_out = run_gemm(gemm_step)
-    compiled, _ = run_gemm(torch.compile(gemm_step, fullgraph=True), grads_out)
-    assert len(compiled) == len(eager) == 3 + len(inputs)
-    for a, b in zip(compiled, eager):
-        assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
-        assert torch.equal(raw_bytes(a), raw_bytes(b))
-
-
 def checked_rope(qk, cos_sin, positions):
     qkvfuse.check_positions(positions, cos_sin.shape[0])
     return qkvfuse.qk_norm_rope(qk, num_heads=2, num_kv_heads=1, rotary_style="neox",
