@@ -105,6 +105,8 @@ __device__ __forceinline__ void backward_unit(const BackwardArgs& p, const rope:
   const bool exchange = rope::exchanges_partners<V>(in);
   const int64_t qk_row_step = int64_t(p.row_sets) * in.qk_stride_h;
   const uint16_t* qk_token = in.qk + t * in.qk_stride_t + int64_t(set) * in.qk_stride_h;
+  // Rotary alone (no norm, no weights) never reads the saved rows: dx = gw (reads_saved_rows).
+  const bool read_x = rope::reads_saved_rows(in);
 
   // ---- loads: g and x of every row of the set, g_next of key rows, the angles ----
   Chunk<V> g[K][C];
@@ -156,8 +158,9 @@ __device__ __forceinline__ void backward_unit(const BackwardArgs& p, const rope:
       g[k][c] = shift_row
                     ? rope::load_chunk_if<rope::Load::kCached, V>(ok, g_row + lanes.d0[c])
                     : rope::load_chunk_if<rope::Load::kStream, V>(ok, g_row + lanes.d0[c]);
-      x[k][c] = rope::load_chunk_if<rope::Load::kStream, V>(ok, qk_token + k * qk_row_step +
-                                                                    lanes.d0[c]);
+      x[k][c] = rope::load_chunk_if<rope::Load::kStream, V>(ok && read_x,
+                                                             qk_token + k * qk_row_step +
+                                                                 lanes.d0[c]);
       g_next[k][c] = rope::load_chunk_if<rope::Load::kCached, V>(
           next_ok && lanes.ok[c] && lanes.rot_end[c] < V, g_row + stride_t + lanes.d0[c]);
     }

@@ -187,6 +187,7 @@ struct PartRows {
   int h2;             ///< input head
   bool present;       ///< part 1 of the last job when Hq + Hkv is odd: absent
   bool is_key;
+  bool read_x;        ///< the backward reads the saved rows (rope::reads_saved_rows)
 
   /// `in`: p.in as the kernel sees it (Fixed::known).
   __device__ __forceinline__ PartRows(const Fp8Args& p, const rope::RopeInputs& in, int head2) {
@@ -199,6 +200,7 @@ struct PartRows {
     g = (is_key ? p.grad.k : p.grad.q) + at0.token * stride_t + int64_t(at0.head) * stride_h;
     g_step = in.dims.paired ? 2 * stride_t : stride_t;
     x = in.qk + int64_t(head2) * in.qk_stride_h;
+    read_x = rope::reads_saved_rows(in);
   }
 
   /// L2 prefetch of token t's chunks (the lines this lane will load), if t exists.
@@ -210,7 +212,7 @@ struct PartRows {
     for (int c = 0; c < Geom::C; ++c) {
       if (!lanes.ok[c]) continue;
       rope::prefetch_l2_evict_last(g + t * g_step + lanes.d0[c]);
-      rope::prefetch_l2_evict_last(x + t * p.in.qk_stride_t + lanes.d0[c]);
+      if (read_x) rope::prefetch_l2_evict_last(x + t * p.in.qk_stride_t + lanes.d0[c]);
     }
   }
 };
@@ -342,6 +344,8 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
         const uint16_t* x_row = part.x + t * in.qk_stride_t;
         const bool row_ok = token_ok && part.present;
         const bool next_ok = shifted_row && row_ok && t + 1 < in.tokens;
+        // Rotary alone (no norm, no weights) never reads the saved rows (reads_saved_rows).
+        const bool x_ok = row_ok && part.read_x;
 #pragma unroll
         for (int c = 0; c < C; ++c) {
           const bool ok = row_ok && lanes.ok[c];
@@ -350,13 +354,15 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
           r.g[c] = shifted_row
                        ? rope::load_chunk_if<rope::Load::kCached, V>(ok, g_row + lanes.d0[c])
                        : rope::load_chunk_if<rope::Load::kStreamEvictFirst, V>(ok, g_row + lanes.d0[c]);
+          const bool x_chunk_ok = x_ok && lanes.ok[c];
           if constexpr (G == 16) {
             // The same load with its address named first: at G = 16 ptxas then issues the loads
             // of a token step back to back (perf_notes.md).
             const uint16_t* x_src = x_row + lanes.d0[c];
-            r.x[c] = rope::load_chunk_if<rope::Load::kStreamEvictFirst, V>(ok, x_src);
+            r.x[c] = rope::load_chunk_if<rope::Load::kStreamEvictFirst, V>(x_chunk_ok, x_src);
           } else {
-            r.x[c] = rope::load_chunk_if<rope::Load::kStreamEvictFirst, V>(ok, x_row + lanes.d0[c]);
+            r.x[c] = rope::load_chunk_if<rope::Load::kStreamEvictFirst, V>(x_chunk_ok,
+                                                                            x_row + lanes.d0[c]);
           }
           r.g_next[c] = rope::load_chunk_if<rope::Load::kCached, V>(
               next_ok && lanes.ok[c] && lanes.rot_end[c] < V, g_row + part.g_step + lanes.d0[c]);

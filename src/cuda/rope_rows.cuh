@@ -637,6 +637,15 @@ __device__ __forceinline__ void forward_row(const RopeInputs& in,
   }
 }
 
+/// Whether the backward reads the saved rows qk: for rstd and n (the norm, and the weights'
+/// gradients gw * n; validation gives weights only with the norm). Rotary alone (Llama's and
+/// Mistral's layout) needs only the incoming gradients, dx = gw: a third of the bf16 backward's
+/// reads fewer. `in` as the kernel sees it (Fixed::known): a constant where the configuration
+/// fixes the norm.
+__device__ __forceinline__ bool reads_saved_rows(const RopeInputs& in) {
+  return in.normalize || in.weights.q != nullptr || in.weights.k != nullptr;
+}
+
 /// Backward of one row (SPEC.md sections 2 and 8):
 ///   gw[d] = f1[d] * g[d] + f2p[d] * g[p(d)]                    (rotary lanes)
 ///   gw[d] = g[d], or for a key row under key offset g_next[d] + (t == 0 ? g[d] : 0)
