@@ -7,7 +7,8 @@
 // compile-time parameters that shape a kernel's registers, each switched once from the key:
 //   access width  V = 8, 2 or 1 (16-byte, 4-byte, 2-byte chunks)
 //   head width    the lane geometry of its width class (lanes_for), with the configuration's
-//                 NeoX-pairs form where it asks for it, and D as a constant where it fixes widths
+//                 NeoX-pairs form where it asks for it, and D as a constant at the power-of-two
+//                 widths of the ops its exact_width lists
 //   angle dtype   bf16 or fp32 for 16-byte kernels (their angle registers), a run-time value in
 //                 the narrow ones (RunTimeAngles)
 // and calls f(Config{}, Geom{}, TypeTag<AngleT>{}, std::bool_constant<kExactWidth>{}). Only the
@@ -21,6 +22,10 @@
 // per lane group.
 #pragma once
 
+#include <cuda_bf16.h>
+
+#include <cstdlib>
+#include <string_view>
 #include <type_traits>
 
 #include "cuda/rope_common.cuh"
@@ -153,22 +158,35 @@ void angle_type_switch(const char* op, const RopeKey& key, F&& f) {
   }
 }
 
+/// QKVFUSE_ROPE_GENERAL_ONLY=1 (read once per process): every call runs the general kernel, the
+/// specializations unused. The A/B of each specialization against the general kernel in one build
+/// and run (scripts/device_run.sh ab); the rows compute the same bits either way.
+inline bool general_only() {
+  static const bool value = [] {
+    const char* v = std::getenv("QKVFUSE_ROPE_GENERAL_ONLY");
+    return v != nullptr && std::string_view(v) == "1";
+  }();
+  return value;
+}
+
 /// The kernel for (kOp, key): f(Config{}, Geom{}, TypeTag<AngleT>{}, std::bool_constant<kExact>{})
 /// (see the file comment). `op` names the op in errors.
 template <Op kOp, typename F>
 void dispatch(const char* op, const RopeKey& key, F&& f) {
-  visit_config<kOp>(key, [&](auto config) {
+  const auto run = [&](auto config) {
     using Config = decltype(config);
-    constexpr bool kExact = Config::kSpec.exact_width.value;
     access_switch<Config>(op, key, [&](auto chunk) {
       constexpr int V = decltype(chunk)::value;
       width_switch<Config>(op, key, [&](auto width) {
-        using Of = GeometryOf<kOp, V, decltype(width)::value, Config>;
+        constexpr HeadWidth kWidth = decltype(width)::value;
+        using Of = GeometryOf<kOp, V, kWidth, Config>;
         if constexpr (!Of::kValid) {
           QKVF_FAIL(op, " (CUDA): head width D = ", key.head_dim, " has no ", 2 * V,
                     "-byte kernel");
         } else {
           using Geom = typename Of::type;
+          constexpr bool kExact =
+              Config::kSpec.exact_width.contains(kOp) && exact_power_of_two(kWidth) && V == 8;
           static_assert(!kExact || has_full_width<Geom>(),
                         "exact widths: the geometry's full width, a power of two");
           static_assert(!Config::kSpec.neox_pairs_in_lane.value ||
@@ -180,7 +198,12 @@ void dispatch(const char* op, const RopeKey& key, F&& f) {
         }
       });
     });
-  });
+  };
+  if (general_only()) {
+    run(General{});
+  } else {
+    visit_config<kOp>(key, run);
+  }
 }
 
 // ------------------------------------------------------------------------------------------------

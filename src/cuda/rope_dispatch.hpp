@@ -94,6 +94,8 @@ class Served {
   /// Every value, present and future: the general configuration only (it is never matched, it
   /// is what runs when no row matches).
   static constexpr Served every() { return Served(~0u); }
+  /// No value: for the kernel knobs that list ops (Spec::exact_width), never for a property.
+  static constexpr Served none() { return Served(0u); }
 
   constexpr bool contains(E value) const { return (bits_ & bit(value)) != 0u; }
   /// Exactly `value`: a compile-time constant in the row's kernels.
@@ -127,11 +129,12 @@ struct Spec {
   Served<AngleSource> angles;
   Served<AngleType> angle_type;
   Served<Placement> placement;
-  /// D a compile-time constant (one kernel per listed width; exact power-of-two widths only):
-  /// the masks and D-dependent offsets fold and each division by D is one FMUL.
-  Knob<bool> exact_width;
+  /// The ops whose kernels take D as a compile-time constant at the row's power-of-two widths
+  /// (32, 64, 128, 256; the others run with D at run time): the masks and D-dependent offsets
+  /// fold and each division by D is one FMUL (PowerOfTwoWidth).
+  Served<Op> exact_width;
   /// NeoX pairs in one lane (rope_common.cuh NeoxPairGeometry): both halves of each pair in the
-  /// same thread, no partner shuffles; needs NeoX, r = D and exact_width.
+  /// same thread, no partner shuffles; needs NeoX, r = D and exact widths of 64, 128 or 256.
   Knob<bool> neox_pairs_in_lane;
 
   constexpr bool serves(Op op, const RopeKey& key) const {
@@ -167,15 +170,62 @@ struct General {
       .angles = Served<AngleSource>::every(),
       .angle_type = Served<AngleType>::every(),
       .placement = Served<Placement>::every(),
-      .exact_width = false,
+      .exact_width = Served<Op>::none(),
       .neox_pairs_in_lane = false,
   };
 };
 
-/// The specializations, in the order they are tried. Empty for now: every call runs General.
+/// The 16-byte widths the speedrun's layers use (D = 64, 96, 128): its named shapes.
+inline constexpr Served<HeadWidth> kSpeedrunWidths{HeadWidth::k64, HeadWidth::k96,
+                                                   HeadWidth::k128};
+
+/// Factor tables, interleaved pairs, RMS without weights, every lane rotary (the speedrun's
+/// layers, plain and paired). Its kernels hold no weight, cache or partner-exchange code and
+/// rotate chunk by chunk; the general code cost the speedrun's kernels 0-6 % (5b85f3d against
+/// 68ac3a6) and 14-17 % for the forward with place()'s selects (2e387f1), perf_notes.md.
+struct TablesInterleavedRms {
+  static constexpr Spec kSpec{
+      .name = "tables/interleaved/rms/no-weight",
+      .ops = kEveryOp,
+      .access = {Access::k16B},
+      .width = kSpeedrunWidths,
+      .rotary = {Rotary::kInterleaved},
+      .span = {RotarySpan::kWhole},
+      .norm = {Norm::kRms},
+      .weights = {Weights::kNone},
+      .angles = {AngleSource::kTables},
+      .angle_type = {AngleType::kBf16},
+      .placement = {Placement::kPlain, Placement::kPaired},
+      .exact_width = Served<Op>::none(),
+      .neox_pairs_in_lane = false,
+  };
+};
+
+/// The same under key offset (keys' lanes >= r from the previous token; the speedrun's r = D / 2).
+/// The bf16 backward with D a constant at D = 64 and 128: 4.8 / 5.4 % faster at D = 128 / 64
+/// (707eb03; the forward within 0.5 %, the FP8 backward 0.2-2.7 %, not kept there).
+struct TablesInterleavedRmsKeyOffset {
+  static constexpr Spec kSpec{
+      .name = "tables/interleaved/rms/no-weight/key-offset",
+      .ops = kEveryOp,
+      .access = {Access::k16B},
+      .width = kSpeedrunWidths,
+      .rotary = {Rotary::kInterleaved},
+      .span = {RotarySpan::kWhole, RotarySpan::kPartial},
+      .norm = {Norm::kRms},
+      .weights = {Weights::kNone},
+      .angles = {AngleSource::kTables},
+      .angle_type = {AngleType::kBf16},
+      .placement = {Placement::kKeyOffset},
+      .exact_width = {Op::kBackward},
+      .neox_pairs_in_lane = false,
+  };
+};
+
+/// The specializations, in the order they are tried (the first that serves a call runs it).
 template <class... Rows>
 struct Table {};
-using Specializations = Table<>;
+using Specializations = Table<TablesInterleavedRms, TablesInterleavedRmsKeyOffset>;
 
 // ------------------------------------------------------------------------------------------------
 // Selection
@@ -220,6 +270,12 @@ inline const char* config_name(Op op, const RopeKey& key) {
 // ------------------------------------------------------------------------------------------------
 // The key of a call
 // ------------------------------------------------------------------------------------------------
+
+/// The width classes of one power-of-two width each (Spec::exact_width).
+constexpr bool exact_power_of_two(HeadWidth width) {
+  return width == HeadWidth::k32 || width == HeadWidth::k64 || width == HeadWidth::k128 ||
+         width == HeadWidth::k256;
+}
 
 /// The class of head width D (even, in [2, 256]).
 inline HeadWidth head_width_class(int64_t D) {

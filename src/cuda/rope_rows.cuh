@@ -73,7 +73,7 @@ struct Fixed {
     if constexpr (kSpec.placement.only(Placement::kPaired)) out.dims.paired = true;
     if constexpr (!kSpec.placement.contains(Placement::kKeyOffset)) out.key_offset = false;
     if constexpr (kKeyOffset) out.key_offset = true;
-    if constexpr (kSpec.exact_width.value) out.dims.head_dim = D;
+    out.dims.head_dim = D;  // the row width: a constant in the exact-width kernels
     return out;
   }
 };
