@@ -59,8 +59,8 @@ struct BackwardArgs {
   float* partials;           ///< with weights: [blocks][2][D], one row per block; else nullptr
   int row_sets;              ///< NS (rope::RowWork): unit u = t * NS + s
   int64_t units;             ///< T * NS
-  int64_t units_per_block;   ///< units a block walks: tokens_per_weight_block * NS with weights,
-                             ///< else one per lane group
+  int tokens_per_block;      ///< with weights: a block walks the units of these many tokens
+                             ///< (tokens_per_weight_block); 0: one unit per lane group
 };
 
 int64_t tokens_per_weight_block(int64_t heads2) {
@@ -200,8 +200,9 @@ __device__ __forceinline__ void backward_unit(const BackwardArgs& p, const rope:
 }
 
 /// Config: the configuration (rope_dispatch.hpp); kExactWidth: rows of exactly Geom's full width.
-/// A block walks p.units_per_block units in turns of its lane groups; with weights (p.partials)
-/// it then writes its partial row of the weights' gradient sums.
+/// With weights (p.partials) a block walks the units of p.tokens_per_block tokens in turns of its
+/// lane groups, then writes its partial row of the weights' gradient sums; else each lane group
+/// takes one unit.
 template <class Config, class Geom, typename AngleT, bool kExactWidth>
 __global__ void __launch_bounds__(BackwardPolicy<Config, Geom, AngleT>::kThreads,
                                   BackwardPolicy<Config, Geom, AngleT>::min_blocks())
@@ -228,19 +229,22 @@ __global__ void __launch_bounds__(BackwardPolicy<Config, Geom, AngleT>::kThreads
         /*fill_weights=*/false, nullptr);
   } else {
     const bool weighted = Fix::kSpec.weights.only(rope::Weights::kWeighted) || p.partials != nullptr;
-    const rope::WeightGradSums sums{group_sums + group * 2 * D};
+    // Null rows without weights: one object either way, so that it stays in registers.
+    const rope::WeightGradSums sums{weighted ? group_sums + group * 2 * D : nullptr};
     if (weighted) sums.clear(lanes, D);
     // The block's units, in turns of kGroups; the trip count is the same for every group, so the
     // loop stays warp-uniform (units past the block's end load nothing).
-    const int64_t first = int64_t(blockIdx.x) * p.units_per_block;
-    const int64_t last = first + p.units_per_block < p.units ? first + p.units_per_block : p.units;
-    const int64_t turns = (p.units_per_block + kGroups - 1) / kGroups;
+    const int64_t per_block =
+        weighted ? int64_t(p.tokens_per_block) * p.row_sets : int64_t(kGroups);
+    const int64_t first = int64_t(blockIdx.x) * per_block;
+    const int64_t last = first + per_block < p.units ? first + per_block : p.units;
+    const int64_t turns = (per_block + kGroups - 1) / kGroups;
 #pragma unroll 1
     for (int64_t turn = 0; turn < turns; ++turn) {
       const int64_t unit = first + turn * kGroups + group;
       backward_unit<Config, Geom, AngleT, kExactWidth>(p, in, unit < last ? unit : p.units, lane,
                                                       lanes, partners, shared_rows, turn == 0,
-                                                      weighted ? &sums : nullptr);
+                                                      &sums);
     }
     if (weighted) rope::write_partial_row<kGroups, Policy::kThreads>(D, group_sums, p.partials);
   }
@@ -261,13 +265,12 @@ void launch_backward(BackwardArgs args, cudaStream_t stream) {
   size_t smem = rope::Fixed<Config>::kWeightless ? 0 : row_floats * sizeof(float);
   int64_t blocks = 0;
   if (rope::has_weights_args(args.in)) {
-    const int64_t tokens_per_block = tokens_per_weight_block(heads2);
-    args.units_per_block = tokens_per_block * work.row_sets;
-    blocks = (args.in.tokens + tokens_per_block - 1) / tokens_per_block;
+    args.tokens_per_block = int(tokens_per_weight_block(heads2));
+    blocks = (args.in.tokens + args.tokens_per_block - 1) / args.tokens_per_block;
     smem += size_t(kGroups) * row_floats * sizeof(float);
   } else {
     args.partials = nullptr;
-    args.units_per_block = kGroups;
+    args.tokens_per_block = 0;
     blocks = (work.units + kGroups - 1) / kGroups;
   }
   kernel<<<dim3(rope::grid_size("qk_norm_rope_backward", blocks, args.in.tokens)),
@@ -309,7 +312,7 @@ void qk_norm_rope_backward(const QkNormRopeBackwardParams& params) {
                           .partials = workspace,
                           .row_sets = 0,
                           .units = 0,
-                          .units_per_block = 0};
+                          .tokens_per_block = 0};
   rope::dispatch<Op::kBackward>(
       "qk_norm_rope_backward", rope::rope_key(params),
       [&](auto config, auto geometry, auto angle, auto exact) {

@@ -285,10 +285,11 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
   float* weight_rows = reinterpret_cast<float*>(tile + size_t(kTileTokens) * size_t(pitch));
   float* group_sums = weight_rows + 2 * D;
   const rope::SharedWeights weights{weight_rows};
-  const rope::WeightGradSums sums{group_sums + group * 2 * D};
   // Weight gradients to sum: a block-uniform value (a constant where the configuration fixes it).
   const bool weighted = Fix::kSpec.weights.only(rope::Weights::kWeighted) ||
                         (!Fix::kWeightless && p.partials != nullptr);
+  // Null rows without weights: one object either way, so that it stays in registers.
+  const rope::WeightGradSums sums{weighted ? group_sums + group * 2 * D : nullptr};
   if constexpr (!Fix::kWeightless) {
     rope::SharedWeights::fill(in, D, weight_rows);
     if (weighted) sums.clear(lanes, D);
@@ -373,7 +374,7 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
         // An absent part (loads 0, the token's angles) adds nothing to the weight sums.
         rope::backward_row<Geom, Config, kBranchFree>(
             in, r.g, r.x, angles, r.g_next, lanes, partners, exchange,
-            Fix::kWeightless ? nullptr : &weights, weighted ? &sums : nullptr, D, part.is_key,
+            Fix::kWeightless ? nullptr : &weights, &sums, D, part.is_key,
             token_ok && part.present, in.key_offset && slot == 1, t == 0, width, dx);
         if (!(token_ok && part.present)) return;
         uint8_t* out_row = p.grad_row + t * p.qkv_dim + int64_t(part.h2) * D;

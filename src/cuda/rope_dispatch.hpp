@@ -222,10 +222,56 @@ struct TablesInterleavedRmsKeyOffset {
   };
 };
 
+/// A cos/sin cache, NeoX over the whole row, RMS times a weight, plain placement: Qwen3 (D = 128)
+/// and Gemma 3 (D = 256, 1 + w), forward and bf16 backward. The layout's options are constants
+/// (1.25-1.40x at Qwen3-8B, a11dade) and D too, on 8 lanes x 2 chunks at D = 128 (16 x 2 at 256)
+/// with both halves of each NeoX pair in one lane (1.12x forward, 1.08x backward at Qwen3-8B,
+/// d51cb4d / 41f246d), perf_notes.md. bf16 angles only (fp32 never timed: general).
+struct CacheNeoxRmsWeightedPairs {
+  static constexpr Spec kSpec{
+      .name = "cache/neox/rms/weighted/pairs-in-lane",
+      .ops = {Op::kForward, Op::kBackward},
+      .access = {Access::k16B},
+      .width = {HeadWidth::k128, HeadWidth::k256},
+      .rotary = {Rotary::kNeox},
+      .span = {RotarySpan::kWhole},
+      .norm = {Norm::kRms},
+      .weights = {Weights::kWeighted},
+      .angles = {AngleSource::kCache},
+      .angle_type = {AngleType::kBf16},
+      .placement = {Placement::kPlain},
+      .exact_width = {Op::kForward, Op::kBackward},
+      .neox_pairs_in_lane = true,
+  };
+};
+
+/// The same layout in the FP8 backward, at D = 128 (Qwen3), on its 16-lane geometry: NeoX pairs
+/// in lane would need 32 lane groups' weight-gradient rows in shared memory per CTA, 2 CTAs per
+/// SM instead of 3 (perf_notes.md). The options as constants: 0.6220 -> 0.4693 ms at Qwen3-8B
+/// (a11dade with b26e0ad-a444adf). D = 256 was never timed there: general.
+struct CacheNeoxRmsWeighted {
+  static constexpr Spec kSpec{
+      .name = "cache/neox/rms/weighted",
+      .ops = {Op::kBackwardFp8},
+      .access = {Access::k16B},
+      .width = {HeadWidth::k128},
+      .rotary = {Rotary::kNeox},
+      .span = {RotarySpan::kWhole},
+      .norm = {Norm::kRms},
+      .weights = {Weights::kWeighted},
+      .angles = {AngleSource::kCache},
+      .angle_type = {AngleType::kBf16},
+      .placement = {Placement::kPlain},
+      .exact_width = {Op::kBackwardFp8},
+      .neox_pairs_in_lane = false,
+  };
+};
+
 /// The specializations, in the order they are tried (the first that serves a call runs it).
 template <class... Rows>
 struct Table {};
-using Specializations = Table<TablesInterleavedRms, TablesInterleavedRmsKeyOffset>;
+using Specializations = Table<TablesInterleavedRms, TablesInterleavedRmsKeyOffset,
+                             CacheNeoxRmsWeightedPairs, CacheNeoxRmsWeighted>;
 
 // ------------------------------------------------------------------------------------------------
 // Selection

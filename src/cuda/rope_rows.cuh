@@ -649,8 +649,9 @@ __device__ __forceinline__ bool reads_saved_rows(const RopeInputs& in) {
 /// Backward of one row (SPEC.md sections 2 and 8):
 ///   gw[d] = f1[d] * g[d] + f2p[d] * g[p(d)]                    (rotary lanes)
 ///   gw[d] = g[d], or for a key row under key offset g_next[d] + (t == 0 ? g[d] : 0)
-///   with a weight: grad_w[d] += gw[d] * n[d] (into `sums`, the row's kind's, when not null and
-///   `row_present`), dn = gw * w (w of `weights`, when not null; D the row width)
+///   with a weight: grad_w[d] += gw[d] * n[d] (into `sums`, the row's kind's, when neither it
+///   nor its rows are null, and `row_present`), dn = gw * w (w of `weights`, when not null; D the
+///   row width)
 ///   dx    = rstd * (dn - n * (sum(dn * n) / D))                (dx = dn without the norm)
 /// `row_present`: the row is one of the op's (a real head of a real token). The kernels also run
 /// this on rows that are not (the slots past Hq + Hkv of a token's last unit or job, tokens past
@@ -696,7 +697,9 @@ __device__ __forceinline__ void backward_row(
     }
     if (weights != nullptr) {
       // Absent rows add nothing to the sums (see row_present above).
-      if (sums != nullptr && row_present) sums->add(is_key, lanes, c, D, gw, n);
+      if (sums != nullptr && sums->rows != nullptr && row_present) {
+        sums->add(is_key, lanes, c, D, gw, n);
+      }
       float w[V];
       weights->chunk(is_key, lanes, c, D, w);
 #pragma unroll
