@@ -292,9 +292,9 @@ Expected expected_for(const Shape& s) {
     return {plain, plain, plain};
   }
   if (s.cache && s.neox && s.weights && s.normalize && (s.dim == 128 || s.dim == 256)) {
-    // Qwen3, Gemma 3: the FP8 backward's row at D = 128 only.
+    // Qwen3, Gemma 3: the FP8 backward on its own row (16 lanes, no NeoX pairs in lane).
     return {"cache/neox/rms/weighted/pairs-in-lane", "cache/neox/rms/weighted/pairs-in-lane",
-            s.dim == 128 ? "cache/neox/rms/weighted" : "general"};
+            "cache/neox/rms/weighted"};
   }
   return {"general", "general", "general"};
 }

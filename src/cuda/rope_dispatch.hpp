@@ -226,7 +226,8 @@ struct TablesInterleavedRmsKeyOffset {
 /// and Gemma 3 (D = 256, 1 + w), forward and bf16 backward. The layout's options are constants
 /// (1.25-1.40x at Qwen3-8B, a11dade) and D too, on 8 lanes x 2 chunks at D = 128 (16 x 2 at 256)
 /// with both halves of each NeoX pair in one lane (1.12x forward, 1.08x backward at Qwen3-8B,
-/// d51cb4d / 41f246d), perf_notes.md. bf16 angles only (fp32 never timed: general).
+/// d51cb4d / 41f246d), perf_notes.md; Gemma3-12B's 88 % target was set on these kernels (f0006af).
+/// bf16 angles only (fp32 never timed: general).
 struct CacheNeoxRmsWeightedPairs {
   static constexpr Spec kSpec{
       .name = "cache/neox/rms/weighted/pairs-in-lane",
@@ -245,16 +246,17 @@ struct CacheNeoxRmsWeightedPairs {
   };
 };
 
-/// The same layout in the FP8 backward, at D = 128 (Qwen3), on its 16-lane geometry: NeoX pairs
-/// in lane would need 32 lane groups' weight-gradient rows in shared memory per CTA, 2 CTAs per
-/// SM instead of 3 (perf_notes.md). The options as constants: 0.6220 -> 0.4693 ms at Qwen3-8B
-/// (a11dade with b26e0ad-a444adf). D = 256 was never timed there: general.
+/// The same layout in the FP8 backward, on its 16-lane geometry: NeoX pairs in lane would need 32
+/// lane groups' weight-gradient rows in shared memory per CTA, 2 CTAs per SM instead of 3
+/// (perf_notes.md). The options as constants: 0.6220 -> 0.4693 ms at Qwen3-8B (a11dade with
+/// b26e0ad-a444adf). D = 256 (Gemma 3) is add6545's kernel there, not timed alone: the general
+/// one takes 186 registers against its 121 (one CTA per SM); the general-only A/B decides.
 struct CacheNeoxRmsWeighted {
   static constexpr Spec kSpec{
       .name = "cache/neox/rms/weighted",
       .ops = {Op::kBackwardFp8},
       .access = {Access::k16B},
-      .width = {HeadWidth::k128},
+      .width = {HeadWidth::k128, HeadWidth::k256},
       .rotary = {Rotary::kNeox},
       .span = {RotarySpan::kWhole},
       .norm = {Norm::kRms},
