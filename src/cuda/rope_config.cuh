@@ -261,7 +261,10 @@ struct Policy {
       // NeoX pairs in lane (weights and their sums in shared memory): 6 blocks on 8 lanes, 5 on
       // 16 (D = 256), one fewer with fp32 angles.
       if constexpr (Geom::kNeoxPairsInLane) return (G < 16 ? 6 : 5) - (kWideAngles ? 1 : 0);
-      if constexpr (kWeightCode || V != 8) return C >= 3 ? 3 : 4;
+      // With weights, partners and key offset at run time (General): 5 at one 16-byte chunk per
+      // lane (92-96 registers, no spill; add6545's weighted general kernel ran 5 with 94), 4 for
+      // wider rows, 3 at C = 3.
+      if constexpr (kWeightCode || V != 8) return C >= 3 ? 3 : (V == 8 && C == 1 ? 5 : 4);
       // Interleaved pairs without weights: 8 (<= 64 registers) for one chunk per lane, key
       // offset included; C = 3 (D = 96 on 4 lanes) holds g, x (and g_next) and 6 factor chunks
       // of its one row at once: 6 (80 registers), 5 (92) under key offset.
