@@ -579,7 +579,7 @@ __global__ void __launch_bounds__(Fp8Policy<Config, Geom, AngleT>::kThreads,
 
 /// Largest tile any launch can ask for: the widest features, 2*256 + 512 bytes per token (128 KB).
 constexpr size_t kMaxTileBytes =
-    size_t(kTileTokens) * ((2 * 256 + kMaxVWidth + 127) / 128 * 128);
+    size_t(kTileTokens) * ((2 * rope::kMaxHeadWidth + kMaxVWidth + 127) / 128 * 128);
 
 /// Dynamic shared memory of a launch: the tile, then for the kernels with weight code the norm
 /// weights ([2][D] floats) and, with weights, the lane groups' sums ([groups][2][D] floats).
@@ -592,7 +592,8 @@ constexpr size_t fp8_shared_bytes(size_t tile_bytes, bool general, bool weight_g
 /// Largest dynamic shared memory any launch can ask for: the widest tile, the weights at D = 256
 /// and 64 KB of sums, above every geometry's (the most: 64 groups of 4 lanes at D = 96, 48 KB);
 /// launch_fp8 checks each launch against it. 194 KB.
-constexpr size_t kMaxSharedBytes = fp8_shared_bytes(kMaxTileBytes, true, false, 0, 256) + 64 * 1024;
+constexpr size_t kMaxSharedBytes =
+    fp8_shared_bytes(kMaxTileBytes, true, false, 0, rope::kMaxHeadWidth) + 64 * 1024;
 static_assert(kMaxSharedBytes <= 227 * 1024, "an sm_90 CTA holds at most 227 KB");
 
 /// Once per kernel instantiation and device (the current one, `device`): opts `kKernel` in to
