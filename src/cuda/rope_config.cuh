@@ -234,10 +234,14 @@ struct Policy {
 
   /// Rows per lane group (row kernels). Forward: 3 rows of one 16-byte chunk in flight per
   /// thread (plus the angle chunks), wider rows 4 / C (one at C = 3); bf16 backward: each row
-  /// needs g and x, so 2 rows of one chunk, one of wider rows. Narrow chunks: 8 elements of rows
-  /// per thread (the forward at D = 100: 27.9 % of copy with 2 rows, 22.3 % with 8).
+  /// needs g and x, so 2 rows of one chunk, one of wider rows. NeoX pairs in lane on 8 lanes
+  /// (D = 128): 4 rows forward, 2 backward, every row load before the first row sum (the per-row
+  /// scalars, the position and the cos/sin row amortized over more rows). Narrow chunks: 8
+  /// elements of rows per thread (the forward at D = 100: 27.9 % of copy with 2 rows, 22.3 %
+  /// with 8).
   static constexpr int rows_per_group() {
     if constexpr (V == 8) {
+      if constexpr (Geom::kNeoxPairsInLane && G == 8) return kOp == Op::kForward ? 4 : 2;
       if constexpr (kOp == Op::kForward) return C == 1 ? 3 : (4 / C > 0 ? 4 / C : 1);
       return C == 1 ? 2 : 1;
     }
@@ -247,9 +251,9 @@ struct Policy {
   /// Resident blocks per SM.
   static constexpr int min_blocks() {
     if constexpr (kOp == Op::kForward) {
-      // NeoX pairs in lane (weights in shared memory): 7 blocks (<= 72 registers) on 8 or 4
-      // lanes, 5 (<= 96) at D = 256 on 16.
-      if constexpr (Geom::kNeoxPairsInLane) return G == 16 ? 5 : 7;
+      // NeoX pairs in lane (weights in shared memory): 5 blocks (<= 96 registers: 4 rows of 16
+      // elements per lane on 8 lanes, one row at D = 256 on 16).
+      if constexpr (Geom::kNeoxPairsInLane) return 5;
       // With weights and partners: 8 for one bf16 chunk per lane on 16 lanes (D in (64, 128],
       // fits 64 registers), else 6, and 4 for more than 8 elements per lane.
       if constexpr (kWeightCode || V != 8) {
@@ -258,9 +262,9 @@ struct Policy {
       // Interleaved pairs without weights: 8 (<= 64 registers, 32 warps) with bf16 tables.
       return kWideAngles ? (C == 3 ? 5 : 6) : 8;
     } else if constexpr (kOp == Op::kBackward) {
-      // NeoX pairs in lane (weights and their sums in shared memory): 6 blocks on 8 lanes, 5 on
-      // 16 (D = 256), one fewer with fp32 angles.
-      if constexpr (Geom::kNeoxPairsInLane) return (G < 16 ? 6 : 5) - (kWideAngles ? 1 : 0);
+      // NeoX pairs in lane (weights and their sums in shared memory): 5 blocks (<= 96
+      // registers: 2 rows on 8 lanes, one at D = 256 on 16), one fewer with fp32 angles.
+      if constexpr (Geom::kNeoxPairsInLane) return 5 - (kWideAngles ? 1 : 0);
       // With weights, partners and key offset at run time (General): 5 at one 16-byte chunk per
       // lane (92-96 registers, no spill; add6545's weighted general kernel ran 5 with 94), 4 for
       // wider rows, 3 at C = 3.
@@ -288,8 +292,8 @@ struct Policy {
   }
 
   static_assert(kThreads % 32 == 0 && 32 % G == 0, "lane groups must tile whole warps");
-  static_assert(rows_per_group() >= 1 && rows_per_group() * V * C <= 32,
-                "rows per lane group: keep the loads in registers");
+  static_assert(rows_per_group() >= 1 && rows_per_group() * V * C <= 64,
+                "rows per lane group: keep the loads in registers (64 elements: 32 registers)");
 };
 
 }  // namespace qkvfuse::cuda::rope
