@@ -6,7 +6,7 @@
 //   (RopeKey: access width, head-width class, rotary style and span, norm, weights, angle source
 //   and dtype, placement).
 // - The general configuration (General) serves every key. A specialization is a row of the table
-//   below (kSpecializations): the properties it fixes, each as the list of values it serves, the
+//   below (Specializations): the properties it fixes, each as the list of values it serves, the
 //   ops it serves, and two kernel knobs. The first row that serves (op, key) wins; no row: General.
 // - Matching is conservative by construction: a row lists values (Served<E> has no "any" and no
 //   default, so a row that omits a property does not compile), and a value added to a property
@@ -40,9 +40,10 @@ enum class Op : uint8_t { kForward, kBackward, kBackwardFp8 };
 /// elements), 4-byte pairs, single elements.
 enum class Access : uint8_t { k16B, k4B, k2B };
 
-/// The head width D as the kernels' row geometries see it (rope_common.cuh lanes_for): the
+/// The head width D as the kernels' row geometries see it (rope_config.cuh lanes_for): the
 /// exact widths each with its own geometry, and the ranges masked on the next geometry up.
-/// A new width class (D up to 512) is a new value here and a case of lanes_for.
+/// A new width class (D up to 512) is a new value here, in head_width_class, and a case of
+/// lanes_for and width_switch (rope_config.cuh; a value either misses throws, naming D).
 enum class HeadWidth : uint8_t {
   kUpTo32,   ///< D < 32 (narrow access only)
   k32,
