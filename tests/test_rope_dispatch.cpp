@@ -309,6 +309,58 @@ TEST(RopeDispatch, NamedShapesSelectTheirConfiguration) {
   }
 }
 
+// One value off a row's lists, each: the general kernel (no row is matched by a near miss).
+TEST(RopeDispatch, OneValueOffARowTakesTheGeneralKernel) {
+  std::vector<std::pair<std::string, Shape>> misses;
+  for (const int64_t dim : {32, 256, 80}) {  // widths the speedrun's rows do not list
+    Shape s = speedrun(128, Placement::kPlain);
+    s.dim = dim;
+    misses.emplace_back("speedrun D=" + std::to_string(dim), s);
+  }
+  Shape fp32_tables = speedrun(128, Placement::kPaired);
+  fp32_tables.angle_dtype = DType::kFloat32;
+  misses.emplace_back("speedrun, fp32 tables", fp32_tables);
+  Shape partial = speedrun(96, Placement::kPlain);
+  partial.rotary = 48;  // r < D without key offset
+  misses.emplace_back("speedrun, partial rotary", partial);
+  Shape weighted = speedrun(128, Placement::kKeyOffset);
+  weighted.weights = true;
+  misses.emplace_back("speedrun, weights", weighted);
+  Shape no_norm = speedrun(64, Placement::kPlain);
+  no_norm.normalize = false;
+  misses.emplace_back("speedrun, no norm", no_norm);
+  Shape cache = speedrun(128, Placement::kPlain);
+  cache.cache = true;
+  misses.emplace_back("speedrun, a cos/sin cache", cache);
+  Shape glm = qwen3(32);  // GLM: half the lanes rotate
+  glm.rotary = 64;
+  misses.emplace_back("Qwen3, partial rotary", glm);
+  Shape qwen_fp32 = qwen3(32);
+  qwen_fp32.angle_dtype = DType::kFloat32;
+  misses.emplace_back("Qwen3, fp32 cache", qwen_fp32);
+  Shape qwen_tables = qwen3(16);
+  qwen_tables.cache = false;
+  misses.emplace_back("Qwen3, factor tables", qwen_tables);
+  Shape interleaved = gemma3_12b();
+  interleaved.neox = false;
+  misses.emplace_back("Gemma3, interleaved", interleaved);
+  Shape narrow = qwen3(16);
+  narrow.dim = 64;
+  misses.emplace_back("Qwen3 at D=64", narrow);
+  Shape unweighted = qwen3(32);
+  unweighted.weights = false;
+  misses.emplace_back("Qwen3, no weights", unweighted);
+  Shape paired = qwen3(8);
+  paired.kv_heads = 8;
+  paired.paired = true;
+  misses.emplace_back("Qwen3, paired", paired);
+  for (const auto& [what, shape] : misses) {
+    for (const Op op : kOps) {
+      EXPECT_STREQ(config_name(op, shape.key()), "general") << what << ", op " << int(op);
+    }
+  }
+}
+
 TEST(RopeDispatch, NarrowAccessTakesTheGeneralKernel) {
   for (const Shape& shape : named_shapes()) {
     for (const int chunk : {2, 1}) {
