@@ -38,7 +38,8 @@ note "commit: $commit  date: $(date -u +%F)"
 # binary instead.
 old_bins=() old_builders=()
 if has ab && [ -z "${QKVFUSE_AB_OLD:-}" ]; then
-  start_old_builds build-old qkvfuse_bench_kernels
+  # The benchmark needs no CUTLASS GEMM: old trees that have them build without (minutes saved).
+  start_old_builds build-old qkvfuse_bench_kernels -DQKVFUSE_ENABLE_CUTLASS=OFF
 fi
 [ -n "${QKVFUSE_AB_OLD:-}" ] && old_bins=("$QKVFUSE_AB_OLD")
 
@@ -50,8 +51,13 @@ if has build; then
     -DCMAKE_PREFIX_PATH="$torch_prefix" >"$LOG/build.log" 2>&1 &&
     ninja -C $build >>"$LOG/build.log" 2>&1
   rc=$?
-  note "build: rc=$rc in $((SECONDS - start)) s"
+  note "build: rc=$rc in $((SECONDS - start)) s; ptxas spill warnings: $(grep -c 'Registers are spilled' "$LOG/build.log")"
   if [ $rc -ne 0 ]; then grep -E "error|Error" -m 30 "$LOG/build.log"; tail -20 "$LOG/build.log"; exit 1; fi
+  # Kernel entries of the library's CUDA objects (the rope family's budget: docs/STATUS.md), and
+  # the rope objects' compile times.
+  scripts/count_kernels.sh --sass $build >"$LOG/kernels.txt" 2>&1
+  note "kernel entries: $(grep -E '^(qk|qkv|total)' "$LOG/kernels.txt" | tr -s ' ' | paste -sd ';')"
+  note "rope objects (s): $(awk '$4 ~ /(qk_norm_rope|qk_norm_rope_backward|qkv_backward_fp8)\.cu\.o$/ {n=split($4, p, "/"); printf "%s %.1f; ", p[n], ($2 - $1) / 1000}' $build/.ninja_log)"
 fi
 
 if has test; then
@@ -96,15 +102,21 @@ run_sanitize() {
   local start=$SECONDS
   local tests_timeout=${QKVFUSE_SANITIZE_TIMEOUT:-240}
   # Without --gtest_brief the logs list every test that finished, should a run be cut short.
+  # QKVFUSE_SANITIZE_FILTER: the GPU tests memcheck runs (default all but CudaLarge);
+  # QKVFUSE_SANITIZE_RACECHECK=0 skips racecheck over the kernel tests; QKVFUSE_SANITIZE_FUZZ_TOOLS:
+  # the tools run over the fuzz sweep (default all four; empty: none).
+  local filter=${QKVFUSE_SANITIZE_FILTER:-Cuda*-CudaLarge*}
   if [ "${QKVFUSE_SANITIZE_TESTS:-1}" = 1 ]; then
     timeout "$tests_timeout" compute-sanitizer --tool memcheck --error-exitcode 9 \
-      $build/tests/qkvfuse_tests --gtest_filter='Cuda*-CudaLarge*' >"$LOG/sanitize_memcheck_tests.log" 2>&1
-    note "compute-sanitizer memcheck (GPU tests but CudaLarge): rc=$? $(grep -E 'ERROR SUMMARY' "$LOG/sanitize_memcheck_tests.log" | tail -1) $(grep -cE '^\[       OK' "$LOG/sanitize_memcheck_tests.log") tests OK, $(grep -cE '^\[  FAILED  \] [A-Z]' "$LOG/sanitize_memcheck_tests.log") failed"
-    timeout "$tests_timeout" compute-sanitizer --tool racecheck --error-exitcode 9 \
-      $build/tests/qkvfuse_tests --gtest_filter='CudaQkNormRope*:CudaQkvBackwardFp8*:CudaQuantize*' >"$LOG/sanitize_racecheck_tests.log" 2>&1
-    note "compute-sanitizer racecheck (kernel GPU tests): rc=$? $(grep -E 'SUMMARY' "$LOG/sanitize_racecheck_tests.log" | tail -1) $(grep -cE '^\[       OK' "$LOG/sanitize_racecheck_tests.log") tests OK, $(grep -cE '^\[  FAILED  \] [A-Z]' "$LOG/sanitize_racecheck_tests.log") failed"
+      $build/tests/qkvfuse_tests --gtest_filter="$filter" >"$LOG/sanitize_memcheck_tests.log" 2>&1
+    note "compute-sanitizer memcheck ($filter): rc=$? $(grep -E 'ERROR SUMMARY' "$LOG/sanitize_memcheck_tests.log" | tail -1) $(grep -cE '^\[       OK' "$LOG/sanitize_memcheck_tests.log") tests OK, $(grep -cE '^\[  FAILED  \] [A-Z]' "$LOG/sanitize_memcheck_tests.log") failed in $((SECONDS - start)) s"
+    if [ "${QKVFUSE_SANITIZE_RACECHECK:-1}" = 1 ]; then
+      timeout "$tests_timeout" compute-sanitizer --tool racecheck --error-exitcode 9 \
+        $build/tests/qkvfuse_tests --gtest_filter='CudaQkNormRope*:CudaQkvBackwardFp8*:CudaQuantize*' >"$LOG/sanitize_racecheck_tests.log" 2>&1
+      note "compute-sanitizer racecheck (kernel GPU tests): rc=$? $(grep -E 'SUMMARY' "$LOG/sanitize_racecheck_tests.log" | tail -1) $(grep -cE '^\[       OK' "$LOG/sanitize_racecheck_tests.log") tests OK, $(grep -cE '^\[  FAILED  \] [A-Z]' "$LOG/sanitize_racecheck_tests.log") failed"
+    fi
   fi
-  for tool in memcheck racecheck synccheck initcheck; do
+  for tool in ${QKVFUSE_SANITIZE_FUZZ_TOOLS-memcheck racecheck synccheck initcheck}; do
     timeout ${QKVFUSE_SANITIZE_FUZZ_TIMEOUT:-120} compute-sanitizer --tool $tool --error-exitcode 9 \
       $build/tests/fuzz/qkvfuse_fuzz --cases ${QKVFUSE_SANITIZE_CASES:-150} --seed 7 --max-tokens 200 >"$LOG/sanitize_$tool.log" 2>&1
     note "compute-sanitizer $tool (${QKVFUSE_SANITIZE_CASES:-150} fuzz cases, seed 7): rc=$? $(grep -E 'SUMMARY' "$LOG/sanitize_$tool.log" | tail -1) $(grep -E '^fuzz:' "$LOG/sanitize_$tool.log" | tail -1)"
@@ -152,18 +164,27 @@ fi
 if has ab; then
   # Same-run A/B of the rope kernels, each old build against this one: QKVFUSE_AB_ROUNDS
   # interleaved rounds (every old build, then the new one, ...); bench/ab_kernels.py takes the best
-  # round of each. QKVFUSE_AB_ARGS adds arguments to every run (e.g. --head-dim 128);
-  # QKVFUSE_BENCH_VARIANTS=1 adds the Qwen3-8B variants.
+  # round of each. QKVFUSE_AB_ARGS adds arguments to every run (e.g. --head-dim 128). The Qwen3-8B
+  # variants run unless QKVFUSE_BENCH_VARIANTS=0 (Qwen3-8B/no-norm is Llama's rotary-only layer).
+  # One more side, "general-only", is this build with QKVFUSE_ROPE_GENERAL_ONLY=1: every call on
+  # the general kernel, so that its table says what each specialization earns (old / new > 1: the
+  # specialization is faster). QKVFUSE_AB_GENERAL=0 leaves it out.
   start=$SECONDS
   wait_old_builds
   for i in "${!old_builders[@]}"; do
     note "old build ${old_bins[$i]}: rc=${old_build_rc[$i]} by $((SECONDS - start)) s"
   done
-  sides=("${old_bins[@]}" "$build/bench/qkvfuse_bench_kernels")
+  export QKVFUSE_BENCH_VARIANTS=${QKVFUSE_BENCH_VARIANTS:-1}
+  [ "$QKVFUSE_BENCH_VARIANTS" = 0 ] && unset QKVFUSE_BENCH_VARIANTS
+  sides=("${old_bins[@]}")
+  [ "${QKVFUSE_AB_GENERAL:-1}" = 1 ] && sides+=(general-only)
+  sides+=("$build/bench/qkvfuse_bench_kernels")
   for round in $(seq 1 "${QKVFUSE_AB_ROUNDS:-2}"); do
     for i in "${!sides[@]}"; do
+      bin=${sides[$i]} env=()
+      [ "$bin" = general-only ] && bin=$build/bench/qkvfuse_bench_kernels env=(QKVFUSE_ROPE_GENERAL_ONLY=1)
       # shellcheck disable=SC2086
-      "${sides[$i]}" --iters "${QKVFUSE_AB_ITERS:-100}" ${QKVFUSE_AB_ARGS:-} \
+      env "${env[@]}" "$bin" --iters "${QKVFUSE_AB_ITERS:-100}" ${QKVFUSE_AB_ARGS:-} \
         --csv "$LOG/ab_${i}_$round.csv" >"$LOG/ab_${i}_$round.txt" 2>&1
       note "ab ${sides[$i]} round $round: rc=$? ($((SECONDS - start)) s)"
     done

@@ -18,6 +18,13 @@ need_build_tools gtest
 echo "== configure + build (all targets)"
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build "$build" -j "$jobs"
+if command -v nvcc >/dev/null; then
+  # The kernel family's budget (docs/STATUS.md): at most 120 entries outside the CUTLASS GEMMs.
+  echo "== kernel entries"
+  rc=0
+  scripts/count_kernels.sh --max 120 "$build" || rc=$?
+  if [ $rc = 2 ]; then echo "(no cuobjdump here: not counted)"; elif [ $rc != 0 ]; then exit $rc; fi
+fi
 
 echo "== C++ tests"
 ctest --test-dir "$build" --output-on-failure -j "$jobs"
