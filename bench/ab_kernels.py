@@ -1,5 +1,6 @@
 """Same-run A/B of two builds of qkvfuse_bench_kernels: the rows both builds measured, each the
-best (lowest) median over the rounds, and the ratio old / new (> 1: the new build is faster).
+best (lowest) median over the rounds, the ratio old / new (> 1: the new build is faster) and the
+new build's % of the copy bandwidth measured in its run (the best round's).
 
   python bench/ab_kernels.py --old CSV [CSV ...] --new CSV [CSV ...] [--out PATH]
 
@@ -12,7 +13,8 @@ from pathlib import Path
 
 
 def read(paths):
-    """{(kernel, mode, tokens, heads, kv_heads, head_dim, v_dim, n): [ms, ...]} and the copy GB/s.
+    """{(kernel, mode, tokens, heads, kv_heads, head_dim, v_dim, n): [(ms, % copy), ...]} and the
+    copy GB/s.
 
     n counts earlier rows of the same key in the file, and every build runs its cases in the same
     order (bench_kernels.cu), so the n-th such row is the same case in both builds. (The Qwen3-8B
@@ -30,7 +32,9 @@ def read(paths):
             seen[shape] = n + 1
             if not row["ms"] or row["ms"] == "-":
                 continue
-            rows.setdefault(shape + (n,), []).append(float(row["ms"]))
+            pct = row.get("pct_copy", "-")
+            rows.setdefault(shape + (n,), []).append(
+                (float(row["ms"]), float(pct) if pct not in ("", "-") else float("nan")))
     return rows, copy
 
 
@@ -44,15 +48,16 @@ def main():
     new, new_copy = read(args.new)
     lines = [f"copy GB/s: old {', '.join(f'{c:.0f}' for c in old_copy)}; "
              f"new {', '.join(f'{c:.0f}' for c in new_copy)}", "",
-             "| kernel | mode | T | H | D | Dv | old ms | new ms | old / new |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| kernel | mode | T | H | D | Dv | old ms | new ms | old / new | new % copy |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for key in sorted(set(old) & set(new)):
         kernel, mode, tokens, heads, kv_heads, head_dim, v_dim, n = key
-        a, b = min(old[key]), min(new[key])
+        a = min(old[key])[0]
+        b, b_pct = min(new[key])
         heads_text = heads if kv_heads == heads else f"{heads}/{kv_heads}"
         mode_text = mode if n == 0 else f"{mode} #{n}"
         lines.append(f"| {kernel} | {mode_text} | {tokens} | {heads_text} | {head_dim} | {v_dim} | "
-                     f"{a:.4f} | {b:.4f} | {a / b:.3f} |")
+                     f"{a:.4f} | {b:.4f} | {a / b:.3f} | {b_pct:.1f} |")
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -33,6 +33,8 @@
 // folder (../shared/ANCHORS.md, outside this repository; copied into anchor_ms below), and
 // "speedup" the anchor over this run's median, where an anchor exists for the shape.
 // Results: a table on stdout; with --csv, one line per case plus the device, date and commit.
+// QKVFUSE_ROPE_GENERAL_ONLY=1 (read by the library) runs every rope call on the general kernel:
+// against a normal run, what each specialization of the kernel family earns (device_run.sh ab).
 #include <cuda_runtime.h>
 
 #include <algorithm>

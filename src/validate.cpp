@@ -196,9 +196,13 @@ std::string cuda_pending_option(const RopeLayout& layout, int64_t head_dim) {
            std::to_string(kMaxCudaHeadDim) + ")";
   }
   if (layout.normalize_v) return "layout.normalize_v";
-  if (layout.norm_scope != NormScope::kHead) return "layout.norm_scope = kToken";
+  if (layout.norm_scope != NormScope::kHead) {
+    return "layout.norm_scope: NormScope::kToken (one RMS over the token)";
+  }
   if (layout.query_only) return "layout.query_only";
-  if (!rope::has_angles(layout)) return "layout: no angle source (a call without rotary)";
+  if (!rope::has_angles(layout)) {
+    return "layout.factor1, layout.cos_sin: none (a call without rotary)";
+  }
   return {};
 }
 
@@ -215,12 +219,12 @@ void Checker::rope_options(const RopeLayout& layout, int64_t head_dim) const {
   QKVF_CHECK(q_heads >= 1, op_, ": layout.num_heads: expected >= 1, got ", q_heads);
   if (layout.query_only) {
     QKVF_CHECK(layout.num_kv_heads == 0, op_,
-               ": layout.num_kv_heads: query_only has no key heads: expected 0, got ",
+               ": layout.num_kv_heads: expected 0 with layout.query_only (no key heads), got ",
                layout.num_kv_heads);
   } else {
     QKVF_CHECK(layout.num_kv_heads >= 0 && q_heads % kv == 0, op_,
-               ": layout.num_kv_heads: expected a divisor of num_heads = ", q_heads,
-               " (0 for num_heads), got ", layout.num_kv_heads);
+               ": layout.num_kv_heads: expected a divisor of layout.num_heads = ", q_heads,
+               ", got ", layout.num_kv_heads);
   }
   // Rotary pairs need an even D; 512 bounds the backends' per-row buffers (Gemma 4's global
   // layers are the widest heads trained).
@@ -229,30 +233,38 @@ void Checker::rope_options(const RopeLayout& layout, int64_t head_dim) const {
              kMaxHeadDim, "]");
   QKVF_CHECK(layout.rotary_style == RotaryStyle::kInterleaved ||
                  layout.rotary_style == RotaryStyle::kNeox,
-             op_, ": layout.rotary_style: expected kInterleaved or kNeox, got ",
+             op_,
+             ": layout.rotary_style: expected RotaryStyle::kInterleaved or RotaryStyle::kNeox, "
+             "got ",
              int(layout.rotary_style));
   QKVF_CHECK(layout.norm_scope == NormScope::kHead || layout.norm_scope == NormScope::kToken,
-             op_, ": layout.norm_scope: expected kHead or kToken, got ", int(layout.norm_scope));
+             op_, ": layout.norm_scope: expected NormScope::kHead or NormScope::kToken, got ",
+             int(layout.norm_scope));
 
   const bool tables = !is_absent(layout.factor1) || !is_absent(layout.factor2);
   const bool cache = !is_absent(layout.cos_sin) || !is_absent(layout.positions);
   QKVF_CHECK(!(tables && cache), op_,
-             ": layout: expected at most one angle source, got both the factor tables "
-             "(factor1, factor2) and a cos/sin cache (cos_sin, positions)");
+             ": layout.factor1, layout.cos_sin: expected at most one angle source, got both the "
+             "factor tables (layout.factor1, layout.factor2) and a cos/sin cache "
+             "(layout.cos_sin, layout.positions)");
   if (tables) {
-    QKVF_CHECK(!is_absent(layout.factor1) && !is_absent(layout.factor2), op_,
-               ": layout: factor1 and factor2 go together, got only ",
-               is_absent(layout.factor1) ? "factor2" : "factor1");
+    const bool first = is_absent(layout.factor1);
+    QKVF_CHECK(!is_absent(layout.factor1) && !is_absent(layout.factor2), op_, ": ",
+               first ? "layout.factor1" : "layout.factor2",
+               ": missing: layout.factor1 and layout.factor2 go together, got only ",
+               first ? "layout.factor2" : "layout.factor1");
   } else if (cache) {
-    QKVF_CHECK(!is_absent(layout.cos_sin) && !is_absent(layout.positions), op_,
-               ": layout: cos_sin and positions go together, got only ",
-               is_absent(layout.cos_sin) ? "positions" : "cos_sin");
+    const bool first = is_absent(layout.cos_sin);
+    QKVF_CHECK(!is_absent(layout.cos_sin) && !is_absent(layout.positions), op_, ": ",
+               first ? "layout.cos_sin" : "layout.positions",
+               ": missing: layout.cos_sin and layout.positions go together, got only ",
+               first ? "layout.positions" : "layout.cos_sin");
     QKVF_CHECK(layout.cos_sin.ndim == 2, op_, ": layout.cos_sin: expected 2 dims [P, r], got ",
                layout.cos_sin.describe());
   } else {
     QKVF_CHECK(layout.rotary_dim == -1 || layout.rotary_dim == 0, op_,
-               ": layout.rotary_dim: expected -1 or 0 without an angle source (no factor "
-               "tables, no cos/sin cache: nothing rotates), got ",
+               ": layout.rotary_dim: expected -1 (the default) or 0 without an angle source (no "
+               "factor tables, no cos/sin cache: nothing rotates), got ",
                layout.rotary_dim);
   }
 
@@ -271,31 +283,35 @@ void Checker::rope_options(const RopeLayout& layout, int64_t head_dim) const {
 
   // query_only first: its own name says why paired and key_offset cannot apply.
   QKVF_CHECK(!layout.query_only || !(layout.paired || layout.key_offset), op_,
-             ": layout.query_only: has no key heads, so neither paired nor key_offset (both "
-             "need num_kv_heads = num_heads)");
+             ": layout.query_only: has no key heads, so neither layout.paired nor "
+             "layout.key_offset (both need layout.num_kv_heads = layout.num_heads)");
   QKVF_CHECK(!layout.query_only || is_absent(layout.k_weight), op_,
-             ": layout.k_weight: given, but query_only has no key rows");
+             ": layout.k_weight: given, but layout.query_only has no key rows");
   QKVF_CHECK(!layout.query_only || !layout.normalize_v, op_,
-             ": layout.normalize_v: query_only has no V heads to normalize");
+             ": layout.normalize_v: expected false with layout.query_only (no V heads to "
+             "normalize), got true");
   QKVF_CHECK(!layout.normalize_v || layout.norm_scope == NormScope::kHead, op_,
-             ": layout.normalize_v: defined with norm_scope = kHead only (the V norm is per head; "
-             "no family normalizes V over the token)");
+             ": layout.normalize_v: defined with layout.norm_scope = NormScope::kHead only (the V "
+             "norm is per head; no family normalizes V over the token)");
   const bool same_heads = kv == q_heads;
   QKVF_CHECK(!(layout.paired && layout.key_offset), op_,
-             ": layout: paired and key_offset cannot both be set");
+             ": layout.paired, layout.key_offset: cannot both be set");
   QKVF_CHECK(!layout.paired || (same_heads && q_heads % 2 == 0), op_,
-             ": layout.paired: needs num_kv_heads = num_heads and an even num_heads, got ",
+             ": layout.paired: needs layout.num_kv_heads = layout.num_heads and an even "
+             "layout.num_heads, got ",
              q_heads, " and ", kv);
   QKVF_CHECK(!layout.paired || tables, op_,
              cache ? ": layout.paired: defined with factor tables [T, 2D] only, got a cos/sin cache"
                    : ": layout.paired: defined with factor tables [T, 2D] only, got no angle "
                      "source");
   QKVF_CHECK(!layout.key_offset || same_heads, op_,
-             ": layout.key_offset: needs num_kv_heads = num_heads, got ", q_heads, " and ", kv);
+             ": layout.key_offset: needs layout.num_kv_heads = layout.num_heads, got ", q_heads,
+             " and ", kv);
 
   const bool weighted = !is_absent(layout.q_weight) || !is_absent(layout.k_weight);
-  QKVF_CHECK(!weighted || layout.normalize, op_,
-             ": layout: norm weights (q_weight, k_weight) need normalize = true");
+  QKVF_CHECK(!weighted || layout.normalize, op_, ": ",
+             is_absent(layout.q_weight) ? "layout.k_weight" : "layout.q_weight",
+             ": norm weights need layout.normalize = true, got false");
   QKVF_CHECK(!(layout.normalize || layout.normalize_v) ||
                  (layout.eps > 0.0f && layout.eps <= 3.4e38f),
              op_, ": layout.eps: expected a positive finite value, got ", layout.eps);
@@ -329,7 +345,7 @@ RopeShape rope_inputs(const Checker& check, const TensorView& qk, const RopeLayo
   const int64_t kv = kv_heads(layout);
   check.shape(qk, "qk", {Dim::any("T"), q_heads + kv, head_dim},
               layout.query_only
-                  ? "(query_only: num_heads = " + std::to_string(q_heads) + " heads)"
+                  ? "(layout.query_only: layout.num_heads = " + std::to_string(q_heads) + " heads)"
                   : "(num_heads + num_kv_heads = " + std::to_string(q_heads + kv) + " heads)");
   check.last_dim_contiguous(qk, "qk");
   check.element_aligned(qk, "qk");
@@ -394,7 +410,8 @@ int64_t weight_width(const RopeLayout& layout, const RopeShape& shape, bool key)
 
 std::string weight_shape_name(const RopeLayout& layout, bool key) {
   if (layout.norm_scope == NormScope::kHead) return "[D]";
-  return key ? "norm_scope kToken: [num_kv_heads * D]" : "norm_scope kToken: [num_heads * D]";
+  return key ? "layout.norm_scope = NormScope::kToken: [layout.num_kv_heads * D]"
+             : "layout.norm_scope = NormScope::kToken: [layout.num_heads * D]";
 }
 
 int64_t rope_v_input(const Checker& check, const RopeLayout& layout, Arg v,

@@ -67,7 +67,8 @@ inline constexpr int64_t kMaxHeadDim = 512;
 inline constexpr int64_t kMaxCudaHeadDim = 256;
 
 /// The first layout option (SPEC.md section 9) the CUDA backend does not take yet, as the error
-/// names it ("layout.normalize_v", ...); empty when there is none.
+/// names it: the argument, then what of it where that is not the argument itself
+/// ("layout.normalize_v", "layout.norm_scope: NormScope::kToken (...)"); empty when there is none.
 std::string cuda_pending_option(const RopeLayout& layout, int64_t head_dim);
 
 /// The checks of one op; every message starts with the op's name.
@@ -131,7 +132,8 @@ RopeShape rope_inputs(const Checker& check, const TensorView& qk, const RopeLayo
 
 /// Elements of the query (key: false) or key weight: D, or H*D of the kind under kToken.
 int64_t weight_width(const RopeLayout& layout, const RopeShape& shape, bool key);
-/// The weight's shape for messages: "[D]" or "norm_scope kToken: [num_heads * D]".
+/// The weight's shape for messages: "[D]" or
+/// "layout.norm_scope = NormScope::kToken: [layout.num_heads * D]".
 std::string weight_shape_name(const RopeLayout& layout, bool key);
 
 /// A V input of the V norm (v, or the backward's grad_v_out): present exactly when

@@ -1,11 +1,11 @@
 // test_rope_paths.cpp: which access width the CUDA rope kernels use for a call
-// (src/cuda/rope_paths.hpp). Host code only, so it runs everywhere: the views carry made-up device
-// addresses and are never read. The GPU tests check every width's results; this pins the choice.
+// (src/cuda/rope_paths.hpp; which configuration: test_rope_dispatch.cpp). Host code only, so it
+// runs everywhere: the views carry made-up device addresses and are never read. The GPU tests
+// check every width's results; this pins the choice.
 #include <gtest/gtest.h>
 
 #include <cstdint>
 
-#include "cuda/rope_args.hpp"
 #include "cuda/rope_paths.hpp"
 #include "qkvfuse/tensor.hpp"
 
@@ -204,65 +204,6 @@ TEST(RopePaths, Fp8BackwardAlsoNeedsAlignedOutputs) {
   v_width.v_dim = 12;
   v_width.qk_row_pad = (8 - v_width.qkv_dim() % 8) % 8;
   EXPECT_FALSE(cuda::rope::fp8_v_vectors(v_width.fp8(), chunk_width(v_width.fp8())));
-}
-
-// Which kernels a layout runs (rope_args.hpp): the speedrun's (compiled without the general code),
-// the models' (the general code with the layout's options as constants: ModelFeatures) or the
-// general ones. A layout is never both; one option off the models' layout leaves it general.
-TEST(RopePaths, LayoutsPickTheirKernels) {
-  using cuda::rope::model_layout;
-  using cuda::rope::speedrun_layout;
-  enum Kind { kSpeedrun, kModel, kGeneral };
-  const auto kind = [](const Call& c, const RopeLayout& l) {
-    const bool speedrun = speedrun_layout(l, c.dim);
-    const bool model = model_layout(l, c.dim);
-    EXPECT_FALSE(speedrun && model);
-    return speedrun ? kSpeedrun : (model ? kModel : kGeneral);
-  };
-  Call speedrun;  // factor tables, interleaved lanes, RMS-norm without weights
-  speedrun.weight_offset = -1;
-  EXPECT_EQ(kind(speedrun, speedrun.layout()), kSpeedrun);
-  RopeLayout paired = speedrun.layout();
-  paired.paired = true;
-  EXPECT_EQ(kind(speedrun, paired), kSpeedrun);
-  RopeLayout shifted = speedrun.layout();
-  shifted.key_offset = true;
-  shifted.rotary_dim = 64;
-  EXPECT_EQ(kind(speedrun, shifted), kSpeedrun);
-
-  Call qwen3;  // Qwen3: GQA, NeoX lanes from a cos/sin cache, RMS-norm times a weight
-  qwen3.heads = 32;
-  qwen3.kv_heads = 8;
-  qwen3.cache = true;
-  qwen3.style = RotaryStyle::kNeox;
-  EXPECT_EQ(kind(qwen3, qwen3.layout()), kModel);
-  RopeLayout gemma = qwen3.layout();  // Gemma 3: 1 + w, and only the key weight would do too
-  gemma.weight_offset = 1.0f;
-  gemma.k_weight = gemma.q_weight;
-  gemma.q_weight = TensorView{};
-  EXPECT_EQ(kind(qwen3, gemma), kModel);
-
-  // One option off the models' layout: the general kernels.
-  Call tables = qwen3;
-  tables.cache = false;
-  EXPECT_EQ(kind(tables, tables.layout()), kGeneral);
-  Call interleaved = qwen3;
-  interleaved.style = RotaryStyle::kInterleaved;
-  EXPECT_EQ(kind(interleaved, interleaved.layout()), kGeneral);
-  Call partial = qwen3;  // GLM: half the lanes rotate
-  partial.rotary = 64;
-  EXPECT_EQ(kind(partial, partial.layout()), kGeneral);
-  Call weightless = qwen3;
-  weightless.weight_offset = -1;
-  EXPECT_EQ(kind(weightless, weightless.layout()), kGeneral);
-  RopeLayout no_norm = weightless.layout();  // Llama: rotary only
-  no_norm.normalize = false;
-  EXPECT_EQ(kind(weightless, no_norm), kGeneral);
-  Call mha = qwen3;
-  mha.kv_heads = mha.heads;
-  RopeLayout model_paired = mha.layout();
-  model_paired.paired = true;
-  EXPECT_EQ(kind(mha, model_paired), kGeneral);
 }
 
 }  // namespace

@@ -18,8 +18,10 @@ class RopeLayout(NamedTuple):
 
     None means the C++ default: num_kv_heads = num_heads; rotary_dim = D with factor tables,
     cos_sin's width with a cos/sin cache (0 without angles). The norm weights are separate tensor
-    arguments of the ops so that autograd can return their gradients. The last three fields
-    (SPEC.md section 9) have defaults in the schemas too: calls written before them still work.
+    arguments of the ops so that autograd can return their gradients. rotary_style is always named
+    here (the public functions require it with a cos/sin cache: ops.rope_layout). The last three
+    fields (SPEC.md section 9) have defaults in the schemas too: calls written before them still
+    work.
     """
     num_heads: int
     num_kv_heads: Optional[int] = None
@@ -68,6 +70,10 @@ class RopeLayout(NamedTuple):
         values = dict(zip((n for n in cls._fields if n not in _TENSOR_FIELDS), options))
         values.update(zip(_TENSOR_FIELDS, tensors))
         return cls(**values)
+
+    def named_tensors(self) -> dict:
+        """The tensor fields by name (None for the absent ones), e.g. for a device check."""
+        return {name: getattr(self, name) for name in _TENSOR_FIELDS}
 
     @property
     def kv_heads(self) -> int:

@@ -15,33 +15,24 @@ from typing import Optional
 
 import torch
 
+from . import _checks
 from ._layout import (DEFAULT_EPS, RopeLayout, kernel_readable, qkv_views, split_grad_weight,
                       v_out_view)
 from .ops import rope_layout
 
 _ops = torch.ops.qkvfuse
 
-# packed_fp8_qkv's forward_gemm values (qkvfuse::ForwardGemm, include/qkvfuse/packed_qkv.hpp).
-FORWARD_GEMMS = ("cublaslt", "fused", "auto")
-
 
 def _forward(ctx, x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale, qkv_scale,
-             x_scale, grad_scale, x_f8, x_f8_t, layout: RopeLayout, forward_gemm: str):
-    qk_heads = layout.num_heads + layout.kv_heads
-    # The head widths come from the master weights' rows; the library checks everything else.
-    for name, weight, heads, what in (
-            ("qk_weight", qk_weight, qk_heads, "num_heads + num_kv_heads"),
-            ("v_weight", v_weight, layout.kv_heads, "num_kv_heads")):
-        if heads == 0 and weight.dim() == 2 and weight.shape[0] == 0:
-            continue  # query_only: no V rows
-        if weight.dim() != 2 or heads < 1 or weight.shape[0] % heads:
-            raise RuntimeError(f"packed_fp8_qkv: {name}: expected 2 dims whose rows are a "
-                               f"multiple of {what} = {heads}, got shape {list(weight.shape)}")
-    qk_dim = qk_weight.shape[0] // qk_heads
-    # query_only has no V heads: any V width serves its empty V.
-    v_dim = v_weight.shape[0] // layout.kv_heads if layout.kv_heads else qk_dim
+             x_scale, grad_scale, x_f8, x_f8_t, layout: RopeLayout):
+    # What only the backward reads is checked now, so that a mistake fails this call; the head
+    # widths come from the master weights' rows. The library checks the rest when the op runs.
+    qk_dim, v_dim = _checks.packed_arguments("packed_fp8_qkv", dict(
+        x=x, qk_weight=qk_weight, v_weight=v_weight, weight_f8=weight_f8, weight_f8_t=weight_f8_t,
+        weight_scale=weight_scale, qkv_scale=qkv_scale, x_scale=x_scale, grad_scale=grad_scale,
+        x_f8=x_f8, x_f8_t=x_f8_t), layout)
     q, k, qkv = _ops.packed_qkv_forward(x_f8, weight_f8, x_scale, weight_scale, qkv_scale, qk_dim,
-                                        v_dim, forward_gemm, *layout)
+                                        v_dim, *layout)
     qk, v = qkv_views(qkv, x_f8.shape[0], layout, qk_dim, v_dim)
     # With the V norm the raw V is the backward's input and the normalized one the output.
     v_out = v_out_view(qkv, x_f8.shape[0], layout, qk_dim, v_dim)
@@ -62,6 +53,7 @@ def _backward(ctx, grad_q, grad_k, grad_v):
     (qk, v, x_f8_t, weight_f8_t, qk_weight, v_weight, x_scale, weight_scale, qkv_scale,
      *tensors) = ctx.saved_tensors
     layout = RopeLayout.of_parts(ctx.options, tensors)
+    _checks.positive_scale("packed_fp8_qkv", "grad_scale", ctx.grad_scale)
     grad_x, grad_weight, grad_qkv_scale, grad_q_weight, grad_k_weight = _ops.packed_qkv_backward(
         kernel_readable(grad_q), kernel_readable(grad_k), kernel_readable(grad_v), qk, x_f8_t,
         weight_f8_t, qk_weight, v_weight, x_scale, weight_scale, qkv_scale, ctx.grad_scale,
@@ -81,7 +73,7 @@ class PackedFP8QKVFunction(torch.autograd.Function):
         layout = RopeLayout(num_heads, rotary_dim=rotary_dim, paired=paired,
                             key_offset=key_offset, factor1=factor1, factor2=factor2)
         return _forward(ctx, x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale,
-                        qkv_scale, x_scale, grad_scale, x_f8, x_f8_t, layout, "cublaslt")
+                        qkv_scale, x_scale, grad_scale, x_f8, x_f8_t, layout)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k, grad_v):
@@ -93,17 +85,15 @@ class PackedFP8QKVFunction(torch.autograd.Function):
 
 
 class PackedFP8QKVLayoutFunction(torch.autograd.Function):
-    """The general layout: the projection's arguments, the forward's GEMM (packed_fp8_qkv's
-    forward_gemm), then RopeLayout's fields in order (their tensors factor1, factor2, cos_sin,
-    positions, q_weight, k_weight). Gradients for x, qk_weight, v_weight, qkv_scale and the norm
-    weights."""
+    """The general layout: the projection's arguments, then RopeLayout's fields in order (their
+    tensors factor1, factor2, cos_sin, positions, q_weight, k_weight). Gradients for x, qk_weight,
+    v_weight, qkv_scale and the norm weights."""
 
     @staticmethod
     def forward(ctx, x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale, qkv_scale,
-                x_scale, grad_scale, x_f8, x_f8_t, forward_gemm, *layout):
+                x_scale, grad_scale, x_f8, x_f8_t, *layout):
         return _forward(ctx, x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale,
-                        qkv_scale, x_scale, grad_scale, x_f8, x_f8_t, RopeLayout(*layout),
-                        forward_gemm)
+                        qkv_scale, x_scale, grad_scale, x_f8, x_f8_t, RopeLayout(*layout))
 
     @staticmethod
     def backward(ctx, grad_q, grad_k, grad_v):
@@ -112,7 +102,7 @@ class PackedFP8QKVLayoutFunction(torch.autograd.Function):
         weight_grads = {"q_weight": grad_q_weight, "k_weight": grad_k_weight}
         layout_grads = tuple(weight_grads.get(name) for name in RopeLayout._fields)
         return (grad_x, grad_qk_weight, grad_v_weight, None, None, None, grad_qkv_scale, None,
-                None, None, None, None, *layout_grads)
+                None, None, None, *layout_grads)
 
 
 # The reference exports its autograd function's apply under this name: calling it runs the op.
@@ -122,12 +112,12 @@ PackedFP8QKV = PackedFP8QKVFunction.apply
 def packed_fp8_qkv(x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale, qkv_scale,
                    x_scale, grad_scale, factor1, factor2, num_heads, paired, key_offset, rotary_dim,
                    x_f8, x_f8_t, *, num_kv_heads: Optional[int] = None,
-                   rotary_style: str = "interleaved", normalize: bool = True,
+                   rotary_style: Optional[str] = None, normalize: bool = True,
                    q_weight: Optional[torch.Tensor] = None,
                    k_weight: Optional[torch.Tensor] = None, weight_offset: float = 0.0,
                    eps: float = DEFAULT_EPS, cos_sin: Optional[torch.Tensor] = None,
-                   positions: Optional[torch.Tensor] = None, forward_gemm: str = "cublaslt",
-                   normalize_v: bool = False, norm_scope: str = "head", query_only: bool = False):
+                   positions: Optional[torch.Tensor] = None, normalize_v: bool = False,
+                   norm_scope: str = "head", query_only: bool = False):
     """(q, k, v) = norm + rotary of x @ (qkv_scale * [Wq; Wk; Wv]).T, as one FP8 GEMM off the cached
     packed weight (two for paired layers, so that v is dense).
 
@@ -137,29 +127,25 @@ def packed_fp8_qkv(x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale,
                    the cached packed weight (PackedWeightCache); qkv_dim = (Hq+Hkv)*D + Hkv*Dv
       qkv_scale    float32 scalar, learnable
       x_scale, grad_scale  float32 scalars; x_f8 [T, C], x_f8_t [C, T]: x quantized with x_scale.
-                   grad_scale is read when the backward runs: it must bring the gradients into
-                   e4m3 range (a fixed 1/448 lets small gradients round to zero), and a tensor
-                   hook on q, k or v may set it from the gradients of the step (current scaling)
+                   grad_scale is read when the backward runs: it must be positive and bring the
+                   gradients into e4m3 range (a fixed 1/448 lets small gradients round to zero),
+                   and a tensor hook on q, k or v may set it from the gradients of the step
+                   (current scaling). On the CPU the backward refuses a scale that is not
+                   positive and finite (ValueError); on CUDA nothing reads it on the host (that
+                   would synchronize): a zero scale there gives zero (or NaN) gradients
+                   (docs/special_values.md)
       factor1/2    rotary tables [T, D] ([T, 2D] when paired), bf16 or float32; None with cos_sin
       num_heads    Hq; paired, key_offset, rotary_dim (None: the default) as qk_norm_rope's
-    Keyword-only, as qk_norm_rope's: num_kv_heads, rotary_style, normalize, q_weight, k_weight
-    (these receive gradients), weight_offset, eps, cos_sin, positions. And the forward's GEMM,
-    forward_gemm: "cublaslt" (the default: cuBLASLt, then the norm + rotary kernel; every layout),
-    "fused" (one CUTLASS kernel writes q, k and v: CUDA, a build with CUTLASS, which pip's is not
-    by default, weightless RMS norm, bf16 factor tables, D = 64, 96 or 128; otherwise an error
-    says why) or "auto" (fused where it runs). Not yet faster than cuBLASLt (docs/STATUS.md); the
-    backward is the same either way.
+    Keyword-only, as qk_norm_rope's: num_kv_heads, rotary_style (required with cos_sin),
+    normalize, q_weight, k_weight (these receive gradients), weight_offset, eps, cos_sin,
+    positions. Every argument is checked when the forward runs, those only the backward reads
+    included.
     SPEC.md section 9, as qk_norm_rope's: normalize_v (v comes back normalized per head row; its
     gradient goes through the V norm into v_weight), norm_scope, query_only (the weight's Q rows
     alone: qk_weight [Hq*D, C], v_weight [0, C], k and v empty); without factor1/2 and cos_sin
     nothing rotates.
     Returns q [T, Hq, D], k [T, Hkv, D] ([2T, Hq/2, D] each when paired) and v [T, Hkv, Dv], bf16.
     """
-    # The op refuses it too, but as a RuntimeError from inside the autograd function: a typo is a
-    # bad Python argument, reported as such before anything runs.
-    if forward_gemm not in FORWARD_GEMMS:
-        raise ValueError(f"packed_fp8_qkv: forward_gemm: expected 'cublaslt', 'fused' or 'auto', "
-                         f"got {forward_gemm!r}")
     layout = rope_layout(num_heads, rotary_dim, paired, key_offset, factor1, factor2,
                          num_kv_heads=num_kv_heads, rotary_style=rotary_style, normalize=normalize,
                          q_weight=q_weight, k_weight=k_weight, weight_offset=weight_offset, eps=eps,
@@ -167,4 +153,4 @@ def packed_fp8_qkv(x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale,
                          normalize_v=normalize_v, norm_scope=norm_scope, query_only=query_only)
     return PackedFP8QKVLayoutFunction.apply(x, qk_weight, v_weight, weight_f8, weight_f8_t,
                                             weight_scale, qkv_scale, x_scale, grad_scale, x_f8,
-                                            x_f8_t, forward_gemm, *layout)
+                                            x_f8_t, *layout)

@@ -19,9 +19,13 @@
 // Norm weights: the general kernels read them from the block's shared-memory copy
 // (rope::SharedWeights). Their gradient is a sum over every row of its kind, which each lane group
 // accumulates in its own row of shared memory (rope::WeightGradSums). So that the per-block
-// partial sums stay few (weight_grad.hpp reduces them in a fixed order), a block of the weighted
-// kernel walks all units of tokens_per_block consecutive tokens, its lane groups taking the units
-// in turn, then adds its groups' sums in group order and writes one partial row.
+// partial sums stay few (weight_grad.hpp reduces them in a fixed order), a block walks all units of
+// tokens_per_block consecutive tokens when the layout has weights, its lane groups taking the
+// units in turn, then adds its groups' sums in group order and writes one partial row; without
+// weights the same kernel takes one unit per lane group (one turn).
+//
+// Kernels: one template for the whole family (rope_dispatch.hpp's table and rope_config.cuh's
+// dispatcher pick the configuration and the launch policy).
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
@@ -32,19 +36,19 @@
 #include "cuda/check.hpp"
 #include "cuda/rope_args.hpp"
 #include "cuda/rope_common.cuh"
-#include "cuda/rope_paths.hpp"
+#include "cuda/rope_config.cuh"
+#include "cuda/rope_dispatch.hpp"
 #include "cuda/rope_rows.cuh"
-#include "cuda/static_switch.hpp"
 #include "cuda/weight_grad.hpp"
 
 namespace qkvfuse::cuda {
 namespace {
 
 using rope::Chunk;
-using rope::kRowThreads;
+using rope::Op;
 
-/// Rows a block of the weighted kernel walks, about: enough that its partial row (2D floats) is
-/// under 1 % of the bytes it moves.
+/// Rows a block walks when the layout has weights, about: enough that its partial row (2D floats)
+/// is under 1 % of the bytes it moves.
 constexpr int64_t kRowsPerWeightBlock = 256;
 
 /// Everything the bf16 backward kernel reads.
@@ -52,45 +56,19 @@ struct BackwardArgs {
   rope::RopeInputs in;
   rope::GradRows grad;
   uint16_t* grad_qk;         ///< [T, Hq + Hkv, D] row-major contiguous: (t, h2) at (t*heads2 + h2)*D
-  float* partials;           ///< weighted kernels: [blocks][2][D], one row per block
+  float* partials;           ///< with weights: [blocks][2][D], one row per block; else nullptr
   int row_sets;              ///< NS (rope::RowWork): unit u = t * NS + s
   int64_t units;             ///< T * NS
-  int tokens_per_block;      ///< weighted kernels: a block walks the units of these many tokens
+  int tokens_per_block;      ///< with weights: a block walks the units of these many tokens
+                             ///< (tokens_per_weight_block); 0: one unit per lane group
 };
 
 int64_t tokens_per_weight_block(int64_t heads2) {
   return (kRowsPerWeightBlock + heads2 - 1) / heads2;
 }
 
-/// Rows per lane group: each row needs g and x (two chunks per lane per chunk slot); one row for
-/// C >= 2 (D = 96 on 4 lanes x 3 chunks included); narrow chunks: 8 elements of rows per thread.
-template <class Geom>
-constexpr int backward_rows_per_group() {
-  if constexpr (Geom::V == 8) return Geom::C == 1 ? 2 : 1;
-  return Geom::V * Geom::C >= 8 ? 1 : 8 / (Geom::V * Geom::C);
-}
-
-/// Register budget as resident 128-thread blocks per SM, chosen so that ptxas spills nothing:
-/// 8 (<= 64 registers, 32 warps) for the speedrun's bf16-factor kernels of one chunk per lane,
-/// key offset included, fewer for fp32 factors and wider rows. C = 3 (D = 96 on 4 lanes) holds
-/// g, x (and g_next) and the 6 factor chunks of its one row at once: 6 blocks (80 registers)
-/// with bf16 factors, 5 (92) under key offset, 4 (107 and 118) with fp32 factors. The general
-/// layouts hold more (partners, run-time options): 4, 3 at C = 3. The models' weighted kernels
-/// (their weights and gradient sums in shared memory) fit 6 blocks at one chunk per lane and 5
-/// at two with bf16 angles, one block fewer with fp32 angles.
-template <class Geom, bool kKeyOffset, typename AngleT, class Features, bool kWeightGrad>
-constexpr int backward_min_blocks() {
-  constexpr bool kWideFactors = sizeof(AngleT) == 4;
-  if constexpr (std::is_same_v<Features, rope::ModelFeatures> && Geom::V == 8) {
-    return (Geom::C == 1 || (Geom::kNeoxPairsInLane && Geom::G < 16) ? 6 : 5) -
-           (kWideFactors ? 1 : 0);
-  }
-  if constexpr (Features::kGeneral || kWeightGrad || Geom::V != 8) return Geom::C >= 3 ? 3 : 4;
-  constexpr int C = Geom::C;
-  if constexpr (C == 1) return kKeyOffset && kWideFactors ? 5 : (kWideFactors ? 6 : 8);
-  if constexpr (C == 3) return kWideFactors ? 4 : (kKeyOffset ? 5 : 6);
-  return kWideFactors || kKeyOffset ? 4 : 5;
-}
+template <class Config, class Geom, typename AngleT>
+using BackwardPolicy = rope::Policy<Op::kBackward, Config, Geom, AngleT>;
 
 /// Branch-free row scalars (rope::backward_row) where they measured faster on the H200: key
 /// offset and 4 lanes x 3 chunks of the 16-byte kernels; the plain and paired kernels of one
@@ -102,43 +80,48 @@ constexpr bool backward_branch_free() {
 }
 
 /// One unit: loads, dx of its K rows, stores; with `sums`, adds the rows' gw * n to them. The
-/// general layouts read their norm weights from `weight_rows` (rope::SharedWeights, shared memory);
-/// with `fill_weights` (block-uniform) the block fills them once its loads are issued and waits
-/// for the copy (a barrier) before the math. Every lane of the warp must call it (shuffles).
-/// `in`: p.in as the kernel sees it (Features::known).
-template <class Geom, int K, bool kKeyOffset, typename AngleT, bool kFullWidth, class Features>
+/// norm weights come from `weight_rows` (rope::SharedWeights, shared memory; configurations that
+/// may have weights); with `fill_weights` (block-uniform) the block fills them once its loads are
+/// issued and waits for the copy (a barrier) before the math. Every lane of the warp must call it
+/// (shuffles). `in`: p.in as the kernel sees it (Fixed::known).
+template <class Config, class Geom, typename AngleT, bool kExactWidth>
 __device__ __forceinline__ void backward_unit(const BackwardArgs& p, const rope::RopeInputs& in,
                                               int64_t unit, int lane,
                                               const rope::LaneChunks<Geom>& lanes,
                                               const rope::Partners<Geom>& partners,
                                               float* weight_rows, bool fill_weights,
                                               const rope::WeightGradSums* sums) {
+  using Fix = rope::Fixed<Config>;
   constexpr int V = Geom::V;
   constexpr int C = Geom::C;
+  constexpr int K = BackwardPolicy<Config, Geom, AngleT>::rows_per_group();
   const int64_t t = unit / p.row_sets;
   const int set = int(unit - t * p.row_sets);
   // Groups past the last unit load and store nothing but still execute every shuffle.
   const bool token_ok = unit < p.units;
   const int heads2 = in.dims.q_heads + in.dims.kv_heads;
-  const int D = rope::row_width<Geom, kFullWidth>(in.dims.head_dim);
-  const auto width = rope::row_width_divisor<Geom, kFullWidth>(D);
-  const bool exchange = rope::exchanges_partners<Features, V>(in);
+  const int D = rope::row_width<Geom, kExactWidth>(in.dims.head_dim);
+  const auto width = rope::row_width_divisor<Geom, kExactWidth>(D);
+  const bool exchange = rope::exchanges_partners<V>(in);
   const int64_t qk_row_step = int64_t(p.row_sets) * in.qk_stride_h;
   const uint16_t* qk_token = in.qk + t * in.qk_stride_t + int64_t(set) * in.qk_stride_h;
+  // Rotary alone (no norm, no weights) never reads the saved rows: dx = gw (reads_saved_rows).
+  const bool read_x = rope::reads_saved_rows(in);
 
   // ---- loads: g and x of every row of the set, g_next of key rows, the angles ----
   Chunk<V> g[K][C];
   Chunk<V> x[K][C];
   Chunk<V> g_next[K][C];
-  using Angles = rope::TokenAngles<Geom, AngleT, Features>;
+  using Angles = rope::TokenAngles<Geom, AngleT, Config>;
   Angles angles;
   const int angle_offset = qkvfuse::rope::place(in.dims, t, set).angle_offset;
-  // Issue order, for ptxas's schedule: the speedrun's kernels at C = 3 and under key offset load
-  // the angles first, so that every row load precedes the rstd shuffles; its plain and paired
-  // kernels of one chunk per lane keep the rows first (their SASS as measured; perf_notes.md).
-  // The general layouts issue the token's position, then the rows, then the angles: a cos/sin
-  // cache's row waits for the position, the rows need not.
-  constexpr bool kAnglesFirst = !Features::kGeneral && (Geom::C == 3 || kKeyOffset);
+  // Issue order, for ptxas's schedule: the factor-table kernels of interleaved pairs without
+  // weights load the angles first at C = 3 and under key offset, so that every row load precedes
+  // the rstd shuffles; at one chunk per lane they keep the rows first (their SASS as measured;
+  // perf_notes.md). The others issue the token's position, then the rows, then the angles: a
+  // cos/sin cache's row waits for the position, the rows need not.
+  constexpr bool kAnglesFirst =
+      Fix::kTablesOnly && Fix::kChunkRotation && (Geom::C == 3 || Fix::kKeyOffset);
   const int row = Angles::cache_row(in, t, token_ok);
   if constexpr (kAnglesFirst) {
     angles.load(in, t, row, angle_offset, lanes, token_ok, /*backward=*/true);
@@ -166,16 +149,18 @@ __device__ __forceinline__ void backward_unit(const BackwardArgs& p, const rope:
     const uint16_t* g_row = g_rows[k];
     const int64_t stride_t = g_strides[k];
     // Key offset: g at t+1 of the same key head, for the lanes >= r.
-    const bool next_ok = kKeyOffset && row_ok && is_key && t + 1 < in.tokens;
+    const bool shift_row = in.key_offset && is_key;
+    const bool next_ok = shift_row && row_ok && t + 1 < in.tokens;
 #pragma unroll
     for (int c = 0; c < C; ++c) {
       const bool ok = row_ok && lanes.ok[c];
       // Key offset: key grads are read twice (as g here, as g_next by the unit of t-1): cached.
-      g[k][c] = kKeyOffset && is_key
+      g[k][c] = shift_row
                     ? rope::load_chunk_if<rope::Load::kCached, V>(ok, g_row + lanes.d0[c])
                     : rope::load_chunk_if<rope::Load::kStream, V>(ok, g_row + lanes.d0[c]);
-      x[k][c] = rope::load_chunk_if<rope::Load::kStream, V>(ok, qk_token + k * qk_row_step +
-                                                                    lanes.d0[c]);
+      x[k][c] = rope::load_chunk_if<rope::Load::kStream, V>(ok && read_x,
+                                                             qk_token + k * qk_row_step +
+                                                                 lanes.d0[c]);
       g_next[k][c] = rope::load_chunk_if<rope::Load::kCached, V>(
           next_ok && lanes.ok[c] && lanes.rot_end[c] < V, g_row + stride_t + lanes.d0[c]);
     }
@@ -184,9 +169,11 @@ __device__ __forceinline__ void backward_unit(const BackwardArgs& p, const rope:
     angles.load(in, t, row, angle_offset, lanes, token_ok, /*backward=*/true);
   }
   const rope::SharedWeights weights{weight_rows};
-  if (fill_weights) {
-    rope::SharedWeights::fill(in, D, weight_rows);
-    __syncthreads();
+  if constexpr (!Fix::kWeightless) {
+    if (fill_weights) {
+      rope::SharedWeights::fill(in, D, weight_rows);
+      __syncthreads();
+    }
   }
 
   // ---- per row: dx, store ----
@@ -194,23 +181,16 @@ __device__ __forceinline__ void backward_unit(const BackwardArgs& p, const rope:
   for (int k = 0; k < K; ++k) {
     const int head2 = set + p.row_sets * k;
     const bool is_key = head2 >= in.dims.q_heads;
-    const bool shift_row = kKeyOffset && is_key;
+    const bool shift_row = in.key_offset && is_key;
+    // Rows past the unit's heads (loads 0, the token's angles) add nothing to the sums.
+    const bool row_ok = token_ok && head2 < heads2;
     float dx[C][V];
-    constexpr bool kBranchFree = backward_branch_free<Geom, kKeyOffset>();
-    if constexpr (Features::kGeneral) {
-      // Rows past the unit's heads (loads 0, the token's angles) add nothing to the sums.
-      const bool row_ok = token_ok && head2 < heads2;
-      rope::backward_row<Geom, Features, kBranchFree>(in, g[k], x[k], angles, g_next[k], lanes,
-                                                      partners, exchange, &weights, sums, D,
-                                                      is_key, row_ok, shift_row, t == 0, width,
-                                                      dx);
-    } else {
-      rope::backward_row<Geom, Features, kBranchFree>(in, g[k], x[k], angles, g_next[k], lanes,
-                                                      partners, exchange, nullptr, nullptr, D,
-                                                      is_key, /*row_present=*/true, shift_row,
-                                                      t == 0, width, dx);
-    }
-    if (!(token_ok && head2 < heads2)) continue;
+    constexpr bool kBranchFree = backward_branch_free<Geom, Fix::kKeyOffset>();
+    rope::backward_row<Geom, Config, kBranchFree>(
+        in, g[k], x[k], angles, g_next[k], lanes, partners, exchange,
+        Fix::kWeightless ? nullptr : &weights, sums, D, is_key, row_ok, shift_row, t == 0, width,
+        dx);
+    if (!row_ok) continue;
     uint16_t* out = p.grad_qk + (t * heads2 + head2) * int64_t(D);
 #pragma unroll
     for (int c = 0; c < C; ++c) {
@@ -219,87 +199,86 @@ __device__ __forceinline__ void backward_unit(const BackwardArgs& p, const rope:
   }
 }
 
-/// kFullWidth: rows of exactly Geom's full width (rope::has_full_width). kWeightGrad: the block
-/// walks tokens_per_block tokens and writes its partial row of the weights' gradient sums (when
-/// partials is not null).
-template <class Geom, int K, bool kKeyOffset, typename AngleT, bool kFullWidth, class Features,
-          bool kWeightGrad>
-__global__ void __launch_bounds__(
-    kRowThreads, backward_min_blocks<Geom, kKeyOffset, AngleT, Features, kWeightGrad>())
+/// Config: the configuration (rope_dispatch.hpp); kExactWidth: rows of exactly Geom's full width.
+/// With weights (p.partials) a block walks the units of p.tokens_per_block tokens in turns of its
+/// lane groups, then writes its partial row of the weights' gradient sums; else each lane group
+/// takes one unit.
+template <class Config, class Geom, typename AngleT, bool kExactWidth>
+__global__ void __launch_bounds__(BackwardPolicy<Config, Geom, AngleT>::kThreads,
+                                  BackwardPolicy<Config, Geom, AngleT>::min_blocks())
     qk_norm_rope_backward_kernel(const __grid_constant__ BackwardArgs p) {
+  using Policy = BackwardPolicy<Config, Geom, AngleT>;
+  using Fix = rope::Fixed<Config>;
   constexpr int G = Geom::G;
-  constexpr int V = Geom::V;
-  constexpr int C = Geom::C;
-  constexpr int kGroups = kRowThreads / G;
-  static_assert(kRowThreads % 32 == 0 && 32 % G == 0, "lane groups must tile whole warps");
-  static_assert(K >= 1 && K * V * C <= 32, "rows per lane group: keep the loads in registers");
-  static_assert(!kWeightGrad || Features::kGeneral, "norm weights are a general layout");
-  const int D = rope::row_width<Geom, kFullWidth>(p.in.dims.head_dim);
-  // A reference, or for ModelFeatures a copy with the layout's options as constants.
-  const rope::RopeInputs& in = Features::known(p.in, D);
+  constexpr int kGroups = Policy::kThreads / G;
+  const int D = rope::row_width<Geom, kExactWidth>(p.in.dims.head_dim);
+  // The inputs with what the configuration fixes as constants.
+  const rope::RopeInputs in = Fix::known(p.in, D);
   const int lane = int(threadIdx.x) % G;
   const int group = int(threadIdx.x) / G;
-  const rope::LaneChunks<Geom> lanes(lane, D, in.dims.rotary_dim,
-                                     Features::kAllRotary && !kKeyOffset);
-  const rope::Partners<Geom> partners(lanes, lane, in.dims.rotary_dim,
-                                      Features::kGeneral && in.dims.neox);
-  // Shared memory, general layouts: the norm weights [2][D], then (weighted kernel) the lane
+  const rope::LaneChunks<Geom> lanes(lane, D, in.dims.rotary_dim, Fix::kAllRotary);
+  const rope::Partners<Geom> partners(lanes, lane, in.dims.rotary_dim, in.dims.neox);
+  // Shared memory, configurations that may have weights: the norm weights [2][D], then the lane
   // groups' weight-gradient sums [kGroups][2][D].
   extern __shared__ __align__(16) float shared_rows[];
   float* group_sums = shared_rows + 2 * D;
 
-  if constexpr (!kWeightGrad) {
-    backward_unit<Geom, K, kKeyOffset, AngleT, kFullWidth, Features>(
+  if constexpr (Fix::kWeightless) {
+    backward_unit<Config, Geom, AngleT, kExactWidth>(
         p, in, int64_t(blockIdx.x) * kGroups + group, lane, lanes, partners, shared_rows,
-        Features::kGeneral, nullptr);
+        /*fill_weights=*/false, nullptr);
   } else {
-    const rope::WeightGradSums sums{group_sums + group * 2 * D};
-    sums.clear(lanes, D);
+    const bool weighted = Fix::kSpec.weights.only(rope::Weights::kWeighted) || p.partials != nullptr;
+    // Null rows without weights: one object either way, so that it stays in registers.
+    const rope::WeightGradSums sums{weighted ? group_sums + group * 2 * D : nullptr};
+    if (weighted) sums.clear(lanes, D);
     // The block's units, in turns of kGroups; the trip count is the same for every group, so the
     // loop stays warp-uniform (units past the block's end load nothing).
-    const int64_t per_block = int64_t(p.tokens_per_block) * p.row_sets;
+    const int64_t per_block =
+        weighted ? int64_t(p.tokens_per_block) * p.row_sets : int64_t(kGroups);
     const int64_t first = int64_t(blockIdx.x) * per_block;
     const int64_t last = first + per_block < p.units ? first + per_block : p.units;
     const int64_t turns = (per_block + kGroups - 1) / kGroups;
 #pragma unroll 1
     for (int64_t turn = 0; turn < turns; ++turn) {
       const int64_t unit = first + turn * kGroups + group;
-      backward_unit<Geom, K, kKeyOffset, AngleT, kFullWidth, Features>(
-          p, in, unit < last ? unit : p.units, lane, lanes, partners, shared_rows, turn == 0,
-          &sums);
+      backward_unit<Config, Geom, AngleT, kExactWidth>(p, in, unit < last ? unit : p.units, lane,
+                                                      lanes, partners, shared_rows, turn == 0,
+                                                      &sums);
     }
-    rope::write_partial_row<kGroups, kRowThreads>(D, group_sums, p.partials);
+    if (weighted) rope::write_partial_row<kGroups, Policy::kThreads>(D, group_sums, p.partials);
   }
 }
 
-template <class Geom, bool kKeyOffset, typename AngleT, bool kFullWidth, class Features,
-          bool kWeightGrad>
+template <class Config, class Geom, typename AngleT, bool kExactWidth>
 void launch_backward(BackwardArgs args, cudaStream_t stream) {
-  constexpr int K = backward_rows_per_group<Geom>();
-  constexpr int kGroups = kRowThreads / Geom::G;
-  constexpr auto kernel =
-      qk_norm_rope_backward_kernel<Geom, K, kKeyOffset, AngleT, kFullWidth, Features, kWeightGrad>;
+  using Policy = BackwardPolicy<Config, Geom, AngleT>;
+  constexpr int kGroups = Policy::kThreads / Geom::G;
+  constexpr auto kernel = qk_norm_rope_backward_kernel<Config, Geom, AngleT, kExactWidth>;
   const int64_t heads2 = args.in.dims.q_heads + args.in.dims.kv_heads;
-  const rope::RowWork work = rope::plan_row_work(args.in.tokens, heads2, K);
+  const rope::RowWork work = rope::plan_row_work(args.in.tokens, heads2, Policy::rows_per_group());
   args.row_sets = work.row_sets;
   args.units = work.units;
-  int64_t blocks = (work.units + kGroups - 1) / kGroups;
-  // Shared memory: the general layouts' norm weights, [2][D] floats, and the weighted kernel's
-  // group sums, [kGroups][2][D].
+  // Shared memory (configurations that may have weights): the norm weights, [2][D] floats, and
+  // with weights the group sums, [kGroups][2][D].
   const size_t row_floats = 2 * size_t(args.in.dims.head_dim);
-  size_t smem = Features::kGeneral ? row_floats * sizeof(float) : 0;
-  if (!rope::has_weights_args(args.in)) args.partials = nullptr;
-  if constexpr (kWeightGrad) {
+  size_t smem = rope::Fixed<Config>::kWeightless ? 0 : row_floats * sizeof(float);
+  int64_t blocks = 0;
+  if (rope::has_weights_args(args.in)) {
     args.tokens_per_block = int(tokens_per_weight_block(heads2));
     blocks = (args.in.tokens + args.tokens_per_block - 1) / args.tokens_per_block;
     smem += size_t(kGroups) * row_floats * sizeof(float);
+  } else {
+    args.partials = nullptr;
+    args.tokens_per_block = 0;
+    blocks = (work.units + kGroups - 1) / kGroups;
   }
   kernel<<<dim3(rope::grid_size("qk_norm_rope_backward", blocks, args.in.tokens)),
-           dim3(kRowThreads), smem, stream>>>(args);
+           dim3(Policy::kThreads), smem, stream>>>(args);
   QKVF_CUDA_CHECK_LAUNCH("qk_norm_rope_backward_kernel");
 }
 
-/// Partial rows of the weighted kernel: one per block of tokens_per_weight_block tokens.
+/// Partial rows with weights: one per block of tokens_per_weight_block tokens.
 int64_t weight_blocks(const QkNormRopeBackwardParams& params) {
   const int64_t heads2 = params.qk.sizes[1];
   const int64_t per_block = tokens_per_weight_block(heads2);
@@ -334,64 +313,12 @@ void qk_norm_rope_backward(const QkNormRopeBackwardParams& params) {
                           .row_sets = 0,
                           .units = 0,
                           .tokens_per_block = 0};
-  const int chunk = rope::chunk_width(params);
-  // As the forward: the speedrun's layout without the general code in 16-byte and 4-byte chunks,
-  // with a kernel per full width too (rope::has_full_width); the general layouts compute with the
-  // run-time width, and their narrow-chunk kernels (rows not 16-byte aligned: rare) exist only in
-  // the weighted form, which writes no partial row when the layout has no weight (fewer
-  // instantiations to compile).
-  const bool speedrun = chunk != 1 && rope::speedrun_layout(layout, head_dim);
-  // The models' layout (weighted by definition) has its own kernels at 16-byte chunks, with a
-  // kernel per full width too.
-  const bool model = chunk == 8 && rope::model_layout(layout, head_dim);
-  chunk_width_switch("qk_norm_rope_backward", chunk, [&](auto chunk_tag) {
-    constexpr int V = decltype(chunk_tag)::value;
-    // D = 96 on 4 lanes x 3 chunks: every lane loads and stores (perf_notes.md).
-    rope::head_width_switch<V, rope::Width96::kFull4x3>(
-        "qk_norm_rope_backward", head_dim, [&](auto geometry) {
-          using Geom = decltype(geometry);
-          bool_switch(layout.key_offset, [&](auto key_offset) {
-            angle_dtype_switch(
-                "qk_norm_rope_backward", rope::angle_dtype(layout), [&](auto angle_tag) {
-                  using AngleT = typename decltype(angle_tag)::type;
-                  constexpr bool kKeyOffset = decltype(key_offset)::value;
-                  if constexpr (V == 8) {
-                    if (speedrun) {
-                      rope::full_width_switch<Geom>(head_dim, [&](auto full_width) {
-                        launch_backward<Geom, kKeyOffset, AngleT, decltype(full_width)::value,
-                                        rope::SpeedrunFeatures, false>(args, stream);
-                      });
-                    } else if (model && !kKeyOffset) {
-                      if constexpr (!kKeyOffset) {
-                        rope::model_width_switch<Geom>(head_dim, [&](auto geometry,
-                                                                     auto full_width) {
-                          launch_backward<decltype(geometry), false, AngleT,
-                                          decltype(full_width)::value, rope::ModelFeatures, true>(
-                              args, stream);
-                        });
-                      }
-                    } else if (weighted) {
-                      launch_backward<Geom, kKeyOffset, AngleT, false, rope::GeneralFeatures,
-                                      true>(args, stream);
-                    } else {
-                      launch_backward<Geom, kKeyOffset, AngleT, false, rope::GeneralFeatures,
-                                      false>(args, stream);
-                    }
-                  } else {
-                    if constexpr (V == 2) {
-                      if (speedrun) {
-                        launch_backward<Geom, kKeyOffset, AngleT, false, rope::SpeedrunFeatures,
-                                        false>(args, stream);
-                        return;
-                      }
-                    }
-                    launch_backward<Geom, kKeyOffset, AngleT, false, rope::GeneralFeatures, true>(
-                        args, stream);
-                  }
-                });
-          });
-        });
-  });
+  rope::dispatch<Op::kBackward>(
+      "qk_norm_rope_backward", rope::rope_key(params),
+      [&](auto config, auto geometry, auto angle, auto exact) {
+        launch_backward<decltype(config), decltype(geometry), typename decltype(angle)::type,
+                        decltype(exact)::value>(args, stream);
+      });
   if (weighted) {
     weight_grad::reduce(workspace, weight_blocks(params), int(head_dim), params.grad_q_weight,
                         params.grad_k_weight, stream);

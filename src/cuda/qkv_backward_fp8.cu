@@ -53,17 +53,19 @@
 #include "cuda/device_math.cuh"
 #include "cuda/rope_args.hpp"
 #include "cuda/rope_common.cuh"
+#include "cuda/rope_config.cuh"
+#include "cuda/rope_dispatch.hpp"
 #include "cuda/rope_paths.hpp"
 #include "cuda/rope_rows.cuh"
-#include "cuda/static_switch.hpp"
 #include "cuda/weight_grad.hpp"
 
 namespace qkvfuse::cuda {
 namespace {
 
 using rope::Chunk;
+using rope::kFp8Threads;
+using rope::Op;
 
-constexpr int kFp8Threads = 256;
 constexpr int kTileTokens = 128;  // tokens per CTA: one full 128-byte line of grad_t
 constexpr int kTokenBlock = 16;   // tokens per 16-byte grad_t store
 constexpr int kTokenBlocks = kTileTokens / kTokenBlock;
@@ -97,23 +99,8 @@ int jobs_per_tile(const RopeLayout& layout) {
   return int((layout.num_heads + kv_heads(layout) + 1) / 2);
 }
 
-/// Register budget, as resident 256-thread CTAs per SM: 4 (<= 64 registers; 4 x 48 KB of tile fit
-/// the shared memory) with one chunk per lane and bf16 factors; fp32 factor chunks take 8 more
-/// registers (3: <= 80); wider rows get 2 (<= 128). The general layouts hold more (partners,
-/// run-time options): 2, and 1 for the weighted kernels of wider rows. The models' kernels (their
-/// weights and gradient sums in shared memory) fit 3 at one chunk per lane with bf16 angles.
-template <class Geom, typename AngleT, class Features, bool kWeightGrad>
-constexpr int fp8_min_blocks() {
-  if constexpr (std::is_same_v<Features, rope::ModelFeatures> && Geom::V == 8 && Geom::C == 1 &&
-                sizeof(AngleT) == 2) {
-    return 3;
-  }
-  if constexpr (kWeightGrad && Geom::V * Geom::C > 8) return 1;
-  if constexpr (kWeightGrad || Geom::V * Geom::C > 8 || Features::kGeneral) return 2;
-  if constexpr (Geom::V != 8) return 3;
-  if constexpr (Geom::C == 1) return sizeof(AngleT) == 2 ? 4 : 3;
-  return 2;
-}
+template <class Config, class Geom, typename AngleT>
+using Fp8Policy = rope::Policy<Op::kBackwardFp8, Config, Geom, AngleT>;
 
 // ------------------------------------------------------------------------------------------------
 // Shared-memory tile addressing
@@ -200,8 +187,9 @@ struct PartRows {
   int h2;             ///< input head
   bool present;       ///< part 1 of the last job when Hq + Hkv is odd: absent
   bool is_key;
+  bool read_x;        ///< the backward reads the saved rows (rope::reads_saved_rows)
 
-  /// `in`: p.in as the kernel sees it (Features::known).
+  /// `in`: p.in as the kernel sees it (Fixed::known).
   __device__ __forceinline__ PartRows(const Fp8Args& p, const rope::RopeInputs& in, int head2) {
     h2 = head2;
     present = head2 < in.dims.q_heads + in.dims.kv_heads;
@@ -212,6 +200,7 @@ struct PartRows {
     g = (is_key ? p.grad.k : p.grad.q) + at0.token * stride_t + int64_t(at0.head) * stride_h;
     g_step = in.dims.paired ? 2 * stride_t : stride_t;
     x = in.qk + int64_t(head2) * in.qk_stride_h;
+    read_x = rope::reads_saved_rows(in);
   }
 
   /// L2 prefetch of token t's chunks (the lines this lane will load), if t exists.
@@ -223,7 +212,7 @@ struct PartRows {
     for (int c = 0; c < Geom::C; ++c) {
       if (!lanes.ok[c]) continue;
       rope::prefetch_l2_evict_last(g + t * g_step + lanes.d0[c]);
-      rope::prefetch_l2_evict_last(x + t * p.in.qk_stride_t + lanes.d0[c]);
+      if (read_x) rope::prefetch_l2_evict_last(x + t * p.in.qk_stride_t + lanes.d0[c]);
     }
   }
 };
@@ -261,9 +250,11 @@ struct Job {
 // ------------------------------------------------------------------------------------------------
 
 /// The kernel's work on its tile.
-template <class Geom, bool kKeyOffset, typename AngleT, bool kFullWidth, class Features,
-          bool kWeightGrad, bool kBranchFree, ScaleDivision kDivision>
+template <class Config, class Geom, typename AngleT, bool kExactWidth, bool kBranchFree,
+          ScaleDivision kDivision>
 __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& scale) {
+  using Fix = rope::Fixed<Config>;
+  constexpr bool kKeyOffset = Fix::kKeyOffset;
   constexpr int G = Geom::G;
   constexpr int V = Geom::V;
   constexpr int C = Geom::C;
@@ -274,11 +265,11 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
   extern __shared__ __align__(128) uint8_t tile[];
   const uint32_t tile_base = uint32_t(__cvta_generic_to_shared(tile));
 
-  const int D = rope::row_width<Geom, kFullWidth>(p.in.dims.head_dim);
-  // A reference, or for ModelFeatures a copy with the layout's options as constants.
-  const rope::RopeInputs& in = Features::known(p.in, D);
+  const int D = rope::row_width<Geom, kExactWidth>(p.in.dims.head_dim);
+  // The inputs with what the configuration fixes as constants.
+  const rope::RopeInputs in = Fix::known(p.in, D);
   const int Dv = p.v_dim;
-  const auto width = rope::row_width_divisor<Geom, kFullWidth>(D);
+  const auto width = rope::row_width_divisor<Geom, kExactWidth>(D);
   const int pitch = p.tile_pitch;
   const PartRows part0(p, in, int(blockIdx.x % unsigned(p.jobs)));
   const PartRows part1(p, in, part0.h2 + p.jobs);
@@ -286,20 +277,22 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
 
   const int group = int(threadIdx.x) / G;
   const int lane = int(threadIdx.x) % G;
-  const rope::LaneChunks<Geom> lanes(lane, D, in.dims.rotary_dim,
-                                     Features::kAllRotary && !kKeyOffset);
-  const bool exchange = rope::exchanges_partners<Features, V>(in);
-  const rope::Partners<Geom> partners(lanes, lane, in.dims.rotary_dim,
-                                      Features::kGeneral && in.dims.neox);
-  // Behind the tile (general layouts): the norm weights [2][D], then (weighted kernel) the lane
-  // groups' weight-gradient sums [kGroups][2][D] (fp8_shared_bytes).
+  const rope::LaneChunks<Geom> lanes(lane, D, in.dims.rotary_dim, Fix::kAllRotary);
+  const bool exchange = rope::exchanges_partners<V>(in);
+  const rope::Partners<Geom> partners(lanes, lane, in.dims.rotary_dim, in.dims.neox);
+  // Behind the tile (configurations that may have weights): the norm weights [2][D], then (with
+  // weights) the lane groups' weight-gradient sums [kGroups][2][D] (fp8_shared_bytes).
   float* weight_rows = reinterpret_cast<float*>(tile + size_t(kTileTokens) * size_t(pitch));
   float* group_sums = weight_rows + 2 * D;
   const rope::SharedWeights weights{weight_rows};
-  const rope::WeightGradSums sums{group_sums + group * 2 * D};
-  if constexpr (Features::kGeneral) {
+  // Weight gradients to sum: a block-uniform value (a constant where the configuration fixes it).
+  const bool weighted = Fix::kSpec.weights.only(rope::Weights::kWeighted) ||
+                        (!Fix::kWeightless && p.partials != nullptr);
+  // Null rows without weights: one object either way, so that it stays in registers.
+  const rope::WeightGradSums sums{weighted ? group_sums + group * 2 * D : nullptr};
+  if constexpr (!Fix::kWeightless) {
     rope::SharedWeights::fill(in, D, weight_rows);
-    if constexpr (kWeightGrad) sums.clear(lanes, D);
+    if (weighted) sums.clear(lanes, D);
     __syncthreads();
   }
 
@@ -315,10 +308,10 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
 
     // A cos/sin cache: the positions of the group's tokens, one per lane, loaded once, so that a
     // step's cache row waits for a shuffle instead of a load.
-    using Angles = rope::TokenAngles<Geom, AngleT, Features>;
+    using Angles = rope::TokenAngles<Geom, AngleT, Config>;
     static_assert(kTokensPerGroup <= G, "one token position per lane");
     int lane_row = 0;
-    if constexpr (Features::kGeneral) {
+    if constexpr (Fix::kMayCache) {
       const int64_t t_lane = job.t0 + group + int64_t(kGroups) * lane;
       lane_row = Angles::cache_row(in, t_lane, lane < kTokensPerGroup && t_lane < in.tokens);
     }
@@ -334,7 +327,7 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
       }
 
       int cache_row = 0;
-      if constexpr (Features::kGeneral) cache_row = __shfl_sync(0xffffffffu, lane_row, step, G);
+      if constexpr (Fix::kMayCache) cache_row = __shfl_sync(0xffffffffu, lane_row, step, G);
       Angles angles;
       angles.load(in, t, cache_row, qkvfuse::rope::place(in.dims, t, part0.h2).angle_offset, lanes,
                   token_ok, /*backward=*/true);
@@ -345,13 +338,15 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
         Chunk<V> g[C], x[C], g_next[C];
       };
       // Under key offset (as many query as key heads) slot 0 is the head's query row and slot 1
-      // its key row, known at compile time.
+      // its key row (known at compile time where the configuration fixes key offset).
       auto load_row = [&](const int slot, const PartRows& part, RowLoads& r) {
-        const bool shifted_row = kKeyOffset && slot == 1;
+        const bool shifted_row = in.key_offset && slot == 1;
         const uint16_t* g_row = part.g + t * part.g_step;
         const uint16_t* x_row = part.x + t * in.qk_stride_t;
         const bool row_ok = token_ok && part.present;
         const bool next_ok = shifted_row && row_ok && t + 1 < in.tokens;
+        // Rotary alone (no norm, no weights) never reads the saved rows (reads_saved_rows).
+        const bool x_ok = row_ok && part.read_x;
 #pragma unroll
         for (int c = 0; c < C; ++c) {
           const bool ok = row_ok && lanes.ok[c];
@@ -360,13 +355,15 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
           r.g[c] = shifted_row
                        ? rope::load_chunk_if<rope::Load::kCached, V>(ok, g_row + lanes.d0[c])
                        : rope::load_chunk_if<rope::Load::kStreamEvictFirst, V>(ok, g_row + lanes.d0[c]);
+          const bool x_chunk_ok = x_ok && lanes.ok[c];
           if constexpr (G == 16) {
             // The same load with its address named first: at G = 16 ptxas then issues the loads
             // of a token step back to back (perf_notes.md).
             const uint16_t* x_src = x_row + lanes.d0[c];
-            r.x[c] = rope::load_chunk_if<rope::Load::kStreamEvictFirst, V>(ok, x_src);
+            r.x[c] = rope::load_chunk_if<rope::Load::kStreamEvictFirst, V>(x_chunk_ok, x_src);
           } else {
-            r.x[c] = rope::load_chunk_if<rope::Load::kStreamEvictFirst, V>(ok, x_row + lanes.d0[c]);
+            r.x[c] = rope::load_chunk_if<rope::Load::kStreamEvictFirst, V>(x_chunk_ok,
+                                                                            x_row + lanes.d0[c]);
           }
           r.g_next[c] = rope::load_chunk_if<rope::Load::kCached, V>(
               next_ok && lanes.ok[c] && lanes.rot_end[c] < V, g_row + part.g_step + lanes.d0[c]);
@@ -374,17 +371,11 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
       };
       auto emit_row = [&](const int slot, const PartRows& part, const RowLoads& r) {
         float dx[C][V];
-        if constexpr (Features::kGeneral) {
-          // An absent part (loads 0, the token's angles) adds nothing to the weight sums.
-          rope::backward_row<Geom, Features, kBranchFree>(
-              in, r.g, r.x, angles, r.g_next, lanes, partners, exchange, &weights,
-              kWeightGrad ? &sums : nullptr, D, part.is_key, token_ok && part.present,
-              kKeyOffset && slot == 1, t == 0, width, dx);
-        } else {
-          rope::backward_row<Geom, Features, kBranchFree>(
-              in, r.g, r.x, angles, r.g_next, lanes, partners, exchange, nullptr, nullptr, D,
-              part.is_key, /*row_present=*/true, kKeyOffset && slot == 1, t == 0, width, dx);
-        }
+        // An absent part (loads 0, the token's angles) adds nothing to the weight sums.
+        rope::backward_row<Geom, Config, kBranchFree>(
+            in, r.g, r.x, angles, r.g_next, lanes, partners, exchange,
+            Fix::kWeightless ? nullptr : &weights, &sums, D, part.is_key,
+            token_ok && part.present, in.key_offset && slot == 1, t == 0, width, dx);
         if (!(token_ok && part.present)) return;
         uint8_t* out_row = p.grad_row + t * p.qkv_dim + int64_t(part.h2) * D;
 #pragma unroll
@@ -561,38 +552,37 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
   }
 
   // ---- The weight gradients: this CTA's partial row --------------------------------------------
-  if constexpr (kWeightGrad) {
-    rope::write_partial_row<kGroups, kFp8Threads>(D, group_sums, p.partials);
-  }
+  if (weighted) rope::write_partial_row<kGroups, kFp8Threads>(D, group_sums, p.partials);
 }
 
-template <class Geom, bool kKeyOffset, typename AngleT, bool kFullWidth, class Features,
-          bool kWeightGrad>
-__global__ void __launch_bounds__(kFp8Threads,
-                                  fp8_min_blocks<Geom, AngleT, Features, kWeightGrad>())
+/// Config: the configuration (rope_dispatch.hpp); kExactWidth: rows of exactly Geom's full width.
+template <class Config, class Geom, typename AngleT, bool kExactWidth>
+__global__ void __launch_bounds__(Fp8Policy<Config, Geom, AngleT>::kThreads,
+                                  Fp8Policy<Config, Geom, AngleT>::min_blocks())
     qkv_backward_fp8_kernel(const __grid_constant__ Fp8Args p) {
+  constexpr bool kKeyOffset = rope::Fixed<Config>::kKeyOffset;
+  constexpr bool kBranchFree = fp8_branch_free<Geom, kKeyOffset>();
   const E4m3Scaler scale{*p.grad_scale};
-  // The general layouts' kernels keep one copy of the tile code (compile time).
-  if constexpr (fp8_branch_free<Geom, kKeyOffset>() && !Features::kGeneral) {
+  // The kernels with weight code (General, weighted configurations) keep one copy of the tile
+  // code (compile time).
+  if constexpr (kBranchFree && rope::Fixed<Config>::kWeightless) {
     if (scale.fast) {
-      fp8_tile<Geom, kKeyOffset, AngleT, kFullWidth, Features, kWeightGrad, true,
-               ScaleDivision::kFast>(p, scale);
+      fp8_tile<Config, Geom, AngleT, kExactWidth, true, ScaleDivision::kFast>(p, scale);
     } else {
-      fp8_tile<Geom, kKeyOffset, AngleT, kFullWidth, Features, kWeightGrad, true,
-               ScaleDivision::kGeneral>(p, scale);
+      fp8_tile<Config, Geom, AngleT, kExactWidth, true, ScaleDivision::kGeneral>(p, scale);
     }
   } else {
-    fp8_tile<Geom, kKeyOffset, AngleT, kFullWidth, Features, kWeightGrad,
-             fp8_branch_free<Geom, kKeyOffset>(), ScaleDivision::kTestPerCall>(p, scale);
+    fp8_tile<Config, Geom, AngleT, kExactWidth, kBranchFree, ScaleDivision::kTestPerCall>(p,
+                                                                                         scale);
   }
 }
 
 /// Largest tile any launch can ask for: the widest features, 2*256 + 512 bytes per token (128 KB).
 constexpr size_t kMaxTileBytes =
-    size_t(kTileTokens) * ((2 * 256 + kMaxVWidth + 127) / 128 * 128);
+    size_t(kTileTokens) * ((2 * rope::kMaxHeadWidth + kMaxVWidth + 127) / 128 * 128);
 
-/// Dynamic shared memory of a launch: the tile, then for the general layouts the norm weights
-/// ([2][D] floats) and for the weighted kernel the lane groups' sums ([groups][2][D] floats).
+/// Dynamic shared memory of a launch: the tile, then for the kernels with weight code the norm
+/// weights ([2][D] floats) and, with weights, the lane groups' sums ([groups][2][D] floats).
 constexpr size_t fp8_shared_bytes(size_t tile_bytes, bool general, bool weight_grad, int groups,
                                   int64_t head_dim) {
   const size_t rows = 2 * size_t(head_dim) * sizeof(float);
@@ -602,7 +592,8 @@ constexpr size_t fp8_shared_bytes(size_t tile_bytes, bool general, bool weight_g
 /// Largest dynamic shared memory any launch can ask for: the widest tile, the weights at D = 256
 /// and 64 KB of sums, above every geometry's (the most: 64 groups of 4 lanes at D = 96, 48 KB);
 /// launch_fp8 checks each launch against it. 194 KB.
-constexpr size_t kMaxSharedBytes = fp8_shared_bytes(kMaxTileBytes, true, false, 0, 256) + 64 * 1024;
+constexpr size_t kMaxSharedBytes =
+    fp8_shared_bytes(kMaxTileBytes, true, false, 0, rope::kMaxHeadWidth) + 64 * 1024;
 static_assert(kMaxSharedBytes <= 227 * 1024, "an sm_90 CTA holds at most 227 KB");
 
 /// Once per kernel instantiation and device (the current one, `device`): opts `kKernel` in to
@@ -644,14 +635,13 @@ int prepare_kernel(int device, size_t smem) {
   return blocks;
 }
 
-template <class Geom, bool kKeyOffset, typename AngleT, bool kFullWidth, class Features,
-          bool kWeightGrad>
+template <class Config, class Geom, typename AngleT, bool kExactWidth>
 void launch_fp8(Fp8Args args, int device, cudaStream_t stream) {
-  constexpr auto kernel =
-      qkv_backward_fp8_kernel<Geom, kKeyOffset, AngleT, kFullWidth, Features, kWeightGrad>;
-  const size_t smem =
-      fp8_shared_bytes(size_t(kTileTokens) * size_t(args.tile_pitch), Features::kGeneral,
-                       kWeightGrad, kFp8Threads / Geom::G, args.in.dims.head_dim);
+  using Policy = Fp8Policy<Config, Geom, AngleT>;
+  constexpr auto kernel = qkv_backward_fp8_kernel<Config, Geom, AngleT, kExactWidth>;
+  const size_t smem = fp8_shared_bytes(size_t(kTileTokens) * size_t(args.tile_pitch),
+                                       !rope::Fixed<Config>::kWeightless, args.partials != nullptr,
+                                       Policy::kThreads / Geom::G, args.in.dims.head_dim);
   QKVF_CHECK(smem <= kMaxSharedBytes, "qkv_backward_fp8 (CUDA): ", smem, " bytes of shared memory");
   // Above 48 KB a kernel must opt in to its dynamic shared memory; done for every kernel so that
   // the carveout preference applies at 48 KB too.
@@ -659,11 +649,11 @@ void launch_fp8(Fp8Args args, int device, cudaStream_t stream) {
   const int64_t tiles = (args.in.tokens + kTileTokens - 1) / kTileTokens;
   const unsigned blocks =
       rope::grid_size("qkv_backward_fp8", tiles * args.jobs, args.in.tokens);
-  kernel<<<dim3(blocks), dim3(kFp8Threads), smem, stream>>>(args);
+  kernel<<<dim3(blocks), dim3(Policy::kThreads), smem, stream>>>(args);
   QKVF_CUDA_CHECK_LAUNCH("qkv_backward_fp8_kernel");
 }
 
-/// Partial rows of the weighted kernel: one per CTA.
+/// Partial rows with weights: one per CTA.
 int64_t weight_ctas(const QkvBackwardFp8Params& params) {
   return (params.qk.sizes[0] + kTileTokens - 1) / kTileTokens * jobs_per_tile(params.layout);
 }
@@ -712,61 +702,13 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
       .resident_blocks = 1,
       .partials = weighted ? workspace : nullptr,
   };
-  // As the bf16 backward: the speedrun's layout without the general code in 16-byte and 4-byte
-  // chunks, full-width kernels for it only, the general narrow-chunk kernels in the weighted form
-  // only (fewer instantiations to compile).
-  const bool speedrun = width != 1 && rope::speedrun_layout(layout, head_dim);
-  // The models' layout (weighted by definition) has its own kernels at 16-byte chunks, with a
-  // kernel per full width too.
-  const bool model = width == 8 && rope::model_layout(layout, head_dim);
   const int device = params.qk.device.index;
-  chunk_width_switch("qkv_backward_fp8", width, [&](auto chunk_tag) {
-    constexpr int V = decltype(chunk_tag)::value;
-    // D = 96 on 16 lanes x 1 chunk (12 active): the QK rows of a token are loaded together within
-    // the 64-register budget of 4 CTAs per SM; on 4 x 3 the kernel needs twice the registers and
-    // measured slower (perf_notes.md).
-    rope::head_width_switch<V, rope::Width96::kMasked16x1>(
-        "qkv_backward_fp8", head_dim, [&](auto geometry) {
-          using Geom = decltype(geometry);
-          bool_switch(layout.key_offset, [&](auto key_offset) {
-            angle_dtype_switch("qkv_backward_fp8", rope::angle_dtype(layout), [&](auto angle_tag) {
-              using AngleT = typename decltype(angle_tag)::type;
-              constexpr bool kKeyOffset = decltype(key_offset)::value;
-              if constexpr (V == 8) {
-                if (speedrun) {
-                  rope::full_width_switch<Geom>(head_dim, [&](auto full_width) {
-                    launch_fp8<Geom, kKeyOffset, AngleT, decltype(full_width)::value,
-                               rope::SpeedrunFeatures, false>(args, device, stream);
-                  });
-                } else if (model && !kKeyOffset) {
-                  if constexpr (!kKeyOffset) {
-                    rope::full_width_switch<Geom>(head_dim, [&](auto full_width) {
-                      launch_fp8<Geom, false, AngleT, decltype(full_width)::value,
-                                 rope::ModelFeatures, true>(args, device, stream);
-                    });
-                  }
-                } else if (weighted) {
-                  launch_fp8<Geom, kKeyOffset, AngleT, false, rope::GeneralFeatures, true>(
-                      args, device, stream);
-                } else {
-                  launch_fp8<Geom, kKeyOffset, AngleT, false, rope::GeneralFeatures, false>(
-                      args, device, stream);
-                }
-              } else {
-                if constexpr (V == 2) {
-                  if (speedrun) {
-                    launch_fp8<Geom, kKeyOffset, AngleT, false, rope::SpeedrunFeatures, false>(
-                        args, device, stream);
-                    return;
-                  }
-                }
-                launch_fp8<Geom, kKeyOffset, AngleT, false, rope::GeneralFeatures, true>(
-                    args, device, stream);
-              }
-            });
-          });
-        });
-  });
+  rope::dispatch<Op::kBackwardFp8>(
+      "qkv_backward_fp8", rope::rope_key(layout, head_dim, width),
+      [&](auto config, auto geometry, auto angle, auto exact) {
+        launch_fp8<decltype(config), decltype(geometry), typename decltype(angle)::type,
+                   decltype(exact)::value>(args, device, stream);
+      });
   if (weighted) {
     weight_grad::reduce(workspace, weight_ctas(params), int(head_dim), params.grad_q_weight,
                         params.grad_k_weight, stream);

@@ -29,6 +29,7 @@ struct Angles {
   const void* positions;     ///< [T] int32 or int64: positions[t * positions_stride]
   int64_t positions_stride;
   bool positions_int64;
+  bool fp32;                 ///< the tables' or the cache's dtype: float32 (else bf16)
 };
 
 /// The norm's learned weights: w + offset per lane, read as fp32 (bf16 or fp32 in memory).
@@ -77,7 +78,8 @@ inline RopeInputs make_rope_inputs(const RopeLayout& layout, const TensorView& q
                      .num_positions = layout.cos_sin.sizes[0],
                      .positions = layout.positions.data,
                      .positions_stride = layout.positions.strides[0],
-                     .positions_int64 = layout.positions.dtype == DType::kInt64}
+                     .positions_int64 = layout.positions.dtype == DType::kInt64,
+                     .fp32 = layout.cos_sin.dtype == DType::kFloat32}
             : Angles{.cache = false,
                      .factor1 = layout.factor1.data,
                      .factor2 = layout.factor2.data,
@@ -88,7 +90,8 @@ inline RopeInputs make_rope_inputs(const RopeLayout& layout, const TensorView& q
                      .num_positions = 0,
                      .positions = nullptr,
                      .positions_stride = 0,
-                     .positions_int64 = false};
+                     .positions_int64 = false,
+                     .fp32 = layout.factor1.dtype == DType::kFloat32};
   return {.qk = static_cast<const uint16_t*>(qk.data),
           .qk_stride_t = qk.strides[0],
           .qk_stride_h = qk.strides[1],
@@ -114,31 +117,8 @@ inline GradRows make_grad_rows(const TensorView& grad_q, const TensorView& grad_
           .k_stride_h = grad_k.strides[1]};
 }
 
-/// The angle dtype of a layout (factor tables' or cache's): bf16 or fp32.
-inline DType angle_dtype(const RopeLayout& layout) {
-  return is_absent(layout.cos_sin) ? layout.factor1.dtype : layout.cos_sin.dtype;
-}
-
-/// True when the layout is the speedrun's: factor tables, interleaved lanes, RMS-norm without
-/// weights, every lane rotary unless under key offset (any heads, paired or not). Its kernels are
-/// compiled without the general options' code (rope_rows.cuh, Features).
-inline bool speedrun_layout(const RopeLayout& layout, int64_t head_dim) {
-  return is_absent(layout.cos_sin) && layout.rotary_style == RotaryStyle::kInterleaved &&
-         layout.normalize && is_absent(layout.q_weight) && is_absent(layout.k_weight) &&
-         (layout.key_offset || qkvfuse::rope::resolved_rotary_dim(layout, head_dim) == head_dim);
-}
-
 inline bool has_weights(const RopeLayout& layout) {
   return !is_absent(layout.q_weight) || !is_absent(layout.k_weight);
-}
-
-/// True when the layout is the models' (Qwen3, Gemma 3): a cos/sin cache, NeoX lanes over the
-/// whole row, RMS-norm with a weight, plain placement, no key offset. Its kernels see these
-/// options as constants (rope_rows.cuh, ModelFeatures).
-inline bool model_layout(const RopeLayout& layout, int64_t head_dim) {
-  return !is_absent(layout.cos_sin) && layout.rotary_style == RotaryStyle::kNeox &&
-         layout.normalize && has_weights(layout) && !layout.paired && !layout.key_offset &&
-         qkvfuse::rope::resolved_rotary_dim(layout, head_dim) == head_dim;
 }
 
 inline bool has_weights_args(const RopeInputs& in) {

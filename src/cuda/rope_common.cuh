@@ -12,8 +12,7 @@
 // sum dn*n) are a per-lane partial followed by a log2(G)-step xor-shuffle butterfly inside the
 // group; every lane ends with the same bits, so the result is deterministic. Widths that are not
 // V*G*C exactly use the next larger geometry with the missing chunks masked (loads return 0,
-// stores are skipped). D = 96 at V = 8 is each kernel's choice (Width96): 16 lanes x 1 chunk with
-// 12 lanes active, or 4 lanes x 3 chunks with every lane busy (perf_notes.md).
+// stores are skipped). Which geometry serves which head width is rope_config.cuh's lanes_for.
 //
 // Rounding. The CPU backend is the contract: the element formulas of SPEC.md are evaluated with
 // explicitly rounded fp32 operations (__fmul_rn / __fadd_rn / __fdiv_rn / __fsqrt_rn, and
@@ -29,7 +28,6 @@
 
 #include "cuda/check.hpp"
 #include "cuda/device_math.cuh"
-#include "cuda/static_switch.hpp"
 #include "qkvfuse/error.hpp"
 #include "qkvfuse/numeric.hpp"
 
@@ -270,12 +268,12 @@ __device__ __forceinline__ float load_value(const T* p, int64_t i) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// Row geometry and the head-width switch
+// Row geometry
 // ------------------------------------------------------------------------------------------------
 
 /// G lanes per row, C chunks of V elements per lane: rows up to V*G*C elements. Chunk slot c of
-/// lane l holds elements V*(c*G + l) onwards. kNeoxPairsInLane: the geometry of the models'
-/// full-width kernels (NeoX over whole rows of exactly V*G*2 elements, NeoxPairGeometry), where
+/// lane l holds elements V*(c*G + l) onwards. kNeoxPairsInLane: the geometry of the exact-width
+/// NeoX kernels (NeoX over whole rows of exactly V*G*2 elements, NeoxPairGeometry), where
 /// slot 1 of each lane holds the NeoX partners (d + D/2) of its slot 0, so that no lane needs
 /// another's values.
 template <int V_, int G_, int C_, bool kNeoxPairsInLane_ = false>
@@ -292,63 +290,6 @@ struct RowGeometry {
   static_assert(C >= 1 && C <= 8 && V * C <= 32, "up to 32 elements per lane (registers)");
 };
 
-inline constexpr int kMinVectorWidth = 32;
-inline constexpr int kMaxHeadWidth = 256;
-
-/// How a kernel runs D = 96 on 16-byte chunks: each kernel states its choice at its call of
-/// the switch, so that the geometry of every kernel is a per-kernel decision.
-enum class Width96 {
-  kMasked16x1,  ///< RowGeometry<8, 16, 1>, 12 of 16 lanes active
-  kFull4x3,     ///< RowGeometry<8, 4, 3>, every lane active
-};
-
-/// Calls f(RowGeometry<V, G, C>{}) for the geometry serving head width D with chunks of V.
-/// V = 8: exact geometries for 32 (4 lanes x 1 chunk), 64 (8 x 1), 128 (16 x 1) and 256 (16 x 2),
-/// and for 96 under Width96::kFull4x3 (4 x 3); every other multiple of 8 in [32, 256] runs on the
-/// next larger one, masked. V = 2: 16 or 32 lanes, up to 8 elements per lane; V = 1: 32 lanes of
-/// 8 elements.
-template <int V, Width96 kWidth96, typename F>
-void head_width_switch(const char* op, int64_t D, F&& f) {
-  if constexpr (V == 8) {
-    QKVF_CHECK(D % 8 == 0 && D >= kMinVectorWidth && D <= kMaxHeadWidth, op,
-               " (CUDA): head width D = ", D, " has no 16-byte kernel (multiples of 8 in [32, 256])");
-    switch (D / 8) {
-      case 4: f(RowGeometry<8, 4, 1>{}); break;                                  // 32
-      case 5: case 6: case 7: case 8: f(RowGeometry<8, 8, 1>{}); break;          // 40 .. 64
-      case 12:                                                                   // 96
-        if constexpr (kWidth96 == Width96::kFull4x3) {
-          f(RowGeometry<8, 4, 3>{});
-        } else {
-          f(RowGeometry<8, 16, 1>{});
-        }
-        break;
-      case 9: case 10: case 11: case 13: case 14: case 15: case 16:
-        f(RowGeometry<8, 16, 1>{}); break;                                       // 72 .. 128
-      case 17: case 18: case 19: case 20: case 21: case 22: case 23: case 24:
-      case 25: case 26: case 27: case 28: case 29: case 30: case 31: case 32:
-        f(RowGeometry<8, 16, 2>{}); break;                                       // 136 .. 256
-      default: QKVF_FAIL(op, " (CUDA): no kernel for head width D = ", D);
-    }
-  } else if constexpr (V == 2) {
-    QKVF_CHECK(D % 2 == 0 && D >= 2 && D <= kMaxHeadWidth, op, " (CUDA): head width D = ", D,
-               " outside the even widths in [2, 256]");
-    if (D <= 32) {
-      f(RowGeometry<2, 16, 1>{});
-    } else if (D <= 64) {
-      f(RowGeometry<2, 32, 1>{});
-    } else if (D <= 128) {
-      f(RowGeometry<2, 32, 2>{});
-    } else {
-      f(RowGeometry<2, 32, 4>{});
-    }
-  } else {
-    // Single elements serve only rows that start on an odd element: one geometry, masked.
-    QKVF_CHECK(D % 2 == 0 && D >= 2 && D <= kMaxHeadWidth, op, " (CUDA): head width D = ", D,
-               " outside the even widths in [2, 256]");
-    f(RowGeometry<1, 32, 8>{});
-  }
-}
-
 /// Whether the kernels have a full-width form for Geom: 16-byte rows of exactly 8GC elements (32,
 /// 64, 128, 256: every model width but 96), a power of two. In that form D is a compile-time
 /// constant: no chunk is masked, the offsets that depend on D fold, and each division of a row sum
@@ -358,8 +299,8 @@ constexpr bool has_full_width() {
   return Geom::V == 8 && (Geom::kMaxWidth & (Geom::kMaxWidth - 1)) == 0;
 }
 
-/// The geometry of the models' full-width kernels (ModelFeatures: NeoX over the whole row) for
-/// rows of Geom's full width: the same width on half the lanes with two chunks each, the NeoX
+/// The geometry of the NeoX-pairs kernels (a configuration with neox_pairs_in_lane: NeoX over the
+/// whole row, exact widths) for rows of Geom's full width: the same width on half the lanes with two chunks each, the NeoX
 /// partners in one lane (RowGeometry's kNeoxPairsInLane): 8 lanes x 2 at D = 128, 4 x 2 at
 /// D = 64, 16 x 2 (Geom's own) at D = 256. D = 32 keeps Geom (2 lanes would not tile a warp's
 /// reductions), and so do the other geometries.
@@ -379,29 +320,6 @@ template <>
 struct NeoxPairGeometry<RowGeometry<8, 16, 2>> {
   using type = RowGeometry<8, 16, 2, true>;
 };
-
-/// Host side: f(std::true_type{}) when rows of width D take Geom's full-width form, else
-/// f(std::false_type{}). Each form is its own kernel (own register allocation).
-template <class Geom, typename F>
-void full_width_switch(int64_t D, F&& f) {
-  if constexpr (has_full_width<Geom>()) {
-    if (D == Geom::kMaxWidth) return f(std::true_type{});
-  }
-  f(std::false_type{});
-}
-
-/// Host side, the models' kernels: f(NeoxPairGeometry<Geom>::type{}, std::true_type{}) when rows
-/// of width D take Geom's full-width form, else f(Geom{}, std::false_type{}).
-template <class Geom, typename F>
-void model_width_switch(int64_t D, F&& f) {
-  full_width_switch<Geom>(D, [&](auto full_width) {
-    if constexpr (decltype(full_width)::value) {
-      f(typename NeoxPairGeometry<Geom>::type{}, full_width);
-    } else {
-      f(Geom{}, full_width);
-    }
-  });
-}
 
 /// Device side: the row width the kernel computes with, and the divisor of its row sums.
 template <class Geom, bool kFullWidth>
@@ -432,9 +350,6 @@ __device__ __forceinline__ float group_sum(float v) {
 // ------------------------------------------------------------------------------------------------
 // Work decomposition of the row kernels (forward and bf16 backward), host side
 // ------------------------------------------------------------------------------------------------
-
-/// Threads per block of the row kernels: 4 warps (small blocks: fine-grained occupancy).
-inline constexpr int kRowThreads = 128;
 
 /// The Hq + Hkv input heads of a token are split into `row_sets` sets {s, s + NS, s + 2NS, ...},
 /// NS even, so a set holds heads of one parity: under paired placement they all read the same

@@ -24,6 +24,10 @@
 
 namespace qkvfuse::cuda::rope {
 
+/// The widest head the CUDA rope kernels take (validate.cpp refuses wider ones): the 16-byte
+/// geometries' top (rope_config.cuh lanes_for) and the FP8 backward's shared tile bound it.
+inline constexpr int64_t kMaxHeadWidth = 256;
+
 /// True when the view's data pointer and every stride but the last (of dims longer than 1) are
 /// multiples of `bytes`: every row starts on a `bytes` boundary. Absent views pass.
 inline bool rows_aligned(const TensorView& view, int64_t bytes) {
@@ -50,7 +54,7 @@ inline int chunk_width(const RopeLayout& layout, int64_t head_dim,
   const int64_t r = qkvfuse::rope::resolved_rotary_dim(layout, head_dim);
   const bool neox = layout.rotary_style == RotaryStyle::kNeox;
   const bool cache = !is_absent(layout.cos_sin);
-  const bool width_ok = head_dim % 8 == 0 && head_dim >= 32 && head_dim <= 256;
+  const bool width_ok = head_dim % 8 == 0 && head_dim >= 32 && head_dim <= kMaxHeadWidth;
   const bool rotary_ok = neox ? r % 16 == 0 : (!cache || r % 8 == 0);
   const bool tables_ok = all_rows_aligned({&layout.factor1, &layout.factor2, &layout.cos_sin,
                                            &layout.q_weight, &layout.k_weight},

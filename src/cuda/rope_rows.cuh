@@ -10,12 +10,13 @@
 //   group exchanges it with shuffles (Partners). With V = 8 (r a multiple of 16) a chunk's
 //   partners form one chunk; with V <= 2 each element finds its own.
 //
-// Features. The speedrun's layout (factor tables, interleaved lanes, RMS-norm without weights)
-// compiles without the general options' code (SpeedrunFeatures): its kernels keep the register
-// budget and schedule they were tuned with. The models' layout (NeoX lanes from a cos/sin cache,
-// RMS-norm with weights) runs the general code with those options as constants (ModelFeatures).
-// Every other layout runs the same kernels with GeneralFeatures, whose options are run-time values
-// uniform over the launch. A kernel reads its inputs through Features::known.
+// Configurations. Each kernel is instantiated for one configuration, a row of rope_dispatch.hpp's
+// table (or General), and reads it through Fixed<Config>: a property the row fixes to one value is
+// a constant in its kernels (known() writes it into the kernel's copy of the arguments, so every
+// test of it folds), every other property is read at run time. The kernels' shapes follow from the
+// same facts: no weight code where the row fixes "no weights", the per-chunk forward
+// (forward_chunk) where it fixes interleaved pairs, RMS and no weights, no cos/sin cache code where
+// it fixes factor tables.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -26,50 +27,70 @@
 #include "cuda/device_math.cuh"
 #include "cuda/rope_args.hpp"
 #include "cuda/rope_common.cuh"
+#include "cuda/rope_dispatch.hpp"
 #include "rope_math.hpp"
 
 namespace qkvfuse::cuda::rope {
 
-struct SpeedrunFeatures {
-  static constexpr bool kGeneral = false;
-  static constexpr bool kAllRotary = true;  ///< r = D, key offset aside (LaneChunks)
-  /// The inputs as this kind of kernel sees them, its rows D wide (row_width): here as they come
-  /// (a reference: the kernels read their parameters where they use them).
-  __device__ __forceinline__ static const RopeInputs& known(const RopeInputs& in, int) {
-    return in;
-  }
-};
-struct GeneralFeatures {
-  static constexpr bool kGeneral = true;
-  static constexpr bool kAllRotary = false;
-  __device__ __forceinline__ static const RopeInputs& known(const RopeInputs& in, int) {
-    return in;
-  }
-};
-/// The models' layout (model_layout, rope_args.hpp: Qwen3, Gemma 3): the general code with the
-/// layout's options made constants, so that the compiler folds every choice on them (a cos/sin
-/// cache, NeoX lanes over the whole row, RMS-norm, plain placement, no key offset). Weights,
-/// dtypes and widths stay run-time values.
-struct ModelFeatures {
-  static constexpr bool kGeneral = true;
-  static constexpr bool kAllRotary = true;
-  /// D: the row width, a constant in the full-width kernels, where every width then folds too.
+/// What configuration Config (a row of rope_dispatch.hpp, or General) fixes, as its kernels ask.
+template <class Config>
+struct Fixed {
+  static constexpr Spec kSpec = Config::kSpec;
+  /// Key offset as a compile-time form (its own loads and stores); the rows that may take it at
+  /// run time read in.key_offset.
+  static constexpr bool kKeyOffset = kSpec.placement.only(Placement::kKeyOffset);
+  /// r = D and no key offset: every lane of a row rotates (LaneChunks drops the pass-through).
+  static constexpr bool kAllRotary =
+      kSpec.span.only(RotarySpan::kWhole) && !kSpec.placement.contains(Placement::kKeyOffset);
+  static constexpr bool kWeightless = kSpec.weights.only(Weights::kNone);
+  static constexpr bool kMayCache = kSpec.angles.contains(AngleSource::kCache);
+  static constexpr bool kMayNeox = kSpec.rotary.contains(Rotary::kNeox);
+  static constexpr bool kTablesOnly = kSpec.angles.only(AngleSource::kTables);
+  static constexpr bool kCacheNeoxWhole = kSpec.angles.only(AngleSource::kCache) &&
+                                          kSpec.rotary.only(Rotary::kNeox) &&
+                                          kSpec.span.only(RotarySpan::kWhole);
+  /// Interleaved pairs, RMS, no weights: the forward rotates chunk by chunk (forward_chunk).
+  static constexpr bool kChunkRotation = kSpec.norm.only(Norm::kRms) && kWeightless &&
+                                         kSpec.rotary.only(Rotary::kInterleaved);
+
+  /// The inputs as this configuration's kernels see them, their rows D wide (row_width): what
+  /// the row fixes to one value written in as constants, so that the compiler folds every test
+  /// of it; the rest as they come.
   __device__ __forceinline__ static RopeInputs known(const RopeInputs& in, int D) {
     RopeInputs out = in;
-    out.angles.cache = true;
-    out.dims.neox = true;
-    out.dims.head_dim = D;
-    out.dims.rotary_dim = D;
-    out.dims.paired = false;
-    out.normalize = true;
-    out.key_offset = false;
+    if constexpr (kSpec.angles.only(AngleSource::kCache)) out.angles.cache = true;
+    if constexpr (kSpec.angles.only(AngleSource::kTables)) out.angles.cache = false;
+    if constexpr (kSpec.rotary.only(Rotary::kNeox)) out.dims.neox = true;
+    if constexpr (kSpec.rotary.only(Rotary::kInterleaved)) out.dims.neox = false;
+    if constexpr (kSpec.span.only(RotarySpan::kWhole)) out.dims.rotary_dim = D;
+    if constexpr (kSpec.norm.only(Norm::kRms)) out.normalize = true;
+    if constexpr (kSpec.norm.only(Norm::kNone)) out.normalize = false;
+    if constexpr (kWeightless) {
+      out.weights.q = nullptr;
+      out.weights.k = nullptr;
+    }
+    if constexpr (!kSpec.placement.contains(Placement::kPaired)) out.dims.paired = false;
+    if constexpr (kSpec.placement.only(Placement::kPaired)) out.dims.paired = true;
+    if constexpr (!kSpec.placement.contains(Placement::kKeyOffset)) out.key_offset = false;
+    if constexpr (kKeyOffset) out.key_offset = true;
+    out.dims.head_dim = D;  // the row width: a constant in the exact-width kernels
     return out;
   }
 };
 
+/// The narrow kernels' angle type: the dtype of the tables or cache read at run time
+/// (RopeInputs::angles.fp32), one kernel for both.
+struct RunTimeAngles {};
+
 /// bf16 tables as their bits (uint16_t) or fp32: the element type the kernels load tables as.
 template <typename T>
 using TableT = std::conditional_t<std::is_same_v<T, float>, float, uint16_t>;
+
+/// Element `offset` of a bf16 (`fp32` false) or fp32 table, as an untyped address.
+__device__ __forceinline__ const void* table_row(const void* base, int64_t offset, bool fp32) {
+  return fp32 ? static_cast<const void*>(static_cast<const float*>(base) + offset)
+              : static_cast<const void*>(static_cast<const uint16_t*>(base) + offset);
+}
 
 // ------------------------------------------------------------------------------------------------
 // The lane's chunks of a row
@@ -86,8 +107,9 @@ struct LaneChunks {
   bool ok[C];
   int rot_end[C];  ///< elements [0, rot_end) of the chunk are rotary lanes; in [0, V]
 
-  /// `all_rotary` (a compile-time constant at every call: Features::kAllRotary without key
-  /// offset, kernels that serve r = D only) lets the compiler drop the pass-through selects.
+  /// `all_rotary` (a compile-time constant at every call: Fixed::kAllRotary, the kernels of a
+  /// configuration that fixes r = D and no key offset) lets the compiler drop the pass-through
+  /// selects.
   __device__ __forceinline__ LaneChunks(int lane, int D, int r, bool all_rotary = false) {
 #pragma unroll
     for (int c = 0; c < C; ++c) {
@@ -196,14 +218,11 @@ struct Partners {
   }
 };
 
-/// True when the kernel must fetch partners from other chunks: NeoX lanes, or V = 1.
-template <class Features, int V>
+/// True when the kernel must fetch partners from other chunks: NeoX lanes, or V = 1. `in` as the
+/// kernel sees it (Fixed::known): a constant where the configuration fixes the rotary style.
+template <int V>
 __device__ __forceinline__ bool exchanges_partners(const RopeInputs& in) {
-  if constexpr (!Features::kGeneral) {
-    return V == 1;
-  } else {
-    return V == 1 || in.dims.neox;
-  }
+  return V == 1 || in.dims.neox;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -216,19 +235,23 @@ __device__ __forceinline__ bool exchanges_partners(const RopeInputs& in) {
 /// for the first lane of a pair, +sin_i for the second (so f2p = -f2).
 ///
 /// V = 8 keeps the loaded words (tables: f1, f2, and f2 at the partner chunk for NeoX; cache: the
-/// cos and sin of the chunk's frequencies, 8 for NeoX, 4 interleaved). V <= 2 keeps fp32 values.
+/// cos and sin of the chunk's frequencies, 8 for NeoX, 4 interleaved), typed by AngleT. V <= 2
+/// keeps fp32 values, read with the dtype as a run-time value (AngleT = RunTimeAngles).
 /// A position outside [0, P) loads nothing and leaves NaN everywhere (SPEC: never out of bounds).
-template <class Geom, typename AngleT, class Features>
+template <class Geom, typename AngleT, class Config>
 struct TokenAngles {
   static constexpr int V = Geom::V;
   static constexpr int C = Geom::C;
   using T = TableT<AngleT>;
+  using Fix = Fixed<Config>;
   static constexpr bool kWords = V == 8;
+  static_assert(kWords != std::is_same_v<AngleT, RunTimeAngles>,
+                "16-byte kernels type their angles; the narrow ones read the dtype at run time");
 
-  // NeoX pairs in lane (the models' kernels: a cos/sin cache): slot 1's frequencies are slot 0's,
-  // loaded once.
-  static_assert(!Geom::kNeoxPairsInLane || std::is_same_v<Features, ModelFeatures>,
-                "NeoX pairs in lane: the models' layout");
+  // NeoX pairs in lane (a cos/sin cache, NeoX over the whole row): slot 1's frequencies are slot
+  // 0's, loaded once.
+  static_assert(!Geom::kNeoxPairsInLane || Fix::kCacheNeoxWhole,
+                "NeoX pairs in lane: a configuration that fixes a cos/sin cache, NeoX and r = D");
   static constexpr int kSlots = Geom::kNeoxPairsInLane ? 1 : C;
   __device__ __forceinline__ static constexpr int slot(int c) {
     return Geom::kNeoxPairsInLane ? 0 : c;
@@ -237,7 +260,9 @@ struct TokenAngles {
   // V = 8: a = f1 or cos, b = f2 or sin, pb = f2 at the partner chunk (NeoX tables, backward).
   Values<T, 8> a[kWords ? kSlots : 1];
   Values<T, 8> b[kWords ? kSlots : 1];
-  Values<T, 8> pb[kWords && Features::kGeneral ? kSlots : 1];
+  static constexpr bool kPartnerTables =
+      kWords && Fix::kMayNeox && !Fix::kSpec.angles.only(AngleSource::kCache);
+  Values<T, 8> pb[kPartnerTables ? kSlots : 1];
   // V <= 2.
   float f1v[kWords ? 1 : C][V];
   float f2v[kWords ? 1 : C][V];
@@ -249,7 +274,7 @@ struct TokenAngles {
   /// waits for it: kernels issue it before their row loads, which need not wait (perf_notes.md,
   /// "The general layouts").
   __device__ __forceinline__ static int cache_row(const RopeInputs& in, int64_t t, bool token_ok) {
-    if (!Features::kGeneral || !in.angles.cache || !token_ok) return 0;
+    if (!in.angles.cache || !token_ok) return 0;
     const int64_t position =
         in.angles.positions_int64
             ? __ldg(static_cast<const long long*>(in.angles.positions) +
@@ -266,12 +291,17 @@ struct TokenAngles {
                                        int angle_offset, const LaneChunks<Geom>& lanes,
                                        bool token_ok, bool backward) {
     const int r = in.dims.rotary_dim;
-    const bool neox = Features::kGeneral && in.dims.neox;
-    if (!Features::kGeneral || !in.angles.cache) {
+    const bool neox = in.dims.neox;
+    if (!in.angles.cache) {
       const T* f1 = static_cast<const T*>(in.angles.factor1) + t * in.angles.factor1_stride +
                     angle_offset;
       const T* f2 = static_cast<const T*>(in.angles.factor2) + t * in.angles.factor2_stride +
                     angle_offset;
+      // Narrow kernels: the same rows with the dtype read at run time.
+      const void* f1_row = table_row(in.angles.factor1, t * in.angles.factor1_stride + angle_offset,
+                                     in.angles.fp32);
+      const void* f2_row = table_row(in.angles.factor2, t * in.angles.factor2_stride + angle_offset,
+                                     in.angles.fp32);
 #pragma unroll
       for (int c = 0; c < kSlots; ++c) {
         const bool valid = token_ok && lanes.ok[c] && lanes.rot_end[c] > 0;
@@ -279,7 +309,7 @@ struct TokenAngles {
         if constexpr (kWords) {
           a[c].load(f1 + d0, valid);
           b[c].load(f2 + d0, valid);
-          if constexpr (Features::kGeneral) {
+          if constexpr (kPartnerTables) {
             const int pd0 = d0 < r / 2 ? d0 + r / 2 : d0 - r / 2;
             pb[c].load(f2 + pd0, valid && neox && backward);
           }
@@ -289,9 +319,9 @@ struct TokenAngles {
             const int d = d0 + e;
             const bool rotary = valid && d < r;
             const int p = rotary ? qkvfuse::rope::partner(d, r, neox) : d;
-            f1v[c][e] = rotary ? load_value(f1, d) : 0.0f;
-            f2v[c][e] = rotary ? load_value(f2, d) : 0.0f;
-            f2pv[c][e] = rotary && backward ? load_value(f2, p) : 0.0f;
+            f1v[c][e] = rotary ? load_value(f1_row, d, in.angles.fp32) : 0.0f;
+            f2v[c][e] = rotary ? load_value(f2_row, d, in.angles.fp32) : 0.0f;
+            f2pv[c][e] = rotary && backward ? load_value(f2_row, p, in.angles.fp32) : 0.0f;
           }
         }
       }
@@ -302,6 +332,10 @@ struct TokenAngles {
     const T* cos = static_cast<const T*>(in.angles.cos_sin) +
                    int64_t(inside ? row : 0) * in.angles.cos_sin_stride;
     const T* sin = cos + r / 2;
+    const void* cos_row = table_row(in.angles.cos_sin,
+                                    int64_t(inside ? row : 0) * in.angles.cos_sin_stride,
+                                    in.angles.fp32);
+    const void* sin_row = table_row(cos_row, r / 2, in.angles.fp32);
     const float nan = __uint_as_float(0x7fc00000u);
 #pragma unroll
     for (int c = 0; c < kSlots; ++c) {
@@ -330,8 +364,10 @@ struct TokenAngles {
           const int i = qkvfuse::rope::frequency(d, r, neox);
           // NaN only in the rotary lanes of a token whose position is outside the cache: masked
           // lanes and tokens must stay 0 (they still feed the weight-gradient sums, times 0).
-          const float cos_i = rotary ? (inside ? load_value(cos, i) : nan) : 0.0f;
-          const float sin_i = rotary ? (inside ? load_value(sin, i) : nan) : 0.0f;
+          const float cos_i =
+              rotary ? (inside ? load_value(cos_row, i, in.angles.fp32) : nan) : 0.0f;
+          const float sin_i =
+              rotary ? (inside ? load_value(sin_row, i, in.angles.fp32) : nan) : 0.0f;
           const bool leads = qkvfuse::rope::leads_pair(d, r, neox);
           f1v[c][e] = cos_i;
           f2v[c][e] = leads ? -sin_i : sin_i;
@@ -341,11 +377,11 @@ struct TokenAngles {
     }
   }
 
+  // `in` as the kernel sees it (Fixed::known): the tests below fold where the configuration fixes
+  // the angle source and the rotary style.
   __device__ __forceinline__ float f1(const RopeInputs& in, int c, int i) const {
     if constexpr (!kWords) {
       return f1v[c][i];
-    } else if constexpr (!Features::kGeneral) {
-      return a[slot(c)][i];
     } else {
       return in.angles.cache && !in.dims.neox ? a[slot(c)][i >> 1] : a[slot(c)][i];
     }
@@ -354,8 +390,6 @@ struct TokenAngles {
   __device__ __forceinline__ float f2(const RopeInputs& in, int c, int i) const {
     if constexpr (!kWords) {
       return f2v[c][i];
-    } else if constexpr (!Features::kGeneral) {
-      return b[slot(c)][i];
     } else {
       if (!in.angles.cache) return b[slot(c)][i];
       const float sin = in.dims.neox ? b[slot(c)][i] : b[slot(c)][i >> 1];
@@ -369,10 +403,13 @@ struct TokenAngles {
   __device__ __forceinline__ float f2p(const RopeInputs& in, int c, int i) const {
     if constexpr (!kWords) {
       return f2pv[c][i];
-    } else if constexpr (!Features::kGeneral) {
-      return b[slot(c)][i ^ 1];
     } else {
-      if (!in.angles.cache) return in.dims.neox ? pb[slot(c)][i] : b[slot(c)][i ^ 1];
+      if (!in.angles.cache) {
+        if constexpr (kPartnerTables) {
+          if (in.dims.neox) return pb[slot(c)][i];
+        }
+        return b[slot(c)][i ^ 1];
+      }
       return -f2(in, c, i);
     }
   }
@@ -526,9 +563,9 @@ __device__ __forceinline__ float row_rstd(const Chunk<V> (&x)[C], const Width& w
 
 /// y[d] = f1[d] * nw[d] + f2[d] * nw[p(d)] for the rotary lanes (i < rot_end), nw[d] beyond:
 /// the one rotation every forward path computes, each operation rounded as the CPU rounds it.
-template <class Geom, class Features, typename AngleT>
+template <class Geom, class Config, typename AngleT>
 __device__ __forceinline__ float rotate_lane(const RopeInputs& in,
-                                            const TokenAngles<Geom, AngleT, Features>& angles,
+                                            const TokenAngles<Geom, AngleT, Config>& angles,
                                             int c, int i, float nw, float nw_partner,
                                             int rot_end) {
   const float rotated = __fadd_rn(__fmul_rn(angles.f1(in, c, i), nw),
@@ -536,18 +573,19 @@ __device__ __forceinline__ float rotate_lane(const RopeInputs& in,
   return i < rot_end ? rotated : nw;
 }
 
-/// Forward of chunk slot c of a row of the speedrun's layout (interleaved pairs inside the chunk,
-/// no weight): n = x * rstd, y = its rotation. One chunk at a time, so that a row's outputs need
-/// not all be live at once. `n_out` (key offset) receives n as bf16.
-template <class Geom, class Features, typename AngleT>
+/// Forward of chunk slot c of a row whose configuration fixes interleaved pairs (inside the
+/// chunk), RMS and no weight: n = x * rstd, y = its rotation. One chunk at a time, so that a row's
+/// outputs need not all be live at once. `n_out` (key offset) receives n as bf16.
+template <class Geom, class Config, typename AngleT>
 __device__ __forceinline__ void forward_chunk(const RopeInputs& in,
                                               const Chunk<Geom::V> (&x)[Geom::C], int c,
                                               float rstd,
-                                              const TokenAngles<Geom, AngleT, Features>& angles,
+                                              const TokenAngles<Geom, AngleT, Config>& angles,
                                               const LaneChunks<Geom>& lanes, Chunk<Geom::V>& y,
                                               Chunk<Geom::V>* n_out) {
   constexpr int V = Geom::V;
-  static_assert(V >= 2 && !Features::kGeneral, "the speedrun's chunks hold their pairs");
+  static_assert(V >= 2 && Fixed<Config>::kChunkRotation,
+                "a configuration that fixes interleaved pairs (in the chunk), RMS and no weights");
   float n[V];
 #pragma unroll
   for (int i = 0; i < V; ++i) n[i] = __fmul_rn(x[c][i], rstd);
@@ -562,11 +600,11 @@ __device__ __forceinline__ void forward_chunk(const RopeInputs& in,
 /// x without the norm; w the row's kind's weights, D the row width), then per chunk the partners'
 /// nw (from the chunk, or shuffled from the lane group) and the rotation; store(c, y, nw) receives
 /// each chunk's outputs as bf16. Every lane of the warp must call it (shuffles).
-template <class Geom, class Features, typename AngleT, typename Store>
+template <class Geom, class Config, typename AngleT, typename Store>
 __device__ __forceinline__ void forward_row(const RopeInputs& in,
                                             const Chunk<Geom::V> (&x)[Geom::C], float rstd,
                                             const SharedWeights& weights, bool is_key, int D,
-                                            const TokenAngles<Geom, AngleT, Features>& angles,
+                                            const TokenAngles<Geom, AngleT, Config>& angles,
                                             const LaneChunks<Geom>& lanes,
                                             const Partners<Geom>& partners, bool exchange,
                                             Store&& store) {
@@ -599,21 +637,31 @@ __device__ __forceinline__ void forward_row(const RopeInputs& in,
   }
 }
 
+/// Whether the backward reads the saved rows qk: for rstd and n (the norm, and the weights'
+/// gradients gw * n; validation gives weights only with the norm). Rotary alone (Llama's and
+/// Mistral's layout) needs only the incoming gradients, dx = gw: a third of the bf16 backward's
+/// reads fewer. `in` as the kernel sees it (Fixed::known): a constant where the configuration
+/// fixes the norm.
+__device__ __forceinline__ bool reads_saved_rows(const RopeInputs& in) {
+  return in.normalize || in.weights.q != nullptr || in.weights.k != nullptr;
+}
+
 /// Backward of one row (SPEC.md sections 2 and 8):
 ///   gw[d] = f1[d] * g[d] + f2p[d] * g[p(d)]                    (rotary lanes)
 ///   gw[d] = g[d], or for a key row under key offset g_next[d] + (t == 0 ? g[d] : 0)
-///   with a weight: grad_w[d] += gw[d] * n[d] (into `sums`, the row's kind's, when not null and
-///   `row_present`), dn = gw * w (w of `weights`, when not null; D the row width)
+///   with a weight: grad_w[d] += gw[d] * n[d] (into `sums`, the row's kind's, when neither it
+///   nor its rows are null, and `row_present`), dn = gw * w (w of `weights`, when not null; D the
+///   row width)
 ///   dx    = rstd * (dn - n * (sum(dn * n) / D))                (dx = dn without the norm)
 /// `row_present`: the row is one of the op's (a real head of a real token). The kernels also run
 /// this on rows that are not (the slots past Hq + Hkv of a token's last unit or job, tokens past
 /// the end): their g and x loads are 0 but they share the token's angles, so an inf or NaN angle
 /// would make their gw * n = inf * 0 = NaN; such rows must add nothing to the weight sums.
 /// kBranchFree as row_rstd. Every lane of the warp must call it (shuffles).
-template <class Geom, class Features, bool kBranchFree, typename AngleT, typename Width>
+template <class Geom, class Config, bool kBranchFree, typename AngleT, typename Width>
 __device__ __forceinline__ void backward_row(
     const RopeInputs& in, const Chunk<Geom::V> (&g)[Geom::C], const Chunk<Geom::V> (&x)[Geom::C],
-    const TokenAngles<Geom, AngleT, Features>& angles, const Chunk<Geom::V> (&g_next)[Geom::C],
+    const TokenAngles<Geom, AngleT, Config>& angles, const Chunk<Geom::V> (&g_next)[Geom::C],
     const LaneChunks<Geom>& lanes, const Partners<Geom>& partners, bool exchange,
     const SharedWeights* weights, const WeightGradSums* sums, int D,
     bool is_key, bool row_present, bool shift_row, bool first_token, const Width& width,
@@ -621,7 +669,7 @@ __device__ __forceinline__ void backward_row(
   constexpr int G = Geom::G;
   constexpr int V = Geom::V;
   constexpr int C = Geom::C;
-  const bool normalize = !Features::kGeneral || in.normalize;
+  const bool normalize = in.normalize;
   // One chunk per lane: keep n (V registers); wider rows recompute it from the bf16 bits.
   constexpr bool kKeepN = C == 1;
   const float rstd = normalize ? row_rstd<G, V, C, kBranchFree>(x, width, in.eps) : 1.0f;
@@ -649,7 +697,9 @@ __device__ __forceinline__ void backward_row(
     }
     if (weights != nullptr) {
       // Absent rows add nothing to the sums (see row_present above).
-      if (sums != nullptr && row_present) sums->add(is_key, lanes, c, D, gw, n);
+      if (sums != nullptr && sums->rows != nullptr && row_present) {
+        sums->add(is_key, lanes, c, D, gw, n);
+      }
       float w[V];
       weights->chunk(is_key, lanes, c, D, w);
 #pragma unroll

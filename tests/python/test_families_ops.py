@@ -330,23 +330,7 @@ def test_packed_fp8_qkv_new_options(variant):
         assert rel_error(g, w) < 0.1, (name, rel_error(g, w))
 
 
-# ---- errors in Python terms ----------------------------------------------------------------------
-
-def test_errors_name_the_argument():
-    qk, v, kwargs = make("v_norm")
-    plain = {k: val for k, val in kwargs.items() if k not in ("v", "normalize_v")}
-    with pytest.raises(ValueError, match="qk_norm_rope: normalize_v=True needs v"):
-        qkvfuse.qk_norm_rope(qk, normalize_v=True, **plain)
-    with pytest.raises(ValueError, match="qk_norm_rope: v: given, but normalize_v is False"):
-        qkvfuse.qk_norm_rope(qk, v=v, **plain)
-    with pytest.raises(RuntimeError, match="layout.norm_scope: expected \"head\" or \"token\""):
-        qkvfuse.qk_norm_rope(qk, norm_scope="row", **plain)
-    with pytest.raises(RuntimeError, match="layout.normalize_v: defined with norm_scope = kHead"):
-        qkvfuse.qk_norm_rope(qk, v=v, normalize_v=True, norm_scope="token",
-                             **{**plain, "q_weight": None, "k_weight": None})
-    with pytest.raises(RuntimeError, match="layout.num_kv_heads: query_only has no key heads"):
-        qkvfuse.qk_norm_rope(qk, query_only=True, **{**plain, "k_weight": None})
-
+# ---- errors: tests/python/test_errors.py has a case for each refusal of these options ----
 
 @requires_cuda
 @pytest.mark.parametrize("name", list(CASES))

@@ -81,6 +81,12 @@ examples/train_gpt.py runs it:
   the cache was built from. So the usual loop needs no extra call: optimizer.step() changes the
   weights, and the next forward re-quantizes every layer once (refresh_fp8_weights(model) does
   it eagerly).
+  Under FSDP (fully_shard per decoder layer, or on the whole model) a layer's weights are shards
+  between forwards and full only inside the forward of the module fully_shard wraps, gathered
+  anew each time: such layers keep no cache and quantize their full weights in each call (one
+  quantize_weight_bank per layer and forward; the activation and gradient are as below). The
+  ranks therefore quantize the same full weights, and an optimizer step on the shards is seen
+  by the next forward.
 - the activation: the attention's input x (bf16) is quantized once, to x_f8 [T, C] and its
   transpose, shared by the Q, K and V columns of the one FP8 GEMM, with current scaling:
   x_scale = max|x| / 448 (one extra read of x, no host synchronization). HF's input norm
@@ -90,10 +96,11 @@ examples/train_gpt.py runs it:
   lets small gradients round to zero in e4m3, docs/training/README.md).
 - the master weights receive their gradients in their own dtype (fp32 under autocast), and so do
   the q/k norm weights (from the fused backward).
-FP8 needs bf16 activations (autocast to bfloat16 or a bf16 model), no q/k/v bias, and C and the
-packed width (Hq + 2 Hkv) * D multiples of 16 (cuBLASLt FP8), which apply_qkvfuse checks. A call
-whose token count T = batch x sequence is not a multiple of 16 (generate's decode steps, odd
-batches) runs the bf16 path for that call: same weights, no FP8 GEMM.
+FP8 computes in bf16 (its q, k and v are cast back to the activations' dtype: a float32 model
+without autocast runs too, on the CPU), and needs no q/k/v bias and C and the packed width
+(Hq + 2 Hkv) * D multiples of 16 (cuBLASLt FP8), which apply_qkvfuse checks. A call whose token
+count T = batch x sequence is not a multiple of 16 (generate's decode steps, odd batches) runs
+the bf16 path for that call: same weights, no FP8 GEMM.
 
 Numerics. HF rounds to the activation dtype between steps (the normalized row before the weight,
 each product of the rotary); qkvfuse rounds once, so the patched bf16 model differs from the
@@ -107,10 +114,12 @@ per-call gradient hooks are Python), the rest of the layer compiles. Tested with
 backend on the CPU.
 
 Tested on the CPU (tests/python/test_transformers_integration.py): every family, GQA/MHA/MQA,
-packed sequences, rope scalings, generate, save/load, gradient checkpointing, compile; DDP through
-examples/train_hf.py (gloo on the CPU, NCCL on GPUs). Not covered: pickling a patched model
-object (its forward is a bound method: save the state dict, as save_pretrained does), FSDP, and
-tensor or pipeline parallel plans that shard q_proj/k_proj/v_proj.
+packed sequences, rope scalings, generate, save/load, gradient checkpointing, compile; DDP and
+FSDP2 (fully_shard per decoder layer, two processes over gloo: tests/python/
+test_transformers_fsdp.py, and examples/train_hf.py under torchrun, tests/python/
+test_train_distributed.py; NCCL on GPUs). Not covered: pickling a patched model object (its
+forward is a bound method: save the state dict, as save_pretrained does), and tensor or pipeline
+parallel plans that shard q_proj/k_proj/v_proj (fp8=True refuses a DTensor weight by name).
 """
 import inspect
 import sys
@@ -126,6 +135,11 @@ import qkvfuse
 from qkvfuse._layout import DEFAULT_EPS
 
 from . import transformers_families as families
+
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # a torch built without torch.distributed
+    _DTensor = None
 
 try:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -196,14 +210,17 @@ def _looks_like_attention(module: nn.Module) -> bool:
 class _Fp8Weights:
     """The e4m3 packed [Wq; Wk; Wv] of every patched layer: a qkvfuse.PackedWeightCache over the
     layers' (Wq, Wk, Wv), rebuilt when the weights move and refreshed when they change (see the
-    module docstring)."""
+    module docstring). Layers whose projections FSDP manages are not cached: get() quantizes
+    them in every call, from the full weights FSDP has gathered for the forward (_fsdp_managed)."""
 
     def __init__(self, modules: List[nn.Module]):
         self._modules = modules
-        self._layout = None   # per layer: (data pointer, device, dtype, shape) of each weight
-        self._seen = None     # per layer: the version counters the entries were quantized from
+        self._layout = None   # per cached layer: its index, then (data pointer, device, dtype,
+        #                       shape) of each weight
+        self._seen = None     # layer index -> the version counters the entry was quantized from
+        self._slot = {}       # layer index -> its position in self._cache
         self._cache = None
-        self.refreshes = 0    # how many times the cache was (re)quantized
+        self.refreshes = 0    # how many times the cache (or an FSDP layer) was quantized
 
     def _weights(self, i):
         """The row blocks of layer i's packed [Q | K | V] weight (q_proj, k_proj, v_proj's
@@ -220,23 +237,73 @@ class _Fp8Weights:
         return tuple(w._version for w in weights) + tuple(w.data_ptr() for w in weights)
 
     def get(self, i: int) -> qkvfuse.PackedWeight:
-        """Layer i's cached weight, refreshed first if any layer's weights changed since."""
-        if self._seen is None or self._versions(self._weights(i)) != self._seen[i]:
+        """Layer i's weight: quantized now if FSDP manages it, else the cached entry, refreshed
+        first if any cached layer's weights changed since."""
+        if _fsdp_managed(self._modules[i]):
+            return self._quantize_layer(i)
+        if self._seen is None or i not in self._seen or (
+                self._versions(self._weights(i)) != self._seen[i]):
             self.refresh()
-        return self._cache[i]
+        return self._cache[self._slot[i]]
 
     @torch.no_grad()
     def refresh(self) -> None:
-        weights = [self._weights(i) for i in range(len(self._modules))]
-        layout = [tuple((w.data_ptr(), w.device, w.dtype, tuple(w.shape)) for w in ws)
-                  for ws in weights]
+        """Re-quantizes every cached layer (those FSDP does not manage) in one bank per shape."""
+        resident = [i for i in range(len(self._modules))
+                    if not _fsdp_managed(self._modules[i])]
+        if not resident:
+            return  # every layer is quantized per call: nothing is cached between forwards
+        weights = [self._weights(i) for i in resident]
+        layout = [(i,) + tuple((w.data_ptr(), w.device, w.dtype, tuple(w.shape)) for w in ws)
+                  for i, ws in zip(resident, weights)]
         if layout != self._layout:
             self._cache = qkvfuse.PackedWeightCache(weights)  # quantizes once
             self._layout = layout
+            self._slot = {i: slot for slot, i in enumerate(resident)}
         else:
             self._cache.refresh()
-        self._seen = [self._versions(ws) for ws in weights]
+        self._seen = {i: self._versions(ws) for i, ws in zip(resident, weights)}
         self.refreshes += 1
+
+    @torch.no_grad()
+    def _quantize_layer(self, i: int) -> qkvfuse.PackedWeight:
+        """Layer i's packed weight quantized from its weights as they are now: inside the
+        layer's forward under FSDP, the full (all-gathered) weights."""
+        module = self._modules[i]
+        sharded = [f"{name}.weight" for name in ("q_proj", "k_proj", "v_proj")
+                   if _is_dtensor(getattr(getattr(module, name, None), "weight", None))]
+        if sharded:
+            raise RuntimeError(
+                f"qkvfuse: fp8=True: {type(module).__name__} layer {i}: "
+                f"{', '.join(sharded)} {'is a DTensor' if len(sharded) == 1 else 'are DTensors'} "
+                f"(sharded) in this forward; the FP8 weight is quantized from the full weights, "
+                f"which FSDP gathers around the forward of the module fully_shard was applied to "
+                f"(call the model, or that module, not the attention module alone). "
+                f"Tensor-parallel plans that shard q_proj/k_proj/v_proj are not supported with "
+                f"fp8=True")
+        bank = torch.cat([w.to(torch.bfloat16) for w in self._weights(i)])[None]
+        row, t, scale = qkvfuse.quantize_weight_bank(bank)
+        self.refreshes += 1
+        return qkvfuse.PackedWeight(row[0], t[0], scale[0])
+
+
+def _fsdp_managed(attention: nn.Module) -> bool:
+    """Whether FSDP manages the attention module's q/k/v projections. fully_shard (FSDP2; FSDP1
+    as well) marks every module whose parameters it manages with _is_fsdp_managed_module (the
+    flag torch.compile reads). Such a weight is not one tensor over time: between forwards the
+    module holds a DTensor shard, and around the forward of the module fully_shard was applied to
+    FSDP swaps in the full weight, gathered anew into storage it frees again afterwards, and
+    gathers it without bumping its version counter. The cache's key (version counters and data
+    pointers) can therefore not tell an updated weight from a stale one (a caching allocator
+    may hand the freed block back at the same address), and a bank of every layer cannot be built
+    while the other layers hold shards. Such layers are quantized in each call instead: one more
+    read of a weight that FSDP has just gathered, from the full weight, never from a shard."""
+    return any(getattr(getattr(attention, name, None), "_is_fsdp_managed_module", False)
+               for name in ("q_proj", "k_proj", "v_proj"))
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    return _DTensor is not None and isinstance(tensor, _DTensor)
 
 
 class _ModelState:
@@ -381,27 +448,32 @@ def attention_states(module: nn.Module, hidden_states: torch.Tensor, position_em
             f"run it under torch.autocast(dtype=torch.bfloat16)); float32 and float64 run on the "
             f"CPU only")
     fp8 = layer.fp8 and tokens % FP8_MULTIPLE == 0 and tokens > 0
-    if fp8 and dtype != torch.bfloat16:
-        raise TypeError(f"qkvfuse: {type(module).__name__}: fp8=True needs bfloat16 activations "
-                        f"(autocast to bfloat16 or a bf16 model), got {dtype}")
+    # The cos/sin cache and the norm weights: bf16 or float32 (the CPU also takes qk's own dtype,
+    # which is bf16 in the FP8 op).
+    accept = (torch.bfloat16, torch.float32) + ((dtype,) if device.type == "cpu" and not fp8
+                                                else ())
     norms = dict(num_kv_heads=layer.kv_heads or None, rotary_style="neox",
                  normalize=layer.normalize, query_only=spec.kv_shared,
                  norm_scope=spec.norm_scope)
     if spec.rotary:
-        # The cos/sin cache: bf16 or float32 (the CPU also takes qk's own dtype).
-        accept = (torch.bfloat16, torch.float32) + ((dtype,) if device.type == "cpu" else ())
         cos, sin = position_embeddings
         norms["cos_sin"], norms["positions"] = layer.state.rope(cos, sin, batch, seq,
                                                                 layer.head_dim, accept)
     if layer.normalize:
-        norms.update(q_weight=spec.q_norm.weight,
-                     k_weight=None if spec.kv_shared else spec.k_norm.weight,
+        weights = spec.q_norm.weight, None if spec.kv_shared else spec.k_norm.weight
+        norms.update(zip(("q_weight", "k_weight"),
+                         (w if w is None or w.dtype in accept else w.float() for w in weights)),
                      weight_offset=layer.family.weight_offset, eps=layer.eps)
     if spec.v_norm is not None:
         norms.update(normalize_v=True, eps=layer.eps)
     x = hidden_states.reshape(tokens, channels)
     if fp8:
-        q, k, v, gate = _fp8_projection(module, layer, x, norms)
+        # The FP8 op reads x in bf16 and writes bf16: q, k, v (and a gate) come back in the
+        # activations' dtype, so a float32 model without autocast runs FP8 too (at FP8's
+        # precision), whatever T is, and a call whose T is no multiple of 16 runs the bf16 path
+        # in that dtype.
+        q, k, v, gate = (None if t is None else t.to(dtype)
+                         for t in _fp8_projection(module, layer, x, norms))
     else:
         qk, v, gate = _bf16_projection(module, layer, x.to(dtype), dtype)
         if not (layer.normalize or spec.rotary or spec.v_norm is not None):
@@ -603,7 +675,9 @@ def remove_qkvfuse(model: nn.Module) -> nn.Module:
 def refresh_fp8_weights(model: nn.Module) -> int:
     """Re-quantizes the FP8 weight cache of a model patched with fp8=True now (the patched
     forward does it by itself after any change of the q/k/v weights). Returns how many times the
-    cache has been quantized, this time included."""
+    cache has been quantized, this time included. Layers under FSDP keep no cache (their forward
+    quantizes the gathered weights in each call): they are left out, and a model whose every
+    layer is under FSDP has nothing to refresh."""
     state = _state(model)
     if state.weights is None:
         raise ValueError("qkvfuse.refresh_fp8_weights: the model was patched with fp8=False")
@@ -613,7 +687,8 @@ def refresh_fp8_weights(model: nn.Module) -> int:
 
 def fp8_refresh_count(model: nn.Module) -> int:
     """How many times the FP8 weight cache of `model` has been quantized (0 before the first
-    forward): e.g. to check that it follows the optimizer steps."""
+    forward): e.g. to check that it follows the optimizer steps. A layer under FSDP adds one per
+    forward call (it quantizes its gathered weights in each call)."""
     state = _state(model)
     return 0 if state.weights is None else state.weights.refreshes
 

@@ -1,0 +1,373 @@
+// rope_dispatch.hpp: which kernel configuration serves a rope call on CUDA. Internal, host side,
+// no CUDA headers (tests/test_rope_dispatch.cpp runs it on any machine).
+//
+// The three rope ops (forward, bf16 backward, fused FP8 backward) share one kernel family:
+// - A call's layout is reduced ONCE, from its validated arguments, to a small key of properties
+//   (RopeKey: access width, head-width class, rotary style and span, norm, weights, angle source
+//   and dtype, placement).
+// - The general configuration (General) serves every key. A specialization is a row of the table
+//   below (Specializations): the properties it fixes, each as the list of values it serves, the
+//   ops it serves, and two kernel knobs. The first row that serves (op, key) wins; no row: General.
+// - Matching is conservative by construction: a row lists values (Served<E> has no "any" and no
+//   default, so a row that omits a property does not compile), and a value added to a property
+//   later is in no existing row's list, so it runs the general kernel until a row names it.
+//   A property added to RopeKey must be added to Spec, and then every row must state it.
+// - The kernels read the row too (rope_rows.cuh, Fixed<Config>): a property a row fixes to one
+//   value is a compile-time constant in that row's kernels, every other one a run-time value read
+//   through the code all kernels share. So a kernel can never treat as constant what its row does
+//   not fix.
+// A specialization stays only while a same-run A/B shows it >= 3 % faster than the general kernel
+// at a named shape (docs/perf_notes.md, "The kernel family"); each row says which.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda/rope_paths.hpp"
+#include "qkvfuse/qk_norm_rope.hpp"
+#include "qkvfuse/qkv_backward_fp8.hpp"
+#include "rope_math.hpp"
+
+namespace qkvfuse::cuda::rope {
+
+// ------------------------------------------------------------------------------------------------
+// Properties
+// ------------------------------------------------------------------------------------------------
+
+enum class Op : uint8_t { kForward, kBackward, kBackwardFp8 };
+
+/// How the bf16 rows are read and written (rope_paths.hpp chunk_width): 16-byte vectors (8
+/// elements), 4-byte pairs, single elements.
+enum class Access : uint8_t { k16B, k4B, k2B };
+
+/// The head width D as the kernels' row geometries see it (rope_config.cuh lanes_for): the
+/// exact widths each with its own geometry, and the ranges masked on the next geometry up.
+/// A new width class (D up to 512) is a new value here, in head_width_class, and a case of
+/// lanes_for and width_switch (rope_config.cuh; a value either misses throws, naming D).
+enum class HeadWidth : uint8_t {
+  kUpTo32,   ///< D < 32 (narrow access only)
+  k32,
+  kUpTo64,   ///< 32 < D < 64
+  k64,
+  k96,
+  kUpTo128,  ///< 64 < D < 128, D != 96
+  k128,
+  kUpTo256,  ///< 128 < D < 256
+  k256,
+};
+
+enum class Rotary : uint8_t { kInterleaved, kNeox };
+/// r == D, or r < D (r = 0: no lane rotates).
+enum class RotarySpan : uint8_t { kWhole, kPartial };
+enum class Norm : uint8_t { kNone, kRms };
+/// Norm weights: none, or q_weight and/or k_weight (any offset: a run-time value).
+enum class Weights : uint8_t { kNone, kWeighted };
+enum class AngleSource : uint8_t { kTables, kCache };
+enum class AngleType : uint8_t { kBf16, kFp32 };
+enum class Placement : uint8_t { kPlain, kPaired, kKeyOffset };
+
+/// A call's properties, computed once per call (rope_key) from validated arguments.
+struct RopeKey {
+  Access access;
+  int head_dim;
+  HeadWidth width;
+  Rotary rotary;
+  RotarySpan span;
+  Norm norm;
+  Weights weights;
+  AngleSource angles;
+  AngleType angle_type;
+  Placement placement;
+};
+
+/// The values of one property that a row serves. No default and no "any": every row states every
+/// property by listing values, and a value outside the list (one added to the enum later, or any
+/// value outside the enum) never matches.
+template <typename E>
+class Served {
+  static_assert(std::is_enum_v<E>, "a property is an enum");
+
+ public:
+  template <typename... Rest>
+    requires(std::is_same_v<Rest, E> && ...)
+  constexpr Served(E first, Rest... rest) : bits_((bit(first) | ... | bit(rest))) {}
+
+  /// Every value, present and future: the general configuration only (it is never matched, it
+  /// is what runs when no row matches).
+  static constexpr Served every() { return Served(~0u); }
+  /// No value: for the kernel knobs that list ops (Spec::exact_width), never for a property.
+  static constexpr Served none() { return Served(0u); }
+
+  constexpr bool contains(E value) const { return (bits_ & bit(value)) != 0u; }
+  /// Exactly `value`: a compile-time constant in the row's kernels.
+  constexpr bool only(E value) const { return bits_ == bit(value); }
+
+ private:
+  constexpr explicit Served(uint32_t bits) : bits_(bits) {}
+  static constexpr uint32_t bit(E value) {
+    return unsigned(value) < 32u ? (1u << unsigned(value)) : 0u;
+  }
+  uint32_t bits_;
+};
+
+/// A kernel knob that every row must state (no default).
+template <typename T>
+struct Knob {
+  constexpr Knob(T v) : value(v) {}  // NOLINT: rows write `.knob = true`
+  T value;
+};
+
+/// A row of the table: the ops and the property values it serves, and how its kernels are built.
+struct Spec {
+  const char* name;  ///< by the properties it fixes, as docs/STATUS.md's table names it
+  Served<Op> ops;
+  Served<Access> access;
+  Served<HeadWidth> width;
+  Served<Rotary> rotary;
+  Served<RotarySpan> span;
+  Served<Norm> norm;
+  Served<Weights> weights;
+  Served<AngleSource> angles;
+  Served<AngleType> angle_type;
+  Served<Placement> placement;
+  /// The ops whose kernels take D as a compile-time constant at the row's power-of-two widths
+  /// (32, 64, 128, 256; the others run with D at run time): the masks and D-dependent offsets
+  /// fold and each division by D is one FMUL (PowerOfTwoWidth).
+  Served<Op> exact_width;
+  /// NeoX pairs in one lane (rope_common.cuh NeoxPairGeometry): both halves of each pair in the
+  /// same thread, no partner shuffles; needs NeoX, r = D and exact widths of 64, 128 or 256.
+  Knob<bool> neox_pairs_in_lane;
+
+  constexpr bool serves(Op op, const RopeKey& key) const {
+    return ops.contains(op) && access.contains(key.access) && width.contains(key.width) &&
+           rotary.contains(key.rotary) && span.contains(key.span) && norm.contains(key.norm) &&
+           weights.contains(key.weights) && angles.contains(key.angles) &&
+           angle_type.contains(key.angle_type) && placement.contains(key.placement);
+  }
+};
+
+// ------------------------------------------------------------------------------------------------
+// The table
+// ------------------------------------------------------------------------------------------------
+
+inline constexpr Served<Op> kEveryOp{Op::kForward, Op::kBackward, Op::kBackwardFp8};
+/// The 16-byte access's widths: multiples of 8 in [32, 256].
+inline constexpr Served<HeadWidth> kVectorWidths{
+    HeadWidth::k32,      HeadWidth::kUpTo64, HeadWidth::k64,      HeadWidth::k96,
+    HeadWidth::kUpTo128, HeadWidth::k128,    HeadWidth::kUpTo256, HeadWidth::k256};
+
+/// Every layout: each property a run-time value (access width, geometry and the 16-byte kernels'
+/// angle dtype excepted: they shape the registers, so each has its own kernel).
+struct General {
+  static constexpr Spec kSpec{
+      .name = "general",
+      .ops = Served<Op>::every(),
+      .access = Served<Access>::every(),
+      .width = Served<HeadWidth>::every(),
+      .rotary = Served<Rotary>::every(),
+      .span = Served<RotarySpan>::every(),
+      .norm = Served<Norm>::every(),
+      .weights = Served<Weights>::every(),
+      .angles = Served<AngleSource>::every(),
+      .angle_type = Served<AngleType>::every(),
+      .placement = Served<Placement>::every(),
+      .exact_width = Served<Op>::none(),
+      .neox_pairs_in_lane = false,
+  };
+};
+
+/// The 16-byte widths the speedrun's layers use (D = 64, 96, 128): its named shapes.
+inline constexpr Served<HeadWidth> kSpeedrunWidths{HeadWidth::k64, HeadWidth::k96,
+                                                   HeadWidth::k128};
+
+/// Factor tables, interleaved pairs, RMS without weights, every lane rotary (the speedrun's
+/// layers, plain and paired). Its kernels hold no weight, cache or partner-exchange code and
+/// rotate chunk by chunk; the general code cost the speedrun's kernels 0-6 % (5b85f3d against
+/// 68ac3a6) and 14-17 % for the forward with place()'s selects (2e387f1), perf_notes.md.
+struct TablesInterleavedRms {
+  static constexpr Spec kSpec{
+      .name = "tables/interleaved/rms/no-weight",
+      .ops = kEveryOp,
+      .access = {Access::k16B},
+      .width = kSpeedrunWidths,
+      .rotary = {Rotary::kInterleaved},
+      .span = {RotarySpan::kWhole},
+      .norm = {Norm::kRms},
+      .weights = {Weights::kNone},
+      .angles = {AngleSource::kTables},
+      .angle_type = {AngleType::kBf16},
+      .placement = {Placement::kPlain, Placement::kPaired},
+      .exact_width = Served<Op>::none(),
+      .neox_pairs_in_lane = false,
+  };
+};
+
+/// The same under key offset (keys' lanes >= r from the previous token; the speedrun's r = D / 2).
+/// The bf16 backward with D a constant at D = 64 and 128: 4.8 / 5.4 % faster at D = 128 / 64
+/// (707eb03; the forward within 0.5 %, the FP8 backward 0.2-2.7 %, not kept there).
+struct TablesInterleavedRmsKeyOffset {
+  static constexpr Spec kSpec{
+      .name = "tables/interleaved/rms/no-weight/key-offset",
+      .ops = kEveryOp,
+      .access = {Access::k16B},
+      .width = kSpeedrunWidths,
+      .rotary = {Rotary::kInterleaved},
+      .span = {RotarySpan::kWhole, RotarySpan::kPartial},
+      .norm = {Norm::kRms},
+      .weights = {Weights::kNone},
+      .angles = {AngleSource::kTables},
+      .angle_type = {AngleType::kBf16},
+      .placement = {Placement::kKeyOffset},
+      .exact_width = {Op::kBackward},
+      .neox_pairs_in_lane = false,
+  };
+};
+
+/// A cos/sin cache, NeoX over the whole row, RMS times a weight, plain placement: Qwen3 (D = 128)
+/// and Gemma 3 (D = 256, 1 + w), forward and bf16 backward. The layout's options are constants
+/// (1.25-1.40x at Qwen3-8B, a11dade) and D too, on 8 lanes x 2 chunks at D = 128 (16 x 2 at 256)
+/// with both halves of each NeoX pair in one lane (1.12x forward, 1.08x backward at Qwen3-8B,
+/// d51cb4d / 41f246d), perf_notes.md; Gemma3-12B's 88 % target was set on these kernels (f0006af).
+/// bf16 angles only (fp32 never timed: general).
+struct CacheNeoxRmsWeightedPairs {
+  static constexpr Spec kSpec{
+      .name = "cache/neox/rms/weighted/pairs-in-lane",
+      .ops = {Op::kForward, Op::kBackward},
+      .access = {Access::k16B},
+      .width = {HeadWidth::k128, HeadWidth::k256},
+      .rotary = {Rotary::kNeox},
+      .span = {RotarySpan::kWhole},
+      .norm = {Norm::kRms},
+      .weights = {Weights::kWeighted},
+      .angles = {AngleSource::kCache},
+      .angle_type = {AngleType::kBf16},
+      .placement = {Placement::kPlain},
+      .exact_width = {Op::kForward, Op::kBackward},
+      .neox_pairs_in_lane = true,
+  };
+};
+
+/// The same layout in the FP8 backward, on its 16-lane geometry: NeoX pairs in lane would need 32
+/// lane groups' weight-gradient rows in shared memory per CTA, 2 CTAs per SM instead of 3
+/// (perf_notes.md). The options as constants: 0.6220 -> 0.4693 ms at Qwen3-8B (a11dade with
+/// b26e0ad-a444adf). D = 256 (Gemma 3) is add6545's kernel there, not timed alone: the general
+/// one takes 186 registers against its 121 (one CTA per SM); the general-only A/B decides.
+struct CacheNeoxRmsWeighted {
+  static constexpr Spec kSpec{
+      .name = "cache/neox/rms/weighted",
+      .ops = {Op::kBackwardFp8},
+      .access = {Access::k16B},
+      .width = {HeadWidth::k128, HeadWidth::k256},
+      .rotary = {Rotary::kNeox},
+      .span = {RotarySpan::kWhole},
+      .norm = {Norm::kRms},
+      .weights = {Weights::kWeighted},
+      .angles = {AngleSource::kCache},
+      .angle_type = {AngleType::kBf16},
+      .placement = {Placement::kPlain},
+      .exact_width = {Op::kBackwardFp8},
+      .neox_pairs_in_lane = false,
+  };
+};
+
+/// The specializations, in the order they are tried (the first that serves a call runs it).
+template <class... Rows>
+struct Table {};
+using Specializations = Table<TablesInterleavedRms, TablesInterleavedRmsKeyOffset,
+                             CacheNeoxRmsWeightedPairs, CacheNeoxRmsWeighted>;
+
+// ------------------------------------------------------------------------------------------------
+// Selection
+// ------------------------------------------------------------------------------------------------
+
+/// Calls f(Row{}) for the configuration that serves (kOp, key): the first row of Specializations
+/// whose every property lists the key's value and whose ops list kOp, else General. Rows that do
+/// not serve kOp are not instantiated.
+template <Op kOp, class... Rows, typename F>
+void visit_config(Table<Rows...>, const RopeKey& key, F&& f) {
+  bool done = false;
+  const auto try_row = [&](auto row) {
+    using Row = decltype(row);
+    if constexpr (Row::kSpec.ops.contains(kOp)) {
+      if (!done && Row::kSpec.serves(kOp, key)) {
+        done = true;
+        f(row);
+      }
+    }
+  };
+  (try_row(Rows{}), ...);
+  if (!done) f(General{});
+}
+
+template <Op kOp, typename F>
+void visit_config(const RopeKey& key, F&& f) {
+  visit_config<kOp>(Specializations{}, key, static_cast<F&&>(f));
+}
+
+/// The name of the configuration that serves (op, key) (tests, error messages).
+inline const char* config_name(Op op, const RopeKey& key) {
+  const char* name = nullptr;
+  const auto take = [&](auto row) { name = decltype(row)::kSpec.name; };
+  switch (op) {
+    case Op::kForward: visit_config<Op::kForward>(key, take); break;
+    case Op::kBackward: visit_config<Op::kBackward>(key, take); break;
+    case Op::kBackwardFp8: visit_config<Op::kBackwardFp8>(key, take); break;
+  }
+  return name;
+}
+
+// ------------------------------------------------------------------------------------------------
+// The key of a call
+// ------------------------------------------------------------------------------------------------
+
+/// The width classes of one power-of-two width each (Spec::exact_width).
+constexpr bool exact_power_of_two(HeadWidth width) {
+  return width == HeadWidth::k32 || width == HeadWidth::k64 || width == HeadWidth::k128 ||
+         width == HeadWidth::k256;
+}
+
+/// The class of head width D (even, in [2, 256]).
+inline HeadWidth head_width_class(int64_t D) {
+  if (D < 32) return HeadWidth::kUpTo32;
+  if (D == 32) return HeadWidth::k32;
+  if (D < 64) return HeadWidth::kUpTo64;
+  if (D == 64) return HeadWidth::k64;
+  if (D == 96) return HeadWidth::k96;
+  if (D < 128) return HeadWidth::kUpTo128;
+  if (D == 128) return HeadWidth::k128;
+  if (D < 256) return HeadWidth::kUpTo256;
+  return HeadWidth::k256;
+}
+
+/// The key of a validated layout with head width D whose rows take chunks of `chunk` elements.
+inline RopeKey rope_key(const RopeLayout& layout, int64_t D, int chunk) {
+  const bool cache = !is_absent(layout.cos_sin);
+  const DType angle_dtype = cache ? layout.cos_sin.dtype : layout.factor1.dtype;
+  return {
+      .access = chunk == 8 ? Access::k16B : (chunk == 2 ? Access::k4B : Access::k2B),
+      .head_dim = int(D),
+      .width = head_width_class(D),
+      .rotary = layout.rotary_style == RotaryStyle::kNeox ? Rotary::kNeox : Rotary::kInterleaved,
+      .span = qkvfuse::rope::resolved_rotary_dim(layout, D) == D ? RotarySpan::kWhole
+                                                                  : RotarySpan::kPartial,
+      .norm = layout.normalize ? Norm::kRms : Norm::kNone,
+      .weights = is_absent(layout.q_weight) && is_absent(layout.k_weight) ? Weights::kNone
+                                                                          : Weights::kWeighted,
+      .angles = cache ? AngleSource::kCache : AngleSource::kTables,
+      .angle_type = angle_dtype == DType::kFloat32 ? AngleType::kFp32 : AngleType::kBf16,
+      .placement = layout.key_offset ? Placement::kKeyOffset
+                                     : (layout.paired ? Placement::kPaired : Placement::kPlain),
+  };
+}
+
+inline RopeKey rope_key(const QkNormRopeParams& p) {
+  return rope_key(p.layout, p.qk.sizes[2], chunk_width(p));
+}
+inline RopeKey rope_key(const QkNormRopeBackwardParams& p) {
+  return rope_key(p.layout, p.qk.sizes[2], chunk_width(p));
+}
+inline RopeKey rope_key(const QkvBackwardFp8Params& p) {
+  return rope_key(p.layout, p.qk.sizes[2], chunk_width(p));
+}
+
+}  // namespace qkvfuse::cuda::rope

@@ -1,0 +1,376 @@
+// test_rope_dispatch.cpp: which kernel configuration of the CUDA rope family serves a call
+// (src/cuda/rope_dispatch.hpp: the key of a call and the table of specializations). Host code
+// only, so it runs everywhere: the views carry made-up device addresses and are never read. The
+// GPU tests check every configuration's results; this pins the choice, and that a layout value
+// no specialization names takes the general kernel.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "cuda/rope_dispatch.hpp"
+#include "qkvfuse/tensor.hpp"
+
+namespace qkvfuse::test {
+namespace {
+
+using cuda::rope::AngleSource;
+using cuda::rope::AngleType;
+using cuda::rope::config_name;
+using cuda::rope::HeadWidth;
+using cuda::rope::Norm;
+using cuda::rope::Op;
+using cuda::rope::Placement;
+using cuda::rope::RopeKey;
+using cuda::rope::Rotary;
+using cuda::rope::RotarySpan;
+using cuda::rope::Served;
+using cuda::rope::Spec;
+using cuda::rope::Weights;
+
+const Device kGpu{DeviceType::kCUDA, 0};
+constexpr Op kOps[] = {Op::kForward, Op::kBackward, Op::kBackwardFp8};
+
+void* at(uintptr_t byte_offset) { return reinterpret_cast<void*>((uintptr_t(1) << 32) + byte_offset); }
+
+/// A layer of a model (or of the speedrun) as the ops see it: 16-byte aligned rows throughout, so
+/// that the 16-byte access serves it where its width allows.
+struct Shape {
+  const char* name;
+  int64_t heads, kv_heads, dim;
+  bool cache = false;  ///< cos/sin cache (else factor tables [T, D])
+  bool neox = false;
+  bool normalize = true;
+  bool weights = false;  ///< q_weight and k_weight
+  float weight_offset = 0.0f;
+  int64_t rotary = -1;
+  bool paired = false;
+  bool key_offset = false;
+  DType angle_dtype = DType::kBFloat16;
+
+  RopeLayout layout() const {
+    RopeLayout l;
+    l.num_heads = heads;
+    l.num_kv_heads = kv_heads;
+    l.rotary_dim = rotary;
+    l.rotary_style = neox ? RotaryStyle::kNeox : RotaryStyle::kInterleaved;
+    l.normalize = normalize;
+    l.paired = paired;
+    l.key_offset = key_offset;
+    l.weight_offset = weight_offset;
+    const int64_t tokens = 64;
+    if (cache) {
+      l.cos_sin = make_view(at(uintptr_t(1) << 28), angle_dtype, kGpu, {4096, dim});
+      l.positions = make_view(at(uintptr_t(2) << 28), DType::kInt64, kGpu, {tokens});
+    } else {
+      const int64_t width = paired ? 2 * dim : dim;
+      l.factor1 = make_view(at(uintptr_t(1) << 28), angle_dtype, kGpu, {tokens, width});
+      l.factor2 = make_view(at(uintptr_t(2) << 28), angle_dtype, kGpu, {tokens, width});
+    }
+    if (weights) {
+      l.q_weight = make_view(at(uintptr_t(3) << 28), DType::kBFloat16, kGpu, {dim});
+      l.k_weight = make_view(at(uintptr_t(4) << 28), DType::kBFloat16, kGpu, {dim});
+    }
+    return l;
+  }
+  /// The key of a call whose rows take 16-byte chunks (the access every model shape gets).
+  RopeKey key() const { return cuda::rope::rope_key(layout(), dim, 8); }
+};
+
+Shape speedrun(int64_t dim, Placement placement) {
+  Shape s{"speedrun", dim == 64 ? 12 : 6, dim == 64 ? 12 : 6, dim};
+  s.paired = placement == Placement::kPaired;
+  s.key_offset = placement == Placement::kKeyOffset;
+  if (s.key_offset) s.rotary = dim / 2;  // the speedrun's keys keep half their lanes
+  return s;
+}
+Shape qwen3(int64_t heads) {  // Qwen3-8B (32 / 8) and Qwen3-0.6B (16 / 8)
+  Shape s{"Qwen3", heads, 8, 128};
+  s.cache = s.neox = s.weights = true;
+  return s;
+}
+Shape gemma3_12b() {
+  Shape s{"Gemma3-12B", 16, 8, 256};
+  s.cache = s.neox = s.weights = true;
+  s.weight_offset = 1.0f;
+  return s;
+}
+Shape llama_rotary_only() {  // Llama 3.1 8B: no QK norm
+  Shape s{"Llama (rotary only)", 32, 8, 128};
+  s.cache = s.neox = true;
+  s.normalize = false;
+  return s;
+}
+
+/// Every named shape of the kernel-family issue.
+std::vector<Shape> named_shapes() {
+  std::vector<Shape> shapes;
+  for (const int64_t dim : {128, 96, 64}) {
+    for (const Placement p : {Placement::kPlain, Placement::kPaired, Placement::kKeyOffset}) {
+      shapes.push_back(speedrun(dim, p));
+    }
+  }
+  shapes.push_back(qwen3(32));
+  shapes.push_back(qwen3(16));
+  shapes.push_back(gemma3_12b());
+  shapes.push_back(llama_rotary_only());
+  return shapes;
+}
+
+std::string describe(const Shape& s) {
+  return std::string(s.name) + " D=" + std::to_string(s.dim) + (s.paired ? " paired" : "") +
+         (s.key_offset ? " key offset" : "");
+}
+
+// ---- the rules of the table ----------------------------------------------------------------------
+
+// A row must state every property: Served and Knob have no default, so a row that leaves one out
+// does not compile.
+template <class T>
+constexpr bool spec_without_placement() {
+  return requires {
+    T{.name = "x",
+      .ops = {Op::kForward},
+      .access = {cuda::rope::Access::k16B},
+      .width = {HeadWidth::k128},
+      .rotary = {Rotary::kNeox},
+      .span = {RotarySpan::kWhole},
+      .norm = {Norm::kRms},
+      .weights = {Weights::kNone},
+      .angles = {AngleSource::kCache},
+      .angle_type = {AngleType::kBf16},
+      .exact_width = Served<Op>::none(),
+      .neox_pairs_in_lane = false};
+  };
+}
+template <class T>
+constexpr bool spec_without_knob() {
+  return requires {
+    T{.name = "x",
+      .ops = {Op::kForward},
+      .access = {cuda::rope::Access::k16B},
+      .width = {HeadWidth::k128},
+      .rotary = {Rotary::kNeox},
+      .span = {RotarySpan::kWhole},
+      .norm = {Norm::kRms},
+      .weights = {Weights::kNone},
+      .angles = {AngleSource::kCache},
+      .angle_type = {AngleType::kBf16},
+      .placement = {Placement::kPlain},
+      .exact_width = Served<Op>::none()};
+  };
+}
+template <class T>
+constexpr bool spec_complete() {
+  return requires {
+    T{.name = "x",
+      .ops = {Op::kForward},
+      .access = {cuda::rope::Access::k16B},
+      .width = {HeadWidth::k128},
+      .rotary = {Rotary::kNeox},
+      .span = {RotarySpan::kWhole},
+      .norm = {Norm::kRms},
+      .weights = {Weights::kNone},
+      .angles = {AngleSource::kCache},
+      .angle_type = {AngleType::kBf16},
+      .placement = {Placement::kPlain},
+      .exact_width = Served<Op>::none(),
+      .neox_pairs_in_lane = false};
+  };
+}
+static_assert(spec_complete<Spec>(), "a row that states every property compiles");
+static_assert(!spec_without_placement<Spec>(), "a row that omits a property does not compile");
+static_assert(!spec_without_knob<Spec>(), "a row that omits a knob does not compile");
+static_assert(!std::is_default_constructible_v<Served<Norm>>, "no default value list");
+
+TEST(RopeDispatch, ListedValuesMatchAndNothingElse) {
+  constexpr Served<Placement> plain_or_paired{Placement::kPlain, Placement::kPaired};
+  EXPECT_TRUE(plain_or_paired.contains(Placement::kPlain));
+  EXPECT_TRUE(plain_or_paired.contains(Placement::kPaired));
+  EXPECT_FALSE(plain_or_paired.contains(Placement::kKeyOffset));
+  EXPECT_FALSE(plain_or_paired.only(Placement::kPlain));
+  // A value added to the enum later (here one past the last), or any value outside it, is in no
+  // list: the rows written before it never serve it.
+  EXPECT_FALSE(plain_or_paired.contains(static_cast<Placement>(3)));
+  EXPECT_FALSE(plain_or_paired.contains(static_cast<Placement>(200)));
+  constexpr Served<Norm> rms{Norm::kRms};
+  EXPECT_TRUE(rms.only(Norm::kRms));
+  EXPECT_FALSE(rms.contains(static_cast<Norm>(2)));
+}
+
+/// The key with one property set to a value that no enum has yet (a value a later option would
+/// add: a norm over the whole token, a V norm, head width 512, ...).
+std::vector<std::pair<std::string, RopeKey>> keys_with_a_new_value(const RopeKey& key) {
+  std::vector<std::pair<std::string, RopeKey>> out;
+  const auto add = [&](const char* property, auto mutate) {
+    RopeKey k = key;
+    mutate(k);
+    out.emplace_back(property, k);
+  };
+  add("access", [](RopeKey& k) { k.access = static_cast<cuda::rope::Access>(3); });
+  add("width", [](RopeKey& k) { k.width = static_cast<HeadWidth>(9); });
+  add("rotary", [](RopeKey& k) { k.rotary = static_cast<Rotary>(2); });
+  add("span", [](RopeKey& k) { k.span = static_cast<RotarySpan>(2); });
+  add("norm", [](RopeKey& k) { k.norm = static_cast<Norm>(2); });
+  add("weights", [](RopeKey& k) { k.weights = static_cast<Weights>(2); });
+  add("angles", [](RopeKey& k) { k.angles = static_cast<AngleSource>(2); });
+  add("angle_type", [](RopeKey& k) { k.angle_type = static_cast<AngleType>(2); });
+  add("placement", [](RopeKey& k) { k.placement = static_cast<Placement>(3); });
+  return out;
+}
+
+TEST(RopeDispatch, AValueNoRowNamesTakesTheGeneralKernel) {
+  for (const Shape& shape : named_shapes()) {
+    for (const auto& [property, key] : keys_with_a_new_value(shape.key())) {
+      for (const Op op : kOps) {
+        EXPECT_STREQ(config_name(op, key), "general")
+            << describe(shape) << ", a new value of " << property << ", op " << int(op);
+      }
+    }
+  }
+}
+
+// ---- the key of a call ---------------------------------------------------------------------------
+
+TEST(RopeDispatch, KeysOfRealShapes) {
+  const RopeKey qwen = qwen3(32).key();
+  EXPECT_EQ(qwen.access, cuda::rope::Access::k16B);
+  EXPECT_EQ(qwen.width, HeadWidth::k128);
+  EXPECT_EQ(qwen.rotary, Rotary::kNeox);
+  EXPECT_EQ(qwen.span, RotarySpan::kWhole);
+  EXPECT_EQ(qwen.norm, Norm::kRms);
+  EXPECT_EQ(qwen.weights, Weights::kWeighted);
+  EXPECT_EQ(qwen.angles, AngleSource::kCache);
+  EXPECT_EQ(qwen.angle_type, AngleType::kBf16);
+  EXPECT_EQ(qwen.placement, Placement::kPlain);
+  const RopeKey shifted = speedrun(128, Placement::kKeyOffset).key();
+  EXPECT_EQ(shifted.span, RotarySpan::kPartial);
+  EXPECT_EQ(shifted.placement, Placement::kKeyOffset);
+  EXPECT_EQ(shifted.angles, AngleSource::kTables);
+  EXPECT_EQ(shifted.weights, Weights::kNone);
+  EXPECT_EQ(speedrun(64, Placement::kPaired).key().placement, Placement::kPaired);
+  EXPECT_EQ(llama_rotary_only().key().norm, Norm::kNone);
+  for (const auto& [dim, width] :
+       std::vector<std::pair<int64_t, HeadWidth>>{{2, HeadWidth::kUpTo32},
+                                                  {32, HeadWidth::k32},
+                                                  {40, HeadWidth::kUpTo64},
+                                                  {64, HeadWidth::k64},
+                                                  {96, HeadWidth::k96},
+                                                  {100, HeadWidth::kUpTo128},
+                                                  {128, HeadWidth::k128},
+                                                  {136, HeadWidth::kUpTo256},
+                                                  {256, HeadWidth::k256}}) {
+    EXPECT_EQ(cuda::rope::head_width_class(dim), width) << "D = " << dim;
+  }
+  Shape fp32 = qwen3(16);
+  fp32.angle_dtype = DType::kFloat32;
+  EXPECT_EQ(fp32.key().angle_type, AngleType::kFp32);
+  // The access width comes from the rows' alignment (rope_paths.hpp, test_rope_paths.cpp).
+  EXPECT_EQ(cuda::rope::rope_key(qwen3(16).layout(), 128, 2).access, cuda::rope::Access::k4B);
+  EXPECT_EQ(cuda::rope::rope_key(qwen3(16).layout(), 128, 1).access, cuda::rope::Access::k2B);
+}
+
+// ---- which configuration each real shape runs ------------------------------------------------------
+
+/// The configuration each named shape is meant to run, per op.
+struct Expected {
+  const char* forward;
+  const char* backward;
+  const char* backward_fp8;
+};
+
+Expected expected_for(const Shape& s) {
+  if (!s.cache && !s.weights && !s.neox && s.normalize) {  // the speedrun's layers
+    if (s.key_offset) {
+      const char* shifted = "tables/interleaved/rms/no-weight/key-offset";
+      return {shifted, shifted, shifted};
+    }
+    const char* plain = "tables/interleaved/rms/no-weight";
+    return {plain, plain, plain};
+  }
+  if (s.cache && s.neox && s.weights && s.normalize && (s.dim == 128 || s.dim == 256)) {
+    // Qwen3, Gemma 3: the FP8 backward on its own row (16 lanes, no NeoX pairs in lane).
+    return {"cache/neox/rms/weighted/pairs-in-lane", "cache/neox/rms/weighted/pairs-in-lane",
+            "cache/neox/rms/weighted"};
+  }
+  return {"general", "general", "general"};
+}
+
+TEST(RopeDispatch, NamedShapesSelectTheirConfiguration) {
+  for (const Shape& shape : named_shapes()) {
+    const Expected expected = expected_for(shape);
+    const RopeKey key = shape.key();
+    EXPECT_STREQ(config_name(Op::kForward, key), expected.forward) << describe(shape);
+    EXPECT_STREQ(config_name(Op::kBackward, key), expected.backward) << describe(shape);
+    EXPECT_STREQ(config_name(Op::kBackwardFp8, key), expected.backward_fp8) << describe(shape);
+  }
+}
+
+// One value off a row's lists, each: the general kernel (no row is matched by a near miss).
+TEST(RopeDispatch, OneValueOffARowTakesTheGeneralKernel) {
+  std::vector<std::pair<std::string, Shape>> misses;
+  for (const int64_t dim : {32, 256, 80}) {  // widths the speedrun's rows do not list
+    Shape s = speedrun(128, Placement::kPlain);
+    s.dim = dim;
+    misses.emplace_back("speedrun D=" + std::to_string(dim), s);
+  }
+  Shape fp32_tables = speedrun(128, Placement::kPaired);
+  fp32_tables.angle_dtype = DType::kFloat32;
+  misses.emplace_back("speedrun, fp32 tables", fp32_tables);
+  Shape partial = speedrun(96, Placement::kPlain);
+  partial.rotary = 48;  // r < D without key offset
+  misses.emplace_back("speedrun, partial rotary", partial);
+  Shape weighted = speedrun(128, Placement::kKeyOffset);
+  weighted.weights = true;
+  misses.emplace_back("speedrun, weights", weighted);
+  Shape no_norm = speedrun(64, Placement::kPlain);
+  no_norm.normalize = false;
+  misses.emplace_back("speedrun, no norm", no_norm);
+  Shape cache = speedrun(128, Placement::kPlain);
+  cache.cache = true;
+  misses.emplace_back("speedrun, a cos/sin cache", cache);
+  Shape glm = qwen3(32);  // GLM: half the lanes rotate
+  glm.rotary = 64;
+  misses.emplace_back("Qwen3, partial rotary", glm);
+  Shape qwen_fp32 = qwen3(32);
+  qwen_fp32.angle_dtype = DType::kFloat32;
+  misses.emplace_back("Qwen3, fp32 cache", qwen_fp32);
+  Shape qwen_tables = qwen3(16);
+  qwen_tables.cache = false;
+  misses.emplace_back("Qwen3, factor tables", qwen_tables);
+  Shape interleaved = gemma3_12b();
+  interleaved.neox = false;
+  misses.emplace_back("Gemma3, interleaved", interleaved);
+  Shape narrow = qwen3(16);
+  narrow.dim = 64;
+  misses.emplace_back("Qwen3 at D=64", narrow);
+  Shape unweighted = qwen3(32);
+  unweighted.weights = false;
+  misses.emplace_back("Qwen3, no weights", unweighted);
+  Shape paired = qwen3(8);
+  paired.kv_heads = 8;
+  paired.paired = true;
+  misses.emplace_back("Qwen3, paired", paired);
+  for (const auto& [what, shape] : misses) {
+    for (const Op op : kOps) {
+      EXPECT_STREQ(config_name(op, shape.key()), "general") << what << ", op " << int(op);
+    }
+  }
+}
+
+TEST(RopeDispatch, NarrowAccessTakesTheGeneralKernel) {
+  for (const Shape& shape : named_shapes()) {
+    for (const int chunk : {2, 1}) {
+      const RopeKey key = cuda::rope::rope_key(shape.layout(), shape.dim, chunk);
+      for (const Op op : kOps) {
+        EXPECT_STREQ(config_name(op, key), "general") << describe(shape) << ", chunk " << chunk;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace qkvfuse::test
