@@ -396,7 +396,7 @@ RopeShape rope_inputs(const Checker& check, const TensorView& qk, const RopeLayo
     const bool key = &weight.view == &layout.k_weight;
     float_dtypes(weight.view, weight.name);
     check.shape(weight.view, weight.name, {weight_width(layout, shape, key)},
-                "(" + weight_shape_name(layout, key) + ")");
+                weight_shape_why(layout, key));
     check.last_dim_contiguous(weight.view, weight.name);
     check.element_aligned(weight.view, weight.name);
   }
@@ -408,10 +408,15 @@ int64_t weight_width(const RopeLayout& layout, const RopeShape& shape, bool key)
   return (key ? shape.kv_heads : shape.q_heads) * shape.head_dim;
 }
 
-std::string weight_shape_name(const RopeLayout& layout, bool key) {
-  if (layout.norm_scope == NormScope::kHead) return "[D]";
-  return key ? "layout.norm_scope = NormScope::kToken: [layout.num_kv_heads * D]"
-             : "layout.norm_scope = NormScope::kToken: [layout.num_heads * D]";
+std::string weight_shape_why(const RopeLayout& layout, bool key, const char* also) {
+  std::string why = "(";
+  if (layout.norm_scope == NormScope::kHead) {
+    why += "[D]";
+  } else {
+    why += key ? "layout.norm_scope = NormScope::kToken: [layout.num_kv_heads * D]"
+               : "layout.norm_scope = NormScope::kToken: [layout.num_heads * D]";
+  }
+  return why + also + ")";
 }
 
 int64_t rope_v_input(const Checker& check, const RopeLayout& layout, Arg v,
@@ -493,7 +498,7 @@ void rope_weight_grads(const Checker& check, const RopeLayout& layout, const Rop
     check.dtype(grad.view, grad.name, weight->dtype);
     const bool key = weight == &layout.k_weight;
     check.shape(grad.view, grad.name, {weight_width(layout, shape, key)},
-                "(" + weight_shape_name(layout, key) + ", as its weight)");
+                weight_shape_why(layout, key, ", as its weight"));
     check.contiguous(grad.view, grad.name);
     check.element_aligned(grad.view, grad.name);
   }

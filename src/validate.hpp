@@ -132,9 +132,9 @@ RopeShape rope_inputs(const Checker& check, const TensorView& qk, const RopeLayo
 
 /// Elements of the query (key: false) or key weight: D, or H*D of the kind under kToken.
 int64_t weight_width(const RopeLayout& layout, const RopeShape& shape, bool key);
-/// The weight's shape for messages: "[D]" or
-/// "layout.norm_scope = NormScope::kToken: [layout.num_heads * D]".
-std::string weight_shape_name(const RopeLayout& layout, bool key);
+/// The weight's shape for messages, in parentheses with `also` after it: "([D])" or
+/// "(layout.norm_scope = NormScope::kToken: [layout.num_heads * D])".
+std::string weight_shape_why(const RopeLayout& layout, bool key, const char* also = "");
 
 /// A V input of the V norm (v, or the backward's grad_v_out): present exactly when
 /// layout.normalize_v; `dtype`, [T, Hkv, Dv] with Dv >= 1, last dim contiguous. Returns Dv

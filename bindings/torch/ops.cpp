@@ -180,7 +180,9 @@ void rope_forward(const c10::OperatorHandle& op, Stack* stack, const char* name,
                           .q = args.view(q, "q"),
                           .k = args.view(k, "k"),
                           .layout = layout,
-                          .stream = current_stream(qk)};
+                          .stream = current_stream(qk),
+                          .v = {},       // the V norm's, set below
+                          .v_out = {}};
   Tensor v_out;
   if (with_v) {
     v_out = at::empty(v.sizes(), qk.options());
@@ -232,7 +234,10 @@ void rope_backward(const c10::OperatorHandle& op, Stack* stack, const char* name
                                   .grad_k_weight = weights.k_view(args, layout),
                                   .workspace = {},  // sized from these params, below
                                   .layout = layout,
-                                  .stream = current_stream(qk)};
+                                  .stream = current_stream(qk),
+                                  .grad_v_out = {},  // the V norm's, set below
+                                  .v = {},
+                                  .grad_v = {}};
   Tensor grad_v;
   if (with_v) {
     grad_v = at::empty(v.sizes(), qk.options());
