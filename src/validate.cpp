@@ -191,7 +191,8 @@ void Checker::no_overlap(const std::vector<Arg>& outputs, const std::vector<Arg>
 }
 
 std::string cuda_pending_option(const RopeLayout& layout, int64_t head_dim) {
-  if (head_dim > kMaxCudaHeadDim) {
+  // Past kMaxHeadDim no backend takes it: rope_options refuses it as unsupported.
+  if (head_dim > kMaxCudaHeadDim && head_dim <= kMaxHeadDim) {
     return "qk: head width D = " + std::to_string(head_dim) + " (above " +
            std::to_string(kMaxCudaHeadDim) + ")";
   }

@@ -69,6 +69,7 @@ inline constexpr int64_t kMaxCudaHeadDim = 256;
 /// The first layout option (SPEC.md section 9) the CUDA backend does not take yet, as the error
 /// names it: the argument, then what of it where that is not the argument itself
 /// ("layout.normalize_v", "layout.norm_scope: NormScope::kToken (...)"); empty when there is none.
+/// A head width past kMaxHeadDim is no pending option: no backend takes it.
 std::string cuda_pending_option(const RopeLayout& layout, int64_t head_dim);
 
 /// The checks of one op; every message starts with the op's name.

@@ -1889,6 +1889,13 @@ TEST(ValidationFamilies, HeadWidthUpTo512) {
   f.qk.sizes[2] = 512;
   EXPECT_TRUE(throws_error([&] { qk_norm_rope(f); },
                            {"qk_norm_rope: layout.q_weight: expected shape [512] ([D])"}));
+  // Past 512 no backend takes it: refused as unsupported, and on CUDA not as a pending option.
+  f.qk.sizes[2] = 514;
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(f); },
+                           {"qk_norm_rope: qk: head width D = 514 is not supported: expected an "
+                            "even D in [2, 512]"}));
+  EXPECT_EQ(validate::cuda_pending_option(args.layout(), 514), "");
+  EXPECT_EQ(validate::cuda_pending_option(args.layout(), 512), "qk: head width D = 512 (above 256)");
 }
 
 /// `view` as if it lived on cuda:0 (the pointer is never read: the pending-option check reads

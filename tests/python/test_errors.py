@@ -201,7 +201,7 @@ CASES = [
       "expected a divisor of num_heads = 4, got 3"),
     C("head_width_past_512", lambda i: i.tables(qk=torch.zeros(4, 4, 514, dtype=BF16,
                                                                device=i.device)), RT, QNR, "qk",
-      r"head width D = 514 is not supported: expected an even D in \[2, 512\]", only="cpu"),
+      r"head width D = 514 is not supported: expected an even D in \[2, 512\]"),
     C("both_angle_sources", lambda i: i.rope(factor1=i.factor1, factor2=i.factor2), RT, QNR,
       "factor1, cos_sin", "expected at most one angle source, got both the factor tables "
       r"\(factor1, factor2\) and a cos/sin cache \(cos_sin, positions\)"),
