@@ -124,16 +124,16 @@ except ImportError as error:  # pragma: no cover - exercised only without the op
     ) from error
 
 __all__ = ["SUPPORTED", "UnsupportedModelError", "apply_qkvfuse", "attention_input",
-           "fp8_refresh_count", "refresh_fp8_weights", "remove_qkvfuse"]
+           "remove_qkvfuse"]
 
-E4M3_MAX = 448.0
-# Headroom of the gradient scale over max |grad q, k, v|: the norm's backward can grow a row's
-# gradient beyond its input's (examples/train_gpt.py uses the same).
-GRAD_HEADROOM = 4.0
-# Never a zero scale: it would saturate every e4m3 code (docs/special_values.md).
-MIN_SCALE = 2.0**-100
 # cuBLASLt FP8 GEMMs need M, N and K multiples of 16 (include/qkvfuse/packed_qkv.hpp).
 FP8_MULTIPLE = 16
+# Liger-Kernel's RMSNorm forward (liger_kernel/transformers/rms_norm.py), as a module of its class
+# LigerRMSNorm or of a subclass, or bound by its monkey patch onto a family's norm instance.
+LIGER_RMS_NORM = ("liger_kernel.transformers.rms_norm", "LigerRMSNorm.forward")
+# Its casting modes (strings, or the codes its ops also take): where it rounds, not what it
+# computes (module docstring).
+LIGER_CASTING_MODES = ("llama", "gemma", "none", 0, 1, -1)
 
 
 class UnsupportedModelError(ValueError):
@@ -179,47 +179,7 @@ def _looks_like_attention(module: nn.Module) -> bool:
     return name.endswith("Attention") or name.endswith("Attention2")
 
 
-# ---- the per-model state: the FP8 weight cache and the rotary caches of one forward -------------
-
-class _Fp8Weights:
-    """The e4m3 packed [Wq; Wk; Wv] of every patched layer: a qkvfuse.PackedWeightCache over the
-    layers' (Wq, Wk, Wv), rebuilt when the weights move and refreshed when they change (see the
-    module docstring)."""
-
-    def __init__(self, modules: List[nn.Module]):
-        self._modules = modules
-        self._layout = None   # per layer: (data pointer, device, dtype, shape) of each weight
-        self._seen = None     # per layer: the version counters the entries were quantized from
-        self._cache = None
-        self.refreshes = 0    # how many times the cache was (re)quantized
-
-    def _weights(self, i):
-        m = self._modules[i]
-        return m.q_proj.weight, m.k_proj.weight, m.v_proj.weight
-
-    @staticmethod
-    def _versions(weights):
-        return tuple(w._version for w in weights) + tuple(w.data_ptr() for w in weights)
-
-    def get(self, i: int) -> qkvfuse.PackedWeight:
-        """Layer i's cached weight, refreshed first if any layer's weights changed since."""
-        if self._seen is None or self._versions(self._weights(i)) != self._seen[i]:
-            self.refresh()
-        return self._cache[i]
-
-    @torch.no_grad()
-    def refresh(self) -> None:
-        weights = [self._weights(i) for i in range(len(self._modules))]
-        layout = [tuple((w.data_ptr(), w.device, w.dtype, tuple(w.shape)) for w in ws)
-                  for ws in weights]
-        if layout != self._layout:
-            self._cache = qkvfuse.PackedWeightCache(weights)  # quantizes once
-            self._layout = layout
-        else:
-            self._cache.refresh()
-        self._seen = [self._versions(ws) for ws in weights]
-        self.refreshes += 1
-
+# ---- the per-model state: the rotary caches of one forward ---------------------------------------
 
 class _ModelState:
     """Shared by the patched layers of one model."""
@@ -227,7 +187,6 @@ class _ModelState:
     def __init__(self, modules: List[nn.Module], fp8: bool):
         self.modules = modules
         self.fp8 = fp8
-        self.weights = _Fp8Weights(modules) if fp8 else None
         self._rope = {}   # (id(cos), id(sin), B, S) -> (weakref cos, weakref sin, cos_sin, pos)
         self._ones = {}   # device -> float32 1.0 (packed_fp8_qkv's qkv_scale)
 
@@ -280,17 +239,16 @@ def _rope_cache(cos, sin, batch, seq, head_dim, accept):
 class _Layer:
     """What the patched forward of one attention module needs (set by apply_qkvfuse)."""
 
-    def __init__(self, module, family, state, index, fp8):
+    def __init__(self, module, family, state, fp8, where):
         self.family = family
         self.state = state
-        self.index = index
         self.fp8 = fp8
+        self.where = where  # "qkvfuse.apply_qkvfuse: <model>: <path> (<class>)", for errors
         config = module.config
         self.q_heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = module.head_dim
         self.normalize = family.norm is not None
-        self.eps = _norm_eps(module.q_norm) if self.normalize else DEFAULT_EPS
         self.eager = sys.modules[type(module).__module__].eager_attention_forward
         # transformers >= 5.2x names the KV cache `cache` (past_key_values before) and hands the
         # call's keyword arguments to its update: the patched forward does what the class does.
@@ -308,9 +266,77 @@ class _Layer:
         return (self.q_heads + 2 * self.kv_heads) * self.head_dim
 
 
+# ---- the q/k norms: the family's own or Liger-Kernel's ------------------------------------------
+
+class _Norm(NamedTuple):
+    weight: Optional[torch.Tensor]  # [D], or None: not multiplied
+    offset: float                   # qkvfuse's weight_offset: n * (w + offset)
+    eps: float
+
+
+def _norm_forward(norm):
+    """(the function that runs as norm's forward, whether it is bound on the instance)."""
+    bound = norm.__dict__.get("forward")
+    if bound is None:
+        return type(norm).forward, False
+    return getattr(bound, "__func__", bound), True
+
+
+def _qualified(function_or_class) -> str:
+    return f"{function_or_class.__module__}.{function_or_class.__qualname__}"
+
+
+def _norm(norm, name, family, head_dim, where) -> _Norm:
+    """What the module `norm` (a q_norm or k_norm) computes, as qkvfuse's norm options; raises
+    UnsupportedModelError naming the setting qkvfuse cannot match."""
+    function, on_instance = _norm_forward(norm)
+    cls = type(norm)
+    if (getattr(function, "__module__", None), getattr(function, "__qualname__", None)) == \
+            LIGER_RMS_NORM:
+        what = f"{where}: {name} (Liger-Kernel's LigerRMSNorm)"
+        mode = getattr(norm, "casting_mode", None)
+        if mode not in LIGER_CASTING_MODES:
+            raise UnsupportedModelError(f"{what}: casting_mode {mode!r} is none of 'llama', "
+                                        f"'gemma', 'none'")
+        offset, eps = float(norm.offset), float(norm.variance_epsilon)
+    elif not on_instance and cls.__name__ == family.norm and cls.__module__ == family.module:
+        what = f"{where}: {name} ({family.norm})"
+        offset, eps = family.weight_offset, _norm_eps(norm)
+    elif on_instance:
+        raise UnsupportedModelError(
+            f"{where}: {name} ({cls.__name__}) has its forward replaced on the instance by "
+            f"{_qualified(function)}, which qkvfuse cannot read: it takes the family's "
+            f"{family.norm} or Liger-Kernel's LigerRMSNorm")
+    else:
+        raise UnsupportedModelError(
+            f"{where}: {name} is {_qualified(cls)}, expected the family's {family.norm} or "
+            f"Liger-Kernel's LigerRMSNorm (another patch applied first?)")
+    weight = norm.weight
+    if weight is not None and tuple(weight.shape) != (head_dim,):
+        raise UnsupportedModelError(f"{what}: weight of shape {list(weight.shape)}, expected "
+                                    f"[head_dim] = [{head_dim}]")
+    return _Norm(weight, offset, eps)
+
+
 def _norm_eps(norm):
     eps = getattr(norm, "variance_epsilon", None)
     return float(norm.eps if eps is None else eps)
+
+
+def _qk_norms(module, layer) -> dict:
+    """qk_norm_rope's norm keywords for `module`'s q_norm and k_norm, read at every forward (a
+    Liger patch applied after apply_qkvfuse changes them)."""
+    q, k = (_norm(getattr(module, name), name, layer.family, layer.head_dim, layer.where)
+            for name in ("q_norm", "k_norm"))
+    # One eps and one weight_offset serve both (the offset only where there is a weight).
+    offsets = {n.offset for n in (q, k) if n.weight is not None}
+    for setting, values in (("eps", {q.eps, k.eps}), ("offset", offsets)):
+        if len(values) > 1:
+            raise UnsupportedModelError(
+                f"{layer.where}: q_norm and k_norm differ in {setting} ({q._asdict()[setting]} "
+                f"and {k._asdict()[setting]}): qkvfuse applies one {setting} to both")
+    return dict(q_weight=q.weight, k_weight=k.weight, weight_offset=offsets.pop() if offsets
+                else 0.0, eps=q.eps)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -353,8 +379,7 @@ def attention_input(module: nn.Module, hidden_states: torch.Tensor, position_emb
     norms = dict(num_kv_heads=layer.kv_heads, rotary_style="neox", normalize=layer.normalize,
                  cos_sin=cos_sin, positions=positions)
     if layer.normalize:
-        norms.update(q_weight=module.q_norm.weight, k_weight=module.k_norm.weight,
-                     weight_offset=layer.family.weight_offset, eps=layer.eps)
+        norms.update(_qk_norms(module, layer))
     x = hidden_states.reshape(tokens, channels)
     if fp8:
         q, k, v = _fp8_projection(module, layer, x, norms)
@@ -383,46 +408,14 @@ def _bf16_projection(module, layer, x, dtype):
     return torch.cat((q, k), dim=1), v
 
 
-@torch.compiler.disable
 def _fp8_projection(module, layer, x, norms):
-    """(q, k, v) through packed_fp8_qkv, with current scaling of x and of the gradient. Runs
-    eagerly under torch.compile (a graph break): the cache's version checks and the per-call
-    gradient hooks are Python."""
+    """(q, k, v) through packed_fp8_qkv_current_scaling: x, the weight and the gradient scaled
+    from this call's own tensors (module docstring). Traceable: no Python state between calls."""
     bf16 = torch.bfloat16
-    x = x.to(bf16)
-    detached = x.detach()
-    # Outside autocast, whose CUDA policy would reduce linalg_vector_norm in float32 (a cast).
-    with torch.autocast(x.device.type, enabled=False):
-        amax = torch.linalg.vector_norm(detached, float("inf")).float()
-    x_scale = torch.clamp_min(amax, MIN_SCALE) / E4M3_MAX
-    x_f8, x_f8_t = qkvfuse.quantize_dual_layout(detached, x_scale)
-    cached = layer.state.weights.get(layer.index)
-    qk_weight = torch.cat((module.q_proj.weight.to(bf16), module.k_proj.weight.to(bf16)))
-    v_weight = module.v_proj.weight.to(bf16)
-    # This call's gradient scale, set by the hook below before the op's backward reads it: the
-    # hook runs once the gradients of q, k and v have arrived, and the backward needs them first.
-    grad_scale = torch.empty((), dtype=torch.float32, device=x.device)
-    q, k, v = qkvfuse.packed_fp8_qkv(
-        x, qk_weight, v_weight, cached.weight_f8, cached.weight_f8_t, cached.weight_scale,
-        layer.state.one(x.device), x_scale, grad_scale, None, None, layer.q_heads, False, False,
-        None, x_f8, x_f8_t, **norms)
-    if q.requires_grad:
-        # A per-call (not per-module) scale: correct with gradient accumulation, checkpointing
-        # or several forwards before one backward. One hook for the three gradients: a third of
-        # the Python calls and half the kernel launches of one hook per tensor.
-        torch.autograd.graph.register_multi_grad_hook((q, k, v), _grad_scale_hook(grad_scale))
-    return q, k, v
-
-
-def _grad_scale_hook(grad_scale):
-    """grad_scale = GRAD_HEADROOM * max |grad| / E4M3_MAX over the gradients of q, k and v (those
-    that arrive: an unused output has none), never below MIN_SCALE."""
-    @torch.no_grad()
-    def hook(grads):
-        present = [g.detach() for g in grads if g is not None]
-        amax = torch.stack(torch._foreach_norm(present, float("inf"))).amax().float()
-        torch.clamp_min(amax * (GRAD_HEADROOM / E4M3_MAX), MIN_SCALE, out=grad_scale)
-    return hook
+    weight = torch.cat([p.weight.to(bf16) for p in (module.q_proj, module.k_proj, module.v_proj)])
+    return qkvfuse.packed_fp8_qkv_current_scaling(x.to(bf16), weight, layer.q_heads,
+                                                  layer.head_dim, qkv_scale=layer.state.one(x.device),
+                                                  **norms)
 
 
 def _patched_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
@@ -491,12 +484,15 @@ def apply_qkvfuse(model: nn.Module, fp8: bool = False) -> nn.Module:
         raise UnsupportedModelError(
             f"qkvfuse.apply_qkvfuse: {model_name} is not supported: {what}. Supported attention "
             f"classes: {', '.join(SUPPORTED)}")
+    state = _ModelState([module for _, module, _ in found], fp8)
+    layers = []
     for name, module, family in found:
-        _check_module(model_name, name, module, family, fp8)
-    modules = [module for _, module, _ in found]
-    state = _ModelState(modules, fp8)
-    for index, (_, module, family) in enumerate(found):
-        module._qkvfuse = _Layer(module, family, state, index, fp8)
+        layer = _Layer(module, family, state, fp8,
+                       f"qkvfuse.apply_qkvfuse: {model_name}: {name} ({type(module).__name__})")
+        _check_module(module, layer)
+        layers.append(layer)
+    for (_, module, _), layer in zip(found, layers):
+        module._qkvfuse = layer
         module.forward = types.MethodType(_patched_forward, module)
     model._qkvfuse_state = state
     return model
@@ -512,35 +508,9 @@ def remove_qkvfuse(model: nn.Module) -> nn.Module:
     return model
 
 
-def refresh_fp8_weights(model: nn.Module) -> int:
-    """Re-quantizes the FP8 weight cache of a model patched with fp8=True now (the patched
-    forward does it by itself after any change of the q/k/v weights). Returns how many times the
-    cache has been quantized, this time included."""
-    state = _state(model)
-    if state.weights is None:
-        raise ValueError("qkvfuse.refresh_fp8_weights: the model was patched with fp8=False")
-    state.weights.refresh()
-    return state.weights.refreshes
-
-
-def fp8_refresh_count(model: nn.Module) -> int:
-    """How many times the FP8 weight cache of `model` has been quantized (0 before the first
-    forward): e.g. to check that it follows the optimizer steps."""
-    state = _state(model)
-    return 0 if state.weights is None else state.weights.refreshes
-
-
-def _state(model):
-    state = getattr(model, "_qkvfuse_state", None)
-    if state is None:
-        raise ValueError(f"qkvfuse: {type(model).__name__} is not patched (apply_qkvfuse)")
-    return state
-
-
-def _check_module(model_name, name, module, family, fp8):
-    where = f"qkvfuse.apply_qkvfuse: {model_name}: {name} ({type(module).__name__})"
-    config = module.config
-    q_heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, module.head_dim
+def _check_module(module, layer):
+    where = layer.where
+    q_heads, kv_heads, d = layer.q_heads, layer.kv_heads, layer.head_dim
     if d % 2 or not 2 <= d <= 256:
         raise UnsupportedModelError(f"{where}: head_dim {d}: qkvfuse needs an even head width "
                                     f"from 2 to 256")
@@ -553,21 +523,26 @@ def _check_module(model_name, name, module, family, fp8):
         if out is not None and out != heads * d:
             raise UnsupportedModelError(f"{where}: {proj} has {out} outputs, expected "
                                         f"{heads} heads x {d}")
-    if family.norm is not None:
-        for norm in ("q_norm", "k_norm"):
-            cls = type(getattr(module, norm, None)).__name__
-            if cls != family.norm:
-                raise UnsupportedModelError(f"{where}: {norm} is {cls}, expected the family's "
-                                            f"{family.norm} (another patch applied first?)")
+    if layer.normalize:
+        _qk_norms(module, layer)  # raises, naming the setting, for norms qkvfuse cannot read
     if "forward" in module.__dict__:
         raise UnsupportedModelError(f"{where}: its forward is already replaced on the instance "
                                     f"by something else")
+    fp8 = layer.fp8
     if fp8:
         projections = (module.q_proj, module.k_proj, module.v_proj)
-        if not all(type(p) is nn.Linear for p in projections):
-            kinds = ", ".join(type(p).__name__ for p in projections)
-            raise UnsupportedModelError(f"{where}: fp8=True needs q_proj, k_proj and v_proj to be "
-                                        f"plain nn.Linear, got {kinds}")
+        others = [(name, p) for name, p in zip(("q_proj", "k_proj", "v_proj"), projections)
+                  if type(p) is not nn.Linear]
+        if others:
+            lora = " (a PEFT LoRA adapter layer)"
+            kinds = "; ".join(f"{name} is {_qualified(type(p))}{lora if _is_lora(p) else ''}"
+                              for name, p in others)
+            merge = (", or merge the LoRA adapters into the weights first (merge_and_unload())"
+                     if any(_is_lora(p) for _, p in others) else "")
+            raise UnsupportedModelError(
+                f"{where}: fp8=True needs q_proj, k_proj and v_proj to be plain torch.nn.Linear "
+                f"(the packed FP8 op reads their weights, not their forward): {kinds}. Use "
+                f"fp8=False, which calls them as modules{merge}")
         if any(p.bias is not None for p in projections):
             raise UnsupportedModelError(f"{where}: fp8=True: the packed FP8 op has no q/k/v bias "
                                         f"(attention_bias=True); use fp8=False")
@@ -577,3 +552,8 @@ def _check_module(model_name, name, module, family, fp8):
             raise UnsupportedModelError(
                 f"{where}: fp8=True needs hidden_size ({channels}) and the packed q/k/v width "
                 f"(Hq + 2 Hkv) * D = {packed} to be multiples of {FP8_MULTIPLE} (cuBLASLt FP8)")
+
+
+def _is_lora(projection) -> bool:
+    """PEFT's LoRA layers (peft.tuners.lora) carry their adapters as lora_A / lora_B."""
+    return hasattr(projection, "lora_A") and hasattr(projection, "lora_B")
