@@ -1,0 +1,320 @@
+"""apply_qkvfuse composed with what users already run (issue 31): Liger-Kernel's patches, PEFT
+LoRA adapters, gradient checkpointing, torch.compile and TRL's SFTTrainer, each against the same
+model without qkvfuse (tiny models, the bounds of hf_models.py).
+
+Liger-Kernel's kernels are Triton and need a GPU, so on the CPU its patched models cannot run
+whole: its module swaps (LigerRMSNorm as q_norm / k_norm, its rope in the modeling module, its
+SwiGLU/GeGLU MLPs, its fused linear cross entropy) do happen on the CPU, and the patched attention
+modules, which call none of Liger's kernels, run. Those are compared with the unpatched family's
+attention modules, on the arguments the decoder hands them in a forward of the unpatched model.
+The whole-model GPU runs are the whole-step benchmark's.
+"""
+import contextlib
+import copy
+import importlib
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+transformers = pytest.importorskip(
+    "transformers",
+    reason="Hugging Face transformers is not installed (pip install .[transformers])")
+
+from hf_models import (  # noqa: E402
+    BF16,
+    F64,
+    FAMILIES,
+    VOCAB,
+    assert_close_f64,
+    assert_within_bf16,
+    assert_within_fp8,
+    batch,
+    build,
+    cast,
+    patched,
+    rel,
+    run,
+)
+from qkvfuse.integrations.transformers import (  # noqa: E402
+    UnsupportedModelError,
+    apply_qkvfuse,
+    remove_qkvfuse,
+)
+
+
+def optional(name):
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+LIGER = optional("liger_kernel.transformers")
+PEFT = optional("peft")
+requires_liger = pytest.mark.skipif(
+    LIGER is None, reason="liger-kernel is not installed (scripts/test.sh installs it)")
+requires_peft = pytest.mark.skipif(
+    PEFT is None, reason="peft is not installed (scripts/test.sh installs it)")
+
+MODELING = {
+    "qwen3": "transformers.models.qwen3.modeling_qwen3",
+    "qwen3_moe": "transformers.models.qwen3_moe.modeling_qwen3_moe",
+    "gemma3": "transformers.models.gemma3.modeling_gemma3",
+    "llama": "transformers.models.llama.modeling_llama",
+    "mistral": "transformers.models.mistral.modeling_mistral",
+}
+
+
+# ---- Liger-Kernel ------------------------------------------------------------------------------
+
+def liger_patch(family):
+    """Liger-Kernel's patch function for the family (apply_liger_kernel_to_<family>)."""
+    name = "gemma3_text" if family == "gemma3" else family
+    return getattr(LIGER, f"apply_liger_kernel_to_{name}")
+
+
+@contextlib.contextmanager
+def restored(family):
+    """Liger's patch functions assign to transformers' modeling module (its RMSNorm and MLP
+    classes, apply_rotary_pos_emb) and, without a model, to the causal LM class's forward: for
+    the whole process. Everything they change there is put back afterwards."""
+    module = importlib.import_module(MODELING[family])
+    names = dict(vars(module))
+    classes = {cls: dict(vars(cls)) for cls in names.values()
+               if isinstance(cls, type) and cls.__module__ == module.__name__}
+    try:
+        yield
+    finally:
+        for name in set(vars(module)) - set(names):
+            delattr(module, name)
+        for name, value in names.items():
+            if vars(module).get(name) is not value:
+                setattr(module, name, value)
+        for cls, attributes in classes.items():
+            for name in set(vars(cls)) - set(attributes):
+                delattr(cls, name)
+            for name, value in attributes.items():
+                if vars(cls).get(name) is not value:
+                    setattr(cls, name, value)
+
+
+def liger_model(family, reference, how):
+    """A copy of `reference` (same weights) patched by Liger-Kernel: "class" patches the modeling
+    module before the model is built (its q/k norms are then LigerRMSNorm instances), "instance"
+    patches the built model (its norms keep their class and run Liger's forward)."""
+    if how == "class":
+        liger_patch(family)()
+        model = build(family, dtype=next(reference.parameters()).dtype)
+        model.load_state_dict(reference.state_dict())
+        return model
+    model = copy.deepcopy(reference)
+    liger_patch(family)(model=model)
+    return model
+
+
+def attention_calls(model, ids):
+    """The keyword arguments every attention module receives in one forward of `model`, by
+    module path (float64 tensors detached)."""
+    calls = {}
+
+    def capture(name):
+        def hook(module, args, kwargs):
+            assert not args
+            calls[name] = {k: v.detach() if isinstance(v, torch.Tensor) else
+                           tuple(t.detach() for t in v) if isinstance(v, tuple) else v
+                           for k, v in kwargs.items()}
+        return hook
+
+    handles = [m.register_forward_pre_hook(capture(name), with_kwargs=True)
+               for name, m in model.named_modules() if name.endswith("self_attn")]
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    for handle in handles:
+        handle.remove()
+    assert calls
+    return calls
+
+
+def attention_run(model, calls, dtype=F64):
+    """(outputs, gradients) of the model's attention modules called with `calls` (inputs cast to
+    `dtype`): each module's output and, from a fixed random output gradient, the gradients of
+    its input and of its parameters, all in float64, by name."""
+    modules = dict(model.named_modules())
+    outputs, grads = {}, {}
+    for i, (name, kwargs) in enumerate(sorted(calls.items())):
+        module = modules[name]
+        module.zero_grad(set_to_none=True)
+        hidden = kwargs["hidden_states"].detach().to(dtype).requires_grad_()
+        cos, sin = kwargs["position_embeddings"]
+        out, _ = module(**dict(kwargs, hidden_states=hidden,
+                               position_embeddings=(cos.to(dtype), sin.to(dtype))))
+        generator = torch.Generator().manual_seed(i)
+        out.backward(torch.randn(out.shape, generator=generator, dtype=F64).to(out.dtype))
+        outputs[name] = out.detach().double()
+        grads[f"{name}.input"] = hidden.grad.double()
+        for pname, p in module.named_parameters():
+            if p.grad is not None:
+                grads[f"{name}.{pname}"] = p.grad.double()
+    return outputs, grads
+
+
+def assert_attention_close(mine, theirs, tolerance=2e-6):
+    for got, want in zip(mine, theirs):
+        assert got.keys() == want.keys()
+        for name in want:
+            assert rel(got[name], want[name]) <= tolerance, (name, rel(got[name], want[name]))
+
+
+class ExactRMSNorm(nn.Module):
+    """What Liger's RMSNorm computes, x / sqrt(mean(x^2) + eps) * (offset + w) (w absent: not
+    multiplied), in float64: the reference for settings no family's own norm has."""
+
+    def __init__(self, weight, offset, eps):
+        super().__init__()
+        self.weight = None if weight is None else nn.Parameter(weight.detach().clone())
+        self.offset, self.eps = offset, eps
+
+    def forward(self, x):
+        x = x.double()
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y if self.weight is None else y * (self.offset + self.weight.double())
+
+
+LIGER_FAMILIES = FAMILIES  # every supported family has a Liger-Kernel patch
+
+
+@requires_liger
+@pytest.mark.parametrize("how", ["class", "instance"])
+@pytest.mark.parametrize("family", LIGER_FAMILIES)
+def test_liger_then_qkvfuse_equals_the_unpatched_family(family, how):
+    """Liger first (the issue's refusal: "q_norm is LigerRMSNorm"), then apply_qkvfuse: the
+    patched attention equals the family's own, float64, outputs and every gradient."""
+    reference = build(family)
+    ids, _ = batch("batch")
+    calls = attention_calls(reference, ids)
+    want = attention_run(reference, calls)  # outside `restored`: Liger's rope is not there
+    with restored(family):
+        model = apply_qkvfuse(liger_model(family, reference, how))
+        if family in ("qwen3", "qwen3_moe", "gemma3"):
+            q_norm = model.model.layers[0].self_attn.q_norm
+            assert q_norm._get_name() == "LigerRMSNorm" or isinstance(q_norm,
+                                                                      LIGER.LigerRMSNorm)
+        assert_attention_close(attention_run(model, calls), want)
+
+
+@requires_liger
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "llama"])
+def test_qkvfuse_then_liger(family):
+    """The other order: Liger's instance patch after apply_qkvfuse rebinds the q/k norms' forward
+    and sets their offset, eps and casting mode; the patched attention reads them at every
+    forward and still equals the family's."""
+    reference = build(family)
+    ids, _ = batch("batch")
+    calls = attention_calls(reference, ids)
+    want = attention_run(reference, calls)
+    model = apply_qkvfuse(copy.deepcopy(reference))
+    with restored(family):
+        liger_patch(family)(model=model)
+        assert "forward" in model.model.layers[1].self_attn.__dict__  # still patched
+        assert model.model.layers[1].mlp._get_name().startswith("Liger")
+        assert_attention_close(attention_run(model, calls), want)
+
+
+@requires_liger
+@pytest.mark.parametrize("offset,eps,affine", [(0.5, 1e-2, True), (1.0, 1e-6, True),
+                                               (0.0, 1e-3, False)])
+def test_liger_norm_settings_are_read(offset, eps, affine):
+    """A LigerRMSNorm's own offset, eps and weight (or none: elementwise_affine=False) become
+    qkvfuse's weight_offset, eps and norm weight, whatever the family's norm would do."""
+    base = build("qwen3")
+    ids, _ = batch("batch")
+    calls = attention_calls(base, ids)
+    with restored("qwen3"):
+        model = liger_model("qwen3", base, "class")
+    reference = base
+    for layer, ref_layer in zip(model.model.layers, reference.model.layers):
+        for name in ("q_norm", "k_norm"):
+            weight = getattr(ref_layer.self_attn, name).weight if affine else None
+            setattr(ref_layer.self_attn, name, ExactRMSNorm(weight, offset, eps))
+            norm = LIGER.LigerRMSNorm(32, eps=eps, offset=offset, casting_mode="gemma",
+                                      elementwise_affine=affine).to(F64)
+            if affine:
+                norm.weight.data.copy_(weight)
+            setattr(layer.self_attn, name, norm)
+    apply_qkvfuse(model)
+    assert_attention_close(attention_run(model, calls), attention_run(reference, calls))
+
+
+@requires_liger
+def test_liger_settings_qkvfuse_cannot_match_are_refused_by_name():
+    def model_with(**settings):
+        model = build("qwen3")
+        liger_patch("qwen3")(model=model)
+        for layer in model.model.layers:
+            for name, value in settings.items():
+                norm, attribute = name.split("__")
+                setattr(getattr(layer.self_attn, norm), attribute, value)
+        return model
+
+    calls = attention_calls(build("qwen3"), batch("batch")[0])
+    with restored("qwen3"):
+        with pytest.raises(UnsupportedModelError,
+                           match=r"q_norm \(Liger-Kernel's LigerRMSNorm\): casting_mode 'fp16'"):
+            apply_qkvfuse(model_with(q_norm__casting_mode="fp16"))
+        with pytest.raises(UnsupportedModelError,
+                           match=r"q_norm and k_norm differ in eps \(0.001 and 0.01\): qkvfuse "
+                                 r"applies one eps to both"):
+            apply_qkvfuse(model_with(k_norm__variance_epsilon=1e-2))
+        with pytest.raises(UnsupportedModelError, match=r"differ in offset \(1.0 and 0.0\)"):
+            apply_qkvfuse(model_with(q_norm__offset=1.0))
+        # Settings that change where Liger rounds, not what it computes, are accepted.
+        apply_qkvfuse(model_with(q_norm__casting_mode="none", k_norm__in_place=False,
+                                 q_norm__row_mode=True))
+        # Patched first, then given a setting it cannot take: the next forward says so.
+        model = apply_qkvfuse(model_with())
+        model.model.layers[1].self_attn.k_norm.offset = 0.25
+        with pytest.raises(UnsupportedModelError, match=r"layers\.1\.self_attn .* differ in "
+                                                        r"offset \(0.0 and 0.25\)"):
+            attention_run(model, calls)
+
+
+@requires_liger
+def test_other_norm_replacements_are_refused_by_name():
+    model = build("qwen3")
+    model.model.layers[0].self_attn.q_norm = LIGER.rms_norm.LigerRMSNormForGemma4(32)
+    with pytest.raises(UnsupportedModelError,
+                       match=r"q_norm is liger_kernel\.transformers\.rms_norm\."
+                             r"LigerRMSNormForGemma4, expected the family's Qwen3RMSNorm or "
+                             r"Liger-Kernel's LigerRMSNorm"):
+        apply_qkvfuse(model)
+    model = build("qwen3")
+    norm = model.model.layers[1].self_attn.k_norm
+    norm.forward = lambda x: x
+    with pytest.raises(UnsupportedModelError,
+                       match=r"k_norm \(Qwen3RMSNorm\) has its forward replaced on the instance "
+                             r"by .*<lambda>"):
+        apply_qkvfuse(model)
+
+
+@requires_liger
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_liger_bf16_rounds_once(family):
+    """bf16: qkvfuse computes the norm and rotary in fp32 and rounds q and k once, whatever
+    Liger's casting_mode ("llama" for Qwen3, "gemma" for Gemma 3); the patched attention's error
+    against float64 stays within the family's own bf16 attention's (which rounds as Liger's
+    modes do), as hf_models.assert_within_bf16 bounds it."""
+    reference = build(family)
+    ids, _ = batch("batch")
+    calls = attention_calls(reference, ids)
+    exact = attention_run(reference, calls)
+    unpatched = attention_run(cast(copy.deepcopy(reference), BF16), calls, BF16)
+    with restored(family):
+        model = apply_qkvfuse(cast(liger_model(family, reference, "instance"), BF16))
+        mine = attention_run(model, calls, BF16)
+    for part in range(2):
+        for name in exact[part]:
+            e_mine, e_ref = rel(mine[part][name], exact[part][name]), rel(
+                unpatched[part][name], exact[part][name])
+            assert e_mine <= 1.5 * e_ref + 2**-9, (name, e_mine, e_ref)
