@@ -318,3 +318,126 @@ def test_liger_bf16_rounds_once(family):
             e_mine, e_ref = rel(mine[part][name], exact[part][name]), rel(
                 unpatched[part][name], exact[part][name])
             assert e_mine <= 1.5 * e_ref + 2**-9, (name, e_mine, e_ref)
+
+
+# ---- PEFT LoRA ---------------------------------------------------------------------------------
+
+def lora(model, targets=("q_proj", "k_proj", "v_proj", "o_proj")):
+    """The model with LoRA adapters (rank 4) on `targets`, their B matrices random (PEFT starts
+    them at zero, which would hide an adapter left out of q, k or v)."""
+    config = PEFT.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(targets),
+                             init_lora_weights=False)
+    return PEFT.get_peft_model(model, config)
+
+
+@requires_peft
+@pytest.mark.parametrize("targets", [("q_proj", "k_proj", "v_proj", "o_proj"), ("q_proj", "v_proj")])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "llama"])
+def test_peft_lora_float64(family, targets):
+    """apply_qkvfuse on a PEFT model: the projections run as modules (base + adapter), so the
+    logits, loss and the adapters' gradients (the only trainable parameters) equal the PEFT
+    model's without qkvfuse."""
+    model = lora(build(family), targets)
+    ids, _ = batch("batch")
+    mine, want = run(apply_qkvfuse(copy.deepcopy(model)), ids), run(model, ids)
+    assert want[2] and all("lora_" in name for name in want[2])
+    assert_close_f64(mine, want)
+
+
+@requires_peft
+def test_peft_lora_bf16_within_the_unpatched_models_rounding():
+    exact_model = lora(build("qwen3"))
+    ids, positions = batch("packed")
+    exact = run(exact_model, ids, positions)
+    unpatched = run(cast(copy.deepcopy(exact_model), BF16), ids, positions)
+    mine = run(apply_qkvfuse(cast(copy.deepcopy(exact_model), BF16)), ids, positions)
+    assert_within_bf16(mine, unpatched, exact)
+
+
+@requires_peft
+def test_peft_merged_adapters():
+    """merge_adapter() (the LoRA layers stay, their adapters folded into the base weights) and
+    merge_and_unload() (plain nn.Linear again: the one-GEMM path, and fp8=True accepted)."""
+    model = lora(build("qwen3"))
+    ids, _ = batch("batch")
+    merged = copy.deepcopy(model)
+    merged.merge_adapter()
+    merged.requires_grad_(True)  # the merged adapters get no gradient; the base weights do
+    assert_close_f64(run(apply_qkvfuse(copy.deepcopy(merged)), ids), run(merged, ids))
+    unloaded = copy.deepcopy(model).merge_and_unload().requires_grad_(True)
+    assert type(unloaded.model.layers[0].self_attn.q_proj) is nn.Linear
+    want = run(unloaded, ids)
+    assert_close_f64(run(patched(unloaded), ids), want)
+    assert_within_fp8(run(patched(unloaded, fp8=True, dtype=BF16), ids), want)
+
+
+@requires_peft
+def test_peft_lora_fp8_is_refused_by_name():
+    model = lora(build("qwen3"), ("q_proj", "v_proj"))
+    with pytest.raises(UnsupportedModelError,
+                       match=r"fp8=True needs q_proj, k_proj and v_proj to be plain "
+                             r"torch.nn.Linear .*: q_proj is peft\.tuners\.lora\.layer\.Linear "
+                             r"\(a PEFT LoRA adapter layer\); v_proj is peft\.tuners\.lora\.layer"
+                             r"\.Linear \(a PEFT LoRA adapter layer\)\. Use fp8=False, which "
+                             r"calls them as modules, or merge the LoRA adapters into the "
+                             r"weights first \(merge_and_unload\(\)\)"):
+        apply_qkvfuse(model, fp8=True)
+
+
+# ---- gradient checkpointing --------------------------------------------------------------------
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("mode", ["float64", "bf16", "fp8", "lora"])
+def test_gradient_checkpointing_same_loss_and_gradients(mode, use_reentrant):
+    """gradient_checkpointing_enable() recomputes each layer's forward in the backward: the same
+    loss and gradients, bit for bit, as without (FP8: each recomputed call quantizes the same
+    weights and input again; its backward computes its own gradient scale)."""
+    if mode == "lora" and PEFT is None:
+        pytest.skip("peft is not installed (scripts/test.sh installs it)")
+    dtype = F64 if mode in ("float64", "lora") else BF16
+    model = build("qwen3", dtype=dtype)
+    if mode == "lora":
+        model = lora(model)
+    apply_qkvfuse(model, fp8=mode == "fp8")
+    ids, _ = batch("batch")
+    plain = run(model, ids)
+    model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs=dict(use_reentrant=use_reentrant))
+    base = model.get_base_model() if mode == "lora" else model
+    assert base.model.gradient_checkpointing
+    again = run(model, ids)
+    assert torch.equal(plain[0], again[0]) and torch.equal(plain[1], again[1])
+    assert plain[2].keys() == again[2].keys()
+    for name in plain[2]:
+        assert torch.equal(plain[2][name], again[2][name]), name
+
+
+# ---- FP8 in eager training loops ---------------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["accumulate", "one_backward"])
+def test_fp8_each_call_scales_its_own_gradient(how):
+    """Two micro-batches, one of them with its loss scaled by 2^10 (its gradients 1024x larger):
+    accumulated over two backwards, or both forwards before one backward of the sum, the
+    gradients equal the sum of each micro-batch's own, bit for bit. A gradient scale shared by
+    the two calls (per module, or the last call's) would quantize one of them with the other's
+    scale."""
+    model = apply_qkvfuse(build("qwen3", dtype=torch.float32), fp8=True)
+    (ids1, _), (ids2, _) = batch("batch"), batch("batch")
+
+    def loss(ids, factor):
+        with torch.autocast("cpu", dtype=BF16):
+            return model(input_ids=ids, labels=ids, use_cache=False).loss * factor
+
+    parts = []
+    for ids, factor in ((ids1, 1.0), (ids2, 1024.0)):
+        model.zero_grad(set_to_none=True)
+        loss(ids, factor).backward()
+        parts.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    model.zero_grad(set_to_none=True)
+    if how == "accumulate":
+        loss(ids1, 1.0).backward()
+        loss(ids2, 1024.0).backward()
+    else:
+        (loss(ids1, 1.0) + loss(ids2, 1024.0)).backward()
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, parts[0][name] + parts[1][name]), name
