@@ -441,3 +441,105 @@ def test_fp8_each_call_scales_its_own_gradient(how):
         (loss(ids1, 1.0) + loss(ids2, 1024.0)).backward()
     for name, p in model.named_parameters():
         assert torch.equal(p.grad, parts[0][name] + parts[1][name]), name
+
+
+# ---- torch.compile -----------------------------------------------------------------------------
+
+# (parameter dtype, bf16 autocast): examples/train_hf.py's float32 master weights under autocast,
+# and a bf16 model.
+SETUPS = {"autocast": (torch.float32, True), "bf16": (BF16, False)}
+
+
+def loss_step(model, autocast):
+    def step(ids):
+        with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+            return model(input_ids=ids, labels=ids, use_cache=False).loss
+    return step
+
+
+def dynamo_graphs(model, ids, autocast):
+    """(graphs, graph breaks, their reasons, the graphs' code, subgraphs included) of the model's
+    forward + loss, as torch._dynamo.explain counts them."""
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(loss_step(model, autocast))(ids)
+    return (explained.graph_count, explained.graph_break_count,
+            [str(r.reason) for r in explained.break_reasons],
+            "".join(m.code for g in explained.graphs for m in g.modules()
+                    if isinstance(m, torch.fx.GraphModule)))
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_compile_adds_no_graph_break(setup):
+    """The patched models (bf16 path and fp8=True) trace into as many graphs, with as many
+    breaks, as the unpatched model (today one graph, no break), and the qkvfuse ops are in
+    them."""
+    dtype, autocast = SETUPS[setup]
+    model = build("qwen3", dtype=dtype)
+    ids, _ = batch("batch")
+    unpatched = dynamo_graphs(model, ids, autocast)
+    assert "qkvfuse" not in unpatched[3]
+    for fp8 in (False, True):
+        mine = dynamo_graphs(apply_qkvfuse(copy.deepcopy(model), fp8=fp8), ids, autocast)
+        assert mine[:3] == unpatched[:3], (fp8, mine[:3], unpatched[:3])
+        assert "qkvfuse" in mine[3]
+
+
+def compiled_run(model, ids, backend, autocast=True, fullgraph=True):
+    """run() through torch.compile(model), twice: forward and backward compiled. Returns the
+    first run's result and the graph breaks torch._dynamo counted; the second run must reuse
+    the first one's graphs (no recompilation) and give the same bits."""
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled = torch.compile(model, backend=backend, fullgraph=fullgraph)
+    result = run(model, ids, autocast=autocast, call=compiled)
+    graphs = counters["stats"]["unique_graphs"]
+    again = run(model, ids, autocast=autocast, call=compiled)
+    assert counters["stats"]["unique_graphs"] == graphs, "recompiled"
+    assert torch.equal(result[0], again[0]) and torch.equal(result[1], again[1])
+    return result, sum(counters["graph_break"].values())
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_compiled_training_step_aot_eager(setup):
+    """fullgraph=True forward and backward (aot_eager: the traced graphs run by eager kernels):
+    no graph break, and the compiled patched models within the bounds of the eager ones against
+    float64 (bf16: against the compiled unpatched model's own error)."""
+    dtype, autocast = SETUPS[setup]
+    model = build("qwen3")
+    ids, _ = batch("batch")
+    exact = run(model, ids)
+    unpatched, breaks = compiled_run(cast(copy.deepcopy(model), dtype), ids, "aot_eager",
+                                     autocast)
+    assert breaks == 0
+    bf16, breaks = compiled_run(patched(model, dtype=dtype), ids, "aot_eager", autocast)
+    assert breaks == 0
+    assert_within_bf16(bf16, unpatched, exact)
+    fp8, breaks = compiled_run(patched(model, fp8=True, dtype=dtype), ids, "aot_eager",
+                               autocast)
+    assert breaks == 0
+    assert_within_fp8(fp8, exact)
+
+
+def test_compiled_bf16_path_equals_eager_float32():
+    """float32 on the CPU (no rounding to tell the paths apart): the compiled patched model
+    computes what the eager one does."""
+    model = apply_qkvfuse(build("qwen3", dtype=torch.float32))
+    ids, _ = batch("batch")
+    compiled, _ = compiled_run(model, ids, "aot_eager", autocast=False)
+    assert_close_f64(compiled, run(model, ids), tolerance=1e-6)
+
+
+def test_compiled_training_step_inductor():
+    """Inductor (the default backend; C++ kernels on the CPU): fullgraph=True forward and
+    backward of both patched paths, under autocast with float32 master weights."""
+    model = build("qwen3", num_hidden_layers=1)
+    ids, _ = batch("batch")
+    exact = run(model, ids)
+    bf16, breaks = compiled_run(patched(model, dtype=torch.float32), ids, "inductor")
+    assert breaks == 0
+    unpatched = run(cast(copy.deepcopy(model), torch.float32), ids, autocast=True)
+    assert_within_bf16(bf16, unpatched, exact)
+    fp8, breaks = compiled_run(patched(model, fp8=True, dtype=torch.float32), ids, "inductor")
+    assert breaks == 0
+    assert_within_fp8(fp8, exact)

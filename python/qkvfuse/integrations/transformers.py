@@ -191,6 +191,10 @@ class _ModelState:
         self._ones = {}   # device -> float32 1.0 (packed_fp8_qkv's qkv_scale)
 
     def one(self, device) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # A constant of the graph, instead of a tensor that the trace would store into the
+            # dict (an extra graph output, and a recompilation once the dict has changed).
+            return torch.ones((), dtype=torch.float32, device=device)
         one = self._ones.get(device)
         if one is None:
             one = self._ones[device] = torch.ones((), dtype=torch.float32, device=device)
