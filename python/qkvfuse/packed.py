@@ -174,7 +174,11 @@ def packed_fp8_qkv(x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale,
 def current_scale(tensors, headroom: float = 1.0) -> torch.Tensor:
     """float32 scalar headroom * max |tensors| / 448 (never below MIN_SCALE), on the device, no
     host synchronization: the e4m3 scale that maps the largest element to 448 / headroom."""
-    amax = torch.stack(torch._foreach_norm(list(tensors), float("inf"))).amax().float()
+    # The infinity norm of an empty tensor is refused (a max has no identity): T = 0 has none.
+    present = [t for t in tensors if t.numel() > 0]
+    if not present:
+        return torch.full((), MIN_SCALE, dtype=torch.float32, device=tensors[0].device)
+    amax = torch.stack(torch._foreach_norm(present, float("inf"))).amax().float()
     # A division, so that the default headrooms (1, 4) give the correctly rounded quotient.
     return torch.clamp_min(amax / (E4M3_MAX / headroom), MIN_SCALE)
 
