@@ -18,6 +18,8 @@ import pytest
 import torch
 import torch.nn as nn
 
+import qkvfuse
+
 transformers = pytest.importorskip(
     "transformers",
     reason="Hugging Face transformers is not installed (pip install .[transformers])")
@@ -53,6 +55,7 @@ def optional(name):
 
 LIGER = optional("liger_kernel.transformers")
 PEFT = optional("peft")
+TRL = optional("trl")
 requires_liger = pytest.mark.skipif(
     LIGER is None, reason="liger-kernel is not installed (scripts/test.sh installs it)")
 requires_peft = pytest.mark.skipif(
@@ -543,3 +546,61 @@ def test_compiled_training_step_inductor():
     fp8, breaks = compiled_run(patched(model, fp8=True, dtype=torch.float32), ids, "inductor")
     assert breaks == 0
     assert_within_fp8(fp8, exact)
+
+
+# ---- TRL ---------------------------------------------------------------------------------------
+
+def word_tokenizer():
+    """A tokenizer of the tiny models' vocabulary built in memory (t0 .. t96; nothing is
+    downloaded): SFTTrainer wants one for its padding and special tokens."""
+    from tokenizers import Tokenizer, models
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab=vocab, unk_token="t3")),
+        pad_token="t0", bos_token="t1", eos_token="t2", unk_token="t3")
+
+
+def sft_losses(model, tmp_path, steps):
+    """The training losses of `steps` SFTTrainer steps (batches of 4 x 16 tokens, bf16 autocast
+    on the CPU, constant learning rate) on a learnable in-memory dataset: rows counting up in
+    steps of 5 modulo the vocabulary from random starts, already tokenized."""
+    datasets = pytest.importorskip("datasets")
+    generator = torch.Generator().manual_seed(0)
+    starts = torch.randint(0, VOCAB - 3, (64,), generator=generator).tolist()
+    rows = [[(start + 5 * i) % (VOCAB - 3) + 3 for i in range(16)] for start in starts]
+    args = TRL.SFTConfig(
+        output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=4,
+        learning_rate=1e-2, lr_scheduler_type="constant", warmup_steps=0, logging_steps=1,
+        report_to="none", use_cpu=True, bf16=True, save_strategy="no", seed=0,
+        dataloader_num_workers=0, disable_tqdm=True)
+    trainer = TRL.SFTTrainer(model=model, args=args,
+                             train_dataset=datasets.Dataset.from_dict({"input_ids": rows}),
+                             processing_class=word_tokenizer())
+    trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+
+@pytest.mark.skipif(TRL is None, reason="trl is not installed (scripts/test.sh installs it)")
+def test_trl_sft_trainer_trains_a_patched_model(tmp_path, monkeypatch):
+    """SFTTrainer trains the patched model (bf16 path and fp8=True) from the same weights on the
+    same batches as the unpatched one: every step's loss finite and within 10 % of the
+    unpatched model's (the first within the FP8 loss bound), and the loss falls below half of
+    its first value. The FP8 op runs in every forward (4 x 16 tokens: T a multiple of 16)."""
+    steps = 10
+    model = build("qwen3", dtype=torch.float32)
+    want = sft_losses(copy.deepcopy(model), tmp_path / "unpatched", steps)
+    assert len(want) == steps and want[-1] < 0.5 * want[0]
+    calls = []
+    original = qkvfuse.packed_fp8_qkv_current_scaling
+    monkeypatch.setattr(qkvfuse, "packed_fp8_qkv_current_scaling",
+                        lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    for fp8 in (False, True):
+        mine = sft_losses(apply_qkvfuse(copy.deepcopy(model), fp8=fp8), tmp_path / str(fp8),
+                          steps)
+        assert len(mine) == steps and all(math.isfinite(loss) for loss in mine)
+        assert abs(mine[0] - want[0]) <= 0.01 * want[0], (fp8, mine[0], want[0])
+        for got, ref in zip(mine, want):
+            assert abs(got - ref) <= 0.1 * ref, (fp8, mine, want)
+        assert mine[-1] < 0.5 * mine[0]
+    assert len(calls) >= steps * len(model.model.layers)
