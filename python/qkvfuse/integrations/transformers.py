@@ -3,17 +3,20 @@
     from qkvfuse.integrations.transformers import apply_qkvfuse
     model = AutoModelForCausalLM.from_config(config)   # or from_pretrained(...)
     apply_qkvfuse(model)              # q/k norm + rotary: one qkvfuse.qk_norm_rope per layer
-    apply_qkvfuse(model, fp8=True)    # and the q/k/v projections: qkvfuse.packed_fp8_qkv
+    apply_qkvfuse(model, fp8=True)    # and the q/k/v projections in FP8:
+                                      # qkvfuse.packed_fp8_qkv_current_scaling
 
 Supported (the attention modules' classes, matched exactly; SPEC.md section 8 has the math):
 
 | family | attention class | per-head norm | qkvfuse layout |
 | --- | --- | --- | --- |
-| Qwen3 | Qwen3Attention | RMS * w (Qwen3RMSNorm) | NeoX, GQA, q/k weights, eps of the norm |
-| Qwen3-MoE (attention only) | Qwen3MoeAttention | RMS * w (Qwen3MoeRMSNorm) | as Qwen3 |
-| Gemma 3 (text) | Gemma3Attention | RMS * (1 + w) (Gemma3RMSNorm) | as Qwen3, weight_offset 1 |
+| Qwen3 | Qwen3Attention | RMS * w (Qwen3RMSNorm*) | NeoX, GQA, q/k weights, eps of the norm |
+| Qwen3-MoE (attention only) | Qwen3MoeAttention | RMS * w (Qwen3MoeRMSNorm*) | as Qwen3 |
+| Gemma 3 (text) | Gemma3Attention | RMS * (1 + w) (Gemma3RMSNorm*) | as Qwen3, weight_offset 1 |
 | Llama | LlamaAttention | none | NeoX, GQA, normalize=False |
 | Mistral | MistralAttention | none | as Llama |
+
+* or Liger-Kernel's LigerRMSNorm, with the settings it carries (see "What it composes with").
 
 A model with any other attention module (or none) is refused with UnsupportedModelError naming
 the model's class and the attention classes found. The multimodal Gemma3ForConditionalGeneration
@@ -61,29 +64,31 @@ weight cat + one GEMM 542-784 ms, the one GEMM faster in every round. Projection
 plain nn.Linear (e.g. PEFT's LoRA layers, quantized linears) are always called as modules, with
 the activation cat.
 
-FP8 (fp8=True). Each layer's q/k/v projection runs through qkvfuse.packed_fp8_qkv as
-examples/train_gpt.py runs it:
-- weights: an e4m3 copy of each layer's packed [Wq; Wk; Wv] with its current scale amax/448,
-  quantized for all layers of one shape in one qkvfuse.quantize_weight_bank call. It is refreshed
-  lazily, before the first forward that follows any change of those weights: each layer compares
-  its three weights' autograd version counters (which every in-place update bumps: optimizer
-  steps, load_state_dict, copy_) and data pointers (a .to() or an assigned state dict) with those
-  the cache was built from. So the usual loop needs no extra call: optimizer.step() changes the
-  weights, and the next forward re-quantizes every layer once (refresh_fp8_weights(model) does
-  it eagerly).
+FP8 (fp8=True). Each layer's q/k/v projection runs through
+qkvfuse.packed_fp8_qkv_current_scaling: one FP8 GEMM, then the norm + rotary, with current
+scaling of everything it quantizes, computed on the device within the call (no host
+synchronization, nothing kept between calls):
+- the weights: the layer's master Wq, Wk, Wv concatenated in bf16 ([F, C]: the copy through which
+  their gradients flow, which the backward also reads) and quantized to e4m3 in both layouts with
+  scale max|W| / 448, in every forward. The e4m3 weight is therefore always the current one:
+  after optimizer steps, load_state_dict, .to(), or a sharded weight gathered for the forward,
+  with no call in the training loop. The cost, two passes over the bf16 weight, is under 1 % of
+  the layer's forward at Qwen3-0.6B and 8B training shapes (the op's docstring has the bytes).
 - the activation: the attention's input x (bf16) is quantized once, to x_f8 [T, C] and its
-  transpose, shared by the Q, K and V columns of the one FP8 GEMM, with current scaling:
-  x_scale = max|x| / 448 (one extra read of x, no host synchronization). HF's input norm
-  multiplies by a learned weight, so the speedrun's fixed bound sqrt(C)/448 does not hold here.
-- the gradient: grad_scale = 4 * max(|grad q|, |grad k|, |grad v|) / 448 of this call, set by
-  one hook on the three gradients before the op's backward reads it (current scaling: a fixed scale
-  lets small gradients round to zero in e4m3, docs/training/README.md).
+  transpose, shared by the Q, K and V columns of the one FP8 GEMM: x_scale = max|x| / 448 (one
+  extra read of x). HF's input norm multiplies by a learned weight, so the speedrun's fixed bound
+  sqrt(C)/448 does not hold here.
+- the gradient: grad_scale = 4 * max(|grad q|, |grad k|, |grad v|) / 448, computed by the op's
+  backward from the gradients that reach it (a fixed scale lets small gradients round to zero in
+  e4m3, docs/training/README.md). Each call has its own: gradient accumulation, activation
+  checkpointing and several forwards before one backward each scale their own gradients.
 - the master weights receive their gradients in their own dtype (fp32 under autocast), and so do
   the q/k norm weights (from the fused backward).
-FP8 needs bf16 activations (autocast to bfloat16 or a bf16 model), no q/k/v bias, and C and the
-packed width (Hq + 2 Hkv) * D multiples of 16 (cuBLASLt FP8), which apply_qkvfuse checks. A call
-whose token count T = batch x sequence is not a multiple of 16 (generate's decode steps, odd
-batches) runs the bf16 path for that call: same weights, no FP8 GEMM.
+FP8 needs bf16 activations (autocast to bfloat16 or a bf16 model), no q/k/v bias, q/k/v
+projections that are plain nn.Linear, and C and the packed width (Hq + 2 Hkv) * D multiples of 16
+(cuBLASLt FP8), which apply_qkvfuse checks. A call whose token count T = batch x sequence is not
+a multiple of 16 (generate's decode steps, odd batches) runs the bf16 path for that call: same
+weights, no FP8 GEMM.
 
 Numerics. HF rounds to the activation dtype between steps (the normalized row before the weight,
 each product of the rotary); qkvfuse rounds once, so the patched bf16 model differs from the
@@ -91,16 +96,39 @@ unpatched one by a few bf16 roundings of q and k per layer (SPEC.md section 8), 
 closer of the two to the exact value. On the CPU the patched path also runs float32 and float64
 models (equal to the unpatched model to that precision); on CUDA qkvfuse needs bf16 activations.
 
-torch.compile: the bf16 path traces into one graph (fullgraph=True works); the FP8 projection
-runs eagerly between compiled graphs (torch.compiler.disable: the cache's version checks and the
-per-call gradient hooks are Python), the rest of the layer compiles. Tested with the aot_eager
-backend on the CPU.
+What it composes with (tests/python/test_transformers_compose.py):
+- Liger-Kernel (apply_liger_kernel_to_qwen3, _qwen3_moe, _gemma3_text, _llama, _mistral), in
+  either order, before or after the model is built. Its q_norm / k_norm (LigerRMSNorm, or the
+  family's norm whose forward Liger rebound) are read at every forward: their weight (none with
+  elementwise_affine=False), offset (qkvfuse's weight_offset) and variance_epsilon (eps). Their
+  casting_mode ("llama", "gemma", "none"), in_place and row_mode decide where Liger rounds to
+  the activation dtype and how it schedules its kernel, not what it computes: qkvfuse computes
+  the norm and the rotary in fp32 and rounds q and k once in every mode (as "gemma" does for the
+  norm; closer to the exact value than "llama" and "none"), without emulating their
+  intermediate roundings. Refused with UnsupportedModelError naming the setting: a casting_mode
+  Liger does not define; q_norm and k_norm with different eps or offsets (one of each serves
+  both); a weight that is not [head_dim]; a norm class or instance forward qkvfuse does not know
+  (named). Liger's rope (apply_rotary_pos_emb in the modeling module) is not called by the
+  patched forward, which does its own rotary; Liger's decoder RMSNorms, SwiGLU / GeGLU MLPs and
+  fused linear cross entropy are outside the attention input and run as Liger patched them.
+- PEFT adapters (LoRA on q_proj, k_proj, v_proj, o_proj): the bf16 path calls such projections
+  as modules, so the adapters' output is included; merged adapters too (merge_adapter(), or
+  merge_and_unload(), after which the projections are plain nn.Linear again). fp8=True refuses
+  adapter layers, naming their class, since the packed FP8 op reads the weights and not the
+  modules' forward: merge the adapters first, or use fp8=False.
+- gradient_checkpointing_enable(), with use_reentrant True or False: the same loss and gradients,
+  bit for bit, as without.
+- torch.compile(model): both paths trace into the model's graphs with no graph break the unpatched
+  model does not have (fullgraph=True works, forward and backward; no recompilation on the next
+  call). Tested with the aot_eager and inductor backends on the CPU.
+- TRL's SFTTrainer trains a patched model (bf16 and FP8), tracking the unpatched model's losses.
 
-Tested on the CPU (tests/python/test_transformers_integration.py): every family, GQA/MHA/MQA,
-packed sequences, rope scalings, generate, save/load, gradient checkpointing, compile; DDP through
+Also tested on the CPU (tests/python/test_transformers_integration.py): every family,
+GQA/MHA/MQA, packed sequences, rope scalings, generate, save/load; DDP through
 examples/train_hf.py (gloo on the CPU, NCCL on GPUs). Not covered: pickling a patched model
 object (its forward is a bound method: save the state dict, as save_pretrained does), FSDP, and
-tensor or pipeline parallel plans that shard q_proj/k_proj/v_proj.
+tensor or pipeline parallel plans that shard q_proj/k_proj/v_proj; a q_norm wrapped by PEFT's
+modules_to_save is refused (its class is named).
 """
 import inspect
 import sys
@@ -401,7 +429,7 @@ def _bf16_projection(module, layer, x, dtype):
     heads = layer.q_heads + layer.kv_heads
     if layer.plain and tokens * layer.qk_features >= layer.features * x.shape[1]:
         projections = (module.q_proj, module.k_proj, module.v_proj)
-        weight = torch.cat([p.weight.to(dtype) for p in projections])
+        weight = _packed_weight(module, dtype)
         bias = torch.cat([p.bias.to(dtype) for p in projections]) if layer.bias else None
         qkv = F.linear(x, weight, bias)
         return (qkv[:, :layer.qk_features].view(tokens, heads, d),
@@ -416,10 +444,35 @@ def _fp8_projection(module, layer, x, norms):
     """(q, k, v) through packed_fp8_qkv_current_scaling: x, the weight and the gradient scaled
     from this call's own tensors (module docstring). Traceable: no Python state between calls."""
     bf16 = torch.bfloat16
-    weight = torch.cat([p.weight.to(bf16) for p in (module.q_proj, module.k_proj, module.v_proj)])
-    return qkvfuse.packed_fp8_qkv_current_scaling(x.to(bf16), weight, layer.q_heads,
-                                                  layer.head_dim, qkv_scale=layer.state.one(x.device),
-                                                  **norms)
+    return qkvfuse.packed_fp8_qkv_current_scaling(
+        x.to(bf16), _packed_weight(module, bf16), layer.q_heads, layer.head_dim,
+        qkv_scale=layer.state.one(x.device), **norms)
+
+
+class _CastCat(torch.autograd.Function):
+    """torch.cat([w.to(dtype) for w in weights]) in one pass over the weights: a cast and then a
+    cat would write the copy twice and read it once more (under autocast the master weights are
+    float32: 10 bytes per element instead of 6)."""
+
+    @staticmethod
+    def forward(ctx, dtype, *weights):
+        rows = [w.shape[0] for w in weights]
+        out = weights[0].new_empty((sum(rows), weights[0].shape[1]), dtype=dtype)
+        for part, weight in zip(out.split(rows), weights):
+            part.copy_(weight)
+        ctx.rows = rows
+        ctx.dtypes = [w.dtype for w in weights]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, *(g.to(dtype) for g, dtype in zip(grad.split(ctx.rows), ctx.dtypes)))
+
+
+def _packed_weight(module, dtype) -> torch.Tensor:
+    """The packed [Wq; Wk; Wv] [F, C] of one forward in `dtype`, differentiable in the weights."""
+    return _CastCat.apply(dtype, module.q_proj.weight, module.k_proj.weight,
+                          module.v_proj.weight)
 
 
 def _patched_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
@@ -468,9 +521,11 @@ def apply_qkvfuse(model: nn.Module, fp8: bool = False) -> nn.Module:
     """Patches every attention module of `model` (a transformers model of a supported family,
     e.g. Qwen3ForCausalLM, or any module containing their attention modules) in place, and
     returns it. fp8=False: projections in the model's (or autocast's) dtype, then one
-    qk_norm_rope per layer; fp8=True: one packed_fp8_qkv per layer (module docstring). Calling it
-    again re-patches with the new setting. Raises UnsupportedModelError, naming the model's class,
-    for a model with no supported attention module or with any other attention module."""
+    qk_norm_rope per layer; fp8=True: one packed_fp8_qkv_current_scaling per layer (module
+    docstring). Calling it again re-patches with the new setting. Raises UnsupportedModelError,
+    naming the model's class, for a model with no supported attention module or with any other
+    attention module, and naming the module and the setting for what it cannot match (q/k norms,
+    head widths, FP8's requirements)."""
     if getattr(model, "_qkvfuse_state", None) is not None:
         remove_qkvfuse(model)
     found, unsupported = [], []
