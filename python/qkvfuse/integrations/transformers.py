@@ -156,7 +156,7 @@ __all__ = ["SUPPORTED", "UnsupportedModelError", "apply_qkvfuse", "attention_inp
 
 # cuBLASLt FP8 GEMMs need M, N and K multiples of 16 (include/qkvfuse/packed_qkv.hpp).
 FP8_MULTIPLE = 16
-# Liger-Kernel's RMSNorm forward (liger_kernel/transformers/rms_norm.py), as a module of its class
+# Liger-Kernel's RMSNorm forward (liger-kernel:liger_kernel/transformers/rms_norm.py), of its class
 # LigerRMSNorm or of a subclass, or bound by its monkey patch onto a family's norm instance.
 LIGER_RMS_NORM = ("liger_kernel.transformers.rms_norm", "LigerRMSNorm.forward")
 # Its casting modes (strings, or the codes its ops also take): where it rounds, not what it
