@@ -112,16 +112,16 @@ def batch(kind, batch_size=2, seq=24):
 
 
 def run(model, ids, position_ids=None, autocast=False, call=None):
-    """(logits, loss, {name: grad}) in float64, from one forward + backward (through `call`,
-    e.g. a compiled model, if given)."""
+    """(logits, loss, {name: grad}) in float64 on the CPU, from one forward + backward on the
+    device of `ids` (through `call`, e.g. a compiled model, if given)."""
     model.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+    with torch.autocast(ids.device.type, dtype=BF16, enabled=autocast):
         out = (model if call is None else call)(input_ids=ids, position_ids=position_ids,
                                                 labels=ids, use_cache=False)
     out.loss.backward()
-    grads = {name: p.grad.double() for name, p in model.named_parameters()
+    grads = {name: p.grad.double().cpu() for name, p in model.named_parameters()
              if p.grad is not None}  # (a multimodal model's vision tower gets none from text)
-    return out.logits.detach().double(), out.loss.detach().double(), grads
+    return out.logits.detach().double().cpu(), out.loss.detach().double().cpu(), grads
 
 
 def rel(out, ref):

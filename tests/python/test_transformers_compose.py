@@ -24,10 +24,12 @@ transformers = pytest.importorskip(
     "transformers",
     reason="Hugging Face transformers is not installed (pip install .[transformers])")
 
+from conftest import DEVICES, requires_cuda  # noqa: E402
 from hf_models import (  # noqa: E402
     BF16,
     F64,
     FAMILIES,
+    FP8_TOLERANCE,
     VOCAB,
     assert_close_f64,
     assert_within_bf16,
@@ -323,6 +325,47 @@ def test_liger_bf16_rounds_once(family):
             assert e_mine <= 1.5 * e_ref + 2**-9, (name, e_mine, e_ref)
 
 
+def loss_and_grads(model, ids, positions):
+    """(loss, {name: grad}) in float64 on the CPU from one forward + backward on the model's
+    device (Liger's fused linear cross entropy computes the loss without logits)."""
+    device = next(model.parameters()).device
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids.to(device), position_ids=positions.to(device),
+                labels=ids.to(device), use_cache=False)
+    out.loss.backward()
+    return out.loss.detach().double().cpu(), {
+        name: p.grad.double().cpu() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@requires_cuda
+@requires_liger
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "llama"])
+def test_cuda_liger_then_qkvfuse_whole_model(family, fp8):
+    """On the GPU the whole model runs: Liger-Kernel's kernels (RMSNorms, SwiGLU / GeGLU, fused
+    linear cross entropy) and qkvfuse's attention input, bf16. Loss and every gradient against
+    the float64 model (on the CPU): bf16 within 1.5x the error of Liger alone + 2^-9 per tensor,
+    the loss within one bf16 step of it; FP8 within hf_models.FP8_TOLERANCE."""
+    reference = build(family)
+    ids, positions = batch("packed")
+    exact = loss_and_grads(reference, ids, positions)
+    with restored(family):
+        liger_alone = liger_model(family, cast(copy.deepcopy(reference), BF16), "class").cuda()
+        mine = apply_qkvfuse(copy.deepcopy(liger_alone), fp8=fp8)
+        theirs = loss_and_grads(liger_alone, ids, positions)
+        got = loss_and_grads(mine, ids, positions)
+    assert got[1].keys() == exact[1].keys() == theirs[1].keys()
+    if fp8:
+        assert abs(got[0] - exact[0]) <= FP8_TOLERANCE["loss"] * abs(exact[0])
+        for name in exact[1]:
+            assert rel(got[1][name], exact[1][name]) <= FP8_TOLERANCE["parameter"], name
+        return
+    assert abs(got[0] - exact[0]) <= abs(theirs[0] - exact[0]) + 2**-8 * abs(exact[0])
+    for name in exact[1]:
+        e_mine, e_theirs = rel(got[1][name], exact[1][name]), rel(theirs[1][name], exact[1][name])
+        assert e_mine <= 1.5 * e_theirs + 2**-9, (name, e_mine, e_theirs)
+
+
 # ---- PEFT LoRA ---------------------------------------------------------------------------------
 
 def lora(model, targets=("q_proj", "k_proj", "v_proj", "o_proj")):
@@ -533,17 +576,20 @@ def test_compiled_bf16_path_equals_eager_float32():
     assert_close_f64(compiled, run(model, ids), tolerance=1e-6)
 
 
-def test_compiled_training_step_inductor():
-    """Inductor (the default backend; C++ kernels on the CPU): fullgraph=True forward and
-    backward of both patched paths, under autocast with float32 master weights."""
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_training_step_inductor(device):
+    """Inductor (the default backend; C++ kernels on the CPU, Triton on CUDA): fullgraph=True
+    forward and backward of both patched paths, under autocast with float32 master weights."""
     model = build("qwen3", num_hidden_layers=1)
     ids, _ = batch("batch")
     exact = run(model, ids)
-    bf16, breaks = compiled_run(patched(model, dtype=torch.float32), ids, "inductor")
+    ids = ids.to(device)
+    bf16, breaks = compiled_run(patched(model, dtype=torch.float32).to(device), ids, "inductor")
     assert breaks == 0
-    unpatched = run(cast(copy.deepcopy(model), torch.float32), ids, autocast=True)
+    unpatched = run(cast(copy.deepcopy(model), torch.float32).to(device), ids, autocast=True)
     assert_within_bf16(bf16, unpatched, exact)
-    fp8, breaks = compiled_run(patched(model, fp8=True, dtype=torch.float32), ids, "inductor")
+    fp8, breaks = compiled_run(patched(model, fp8=True, dtype=torch.float32).to(device), ids,
+                               "inductor")
     assert breaks == 0
     assert_within_fp8(fp8, exact)
 
