@@ -281,6 +281,8 @@ class _Layer:
         self.kv_heads = config.num_key_value_heads
         self.head_dim = module.head_dim
         self.normalize = family.norm is not None
+        # (q_norm, k_norm, their instance forwards, their kinds): see _qk_norms.
+        self.norms = None
         self.eager = sys.modules[type(module).__module__].eager_attention_forward
         # transformers >= 5.2x names the KV cache `cache` (past_key_values before) and hands the
         # call's keyword arguments to its update: the patched forward does what the class does.
@@ -300,75 +302,75 @@ class _Layer:
 
 # ---- the q/k norms: the family's own or Liger-Kernel's ------------------------------------------
 
-class _Norm(NamedTuple):
-    weight: Optional[torch.Tensor]  # [D], or None: not multiplied
-    offset: float                   # qkvfuse's weight_offset: n * (w + offset)
-    eps: float
-
-
-def _norm_forward(norm):
-    """(the function that runs as norm's forward, whether it is bound on the instance)."""
-    bound = norm.__dict__.get("forward")
-    if bound is None:
-        return type(norm).forward, False
-    return getattr(bound, "__func__", bound), True
-
-
 def _qualified(function_or_class) -> str:
     return f"{function_or_class.__module__}.{function_or_class.__qualname__}"
 
 
-def _norm(norm, name, family, head_dim, where) -> _Norm:
-    """What the module `norm` (a q_norm or k_norm) computes, as qkvfuse's norm options; raises
-    UnsupportedModelError naming the setting qkvfuse cannot match."""
-    function, on_instance = _norm_forward(norm)
-    cls = type(norm)
-    if (getattr(function, "__module__", None), getattr(function, "__qualname__", None)) == \
-            LIGER_RMS_NORM:
-        what = f"{where}: {name} (Liger-Kernel's LigerRMSNorm)"
+def _norm_kind(norm, name, layer) -> str:
+    """"family" or "liger": whose math the module `norm` (a q_norm or k_norm) runs, by the
+    function that runs as its forward (bound on the instance, as Liger's monkey patch does, or
+    its class's). Raises UnsupportedModelError naming what qkvfuse cannot read."""
+    bound = norm.__dict__.get("forward")
+    function = type(norm).forward if bound is None else getattr(bound, "__func__", bound)
+    key = (getattr(function, "__module__", None), getattr(function, "__qualname__", None))
+    where, family = layer.where, layer.family
+    if key == LIGER_RMS_NORM:
+        kind, what = "liger", f"{where}: {name} (Liger-Kernel's LigerRMSNorm)"
         mode = getattr(norm, "casting_mode", None)
         if mode not in LIGER_CASTING_MODES:
             raise UnsupportedModelError(f"{what}: casting_mode {mode!r} is none of 'llama', "
                                         f"'gemma', 'none'")
-        offset, eps = float(norm.offset), float(norm.variance_epsilon)
-    elif not on_instance and cls.__name__ == family.norm and cls.__module__ == family.module:
-        what = f"{where}: {name} ({family.norm})"
-        offset, eps = family.weight_offset, _norm_eps(norm)
-    elif on_instance:
+    elif key == (family.module, f"{family.norm}.forward"):
+        kind, what = "family", f"{where}: {name} ({family.norm})"
+    elif bound is not None:
         raise UnsupportedModelError(
-            f"{where}: {name} ({cls.__name__}) has its forward replaced on the instance by "
-            f"{_qualified(function)}, which qkvfuse cannot read: it takes the family's "
+            f"{where}: {name} ({type(norm).__name__}) has its forward replaced on the instance "
+            f"by {_qualified(function)}, which qkvfuse cannot read: it takes the family's "
             f"{family.norm} or Liger-Kernel's LigerRMSNorm")
     else:
         raise UnsupportedModelError(
-            f"{where}: {name} is {_qualified(cls)}, expected the family's {family.norm} or "
-            f"Liger-Kernel's LigerRMSNorm (another patch applied first?)")
+            f"{where}: {name} is {_qualified(type(norm))}, expected the family's {family.norm} "
+            f"or Liger-Kernel's LigerRMSNorm (another patch applied first?)")
     weight = norm.weight
-    if weight is not None and tuple(weight.shape) != (head_dim,):
+    if weight is not None and tuple(weight.shape) != (layer.head_dim,):
         raise UnsupportedModelError(f"{what}: weight of shape {list(weight.shape)}, expected "
-                                    f"[head_dim] = [{head_dim}]")
-    return _Norm(weight, offset, eps)
+                                    f"[head_dim] = [{layer.head_dim}]")
+    return kind
 
 
-def _norm_eps(norm):
+def _norm_settings(norm, kind, layer):
+    """(weight_offset, eps) of a norm of that kind, read as its forward reads them."""
+    if kind == "liger":
+        return float(norm.offset), float(norm.variance_epsilon)
     eps = getattr(norm, "variance_epsilon", None)
-    return float(norm.eps if eps is None else eps)
+    return layer.family.weight_offset, float(norm.eps if eps is None else eps)
 
 
 def _qk_norms(module, layer) -> dict:
-    """qk_norm_rope's norm keywords for `module`'s q_norm and k_norm, read at every forward (a
-    Liger patch applied after apply_qkvfuse changes them)."""
-    q, k = (_norm(getattr(module, name), name, layer.family, layer.head_dim, layer.where)
-            for name in ("q_norm", "k_norm"))
-    # One eps and one weight_offset serve both (the offset only where there is a weight).
-    offsets = {n.offset for n in (q, k) if n.weight is not None}
-    for setting, values in (("eps", {q.eps, k.eps}), ("offset", offsets)):
-        if len(values) > 1:
+    """qk_norm_rope's norm keywords for `module`'s q_norm and k_norm. Whose math each norm runs
+    is decided again whenever the norm module or its instance forward changes (a Liger patch
+    applied after apply_qkvfuse rebinds it); their offsets and eps are read at every forward, as
+    their own forward reads them."""
+    q, k = module.q_norm, module.k_norm
+    seen = layer.norms
+    if (seen is None or seen[0] is not q or seen[1] is not k or
+            seen[2] is not q.__dict__.get("forward") or seen[3] is not k.__dict__.get("forward")):
+        kinds = (_norm_kind(q, "q_norm", layer), _norm_kind(k, "k_norm", layer))
+        seen = layer.norms = (q, k, q.__dict__.get("forward"), k.__dict__.get("forward"), kinds)
+    (q_offset, q_eps), (k_offset, k_eps) = (_norm_settings(q, seen[4][0], layer),
+                                            _norm_settings(k, seen[4][1], layer))
+    q_weight, k_weight = q.weight, k.weight
+    # One eps and one weight_offset serve both (an offset matters only with a weight).
+    if q_weight is None:
+        q_offset = k_offset
+    elif k_weight is None:
+        k_offset = q_offset
+    for setting, q_value, k_value in (("eps", q_eps, k_eps), ("offset", q_offset, k_offset)):
+        if q_value != k_value:
             raise UnsupportedModelError(
-                f"{layer.where}: q_norm and k_norm differ in {setting} ({q._asdict()[setting]} "
-                f"and {k._asdict()[setting]}): qkvfuse applies one {setting} to both")
-    return dict(q_weight=q.weight, k_weight=k.weight, weight_offset=offsets.pop() if offsets
-                else 0.0, eps=q.eps)
+                f"{layer.where}: q_norm and k_norm differ in {setting} ({q_value} and "
+                f"{k_value}): qkvfuse applies one {setting} to both")
+    return dict(q_weight=q_weight, k_weight=k_weight, weight_offset=q_offset, eps=q_eps)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
