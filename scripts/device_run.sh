@@ -69,6 +69,13 @@ if has python; then
   # The op library of the build stage, loaded from the build tree (no second build by pip).
   export QKVFUSE_TORCH_LIBRARY=$PWD/$build/bindings/torch/libqkvfuse_torch.so
   export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
+  # test_transformers_compose.py's GPU tests run Liger-Kernel's kernels: its carried wheel
+  # (scripts/device_prepare.sh) is installed when the machine has no Liger (they skip without).
+  if ! python3 -c 'import liger_kernel' 2>/dev/null && ls .whl/liger_kernel-*.whl >/dev/null 2>&1
+  then
+    python3 -m pip install -q --no-deps .whl/liger_kernel-*.whl >"$LOG/pip_liger.log" 2>&1
+    note "Liger-Kernel for the composition tests: pip rc=$?"
+  fi
   # One pytest process per file: a crash in one file is reported and the others still run.
   for file in ${QKVFUSE_PYTEST_FILES:-tests/python/test_*.py}; do
     name=$(basename "$file" .py)
