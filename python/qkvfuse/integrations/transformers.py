@@ -134,14 +134,13 @@ import inspect
 import sys
 import types
 import weakref
-from typing import List, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import qkvfuse
-from qkvfuse._layout import DEFAULT_EPS
 
 try:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -212,8 +211,7 @@ def _looks_like_attention(module: nn.Module) -> bool:
 class _ModelState:
     """Shared by the patched layers of one model."""
 
-    def __init__(self, modules: List[nn.Module], fp8: bool):
-        self.modules = modules
+    def __init__(self, fp8: bool):
         self.fp8 = fp8
         self._rope = {}   # (id(cos), id(sin), B, S) -> (weakref cos, weakref sin, cos_sin, pos)
         self._ones = {}   # device -> float32 1.0 (packed_fp8_qkv's qkv_scale)
@@ -545,7 +543,7 @@ def apply_qkvfuse(model: nn.Module, fp8: bool = False) -> nn.Module:
         raise UnsupportedModelError(
             f"qkvfuse.apply_qkvfuse: {model_name} is not supported: {what}. Supported attention "
             f"classes: {', '.join(SUPPORTED)}")
-    state = _ModelState([module for _, module, _ in found], fp8)
+    state = _ModelState(fp8)
     layers = []
     for name, module, family in found:
         layer = _Layer(module, family, state, fp8,
