@@ -153,10 +153,9 @@ struct Options {
   std::string csv;
   int64_t tokens = 49152;
   int iters = 100;
-  std::string kernel;  ///< --kernel NAME: only that kernel's rows (qkvfuse_bench_kernels), that
-                       ///< variant's (qkvfuse_bench_fused_qkv_gemm)
-  int64_t head_dim = 0;  ///< --head-dim D: only shapes of that width (qkvfuse_bench_kernels,
-                         ///< qkvfuse_bench_fused_qkv_gemm)
+  std::string kernel;    ///< --kernel NAME: only that kernel's rows (qkvfuse_bench_kernels;
+                         ///< gemm or quantize in qkvfuse_bench_fp8)
+  int64_t head_dim = 0;  ///< --head-dim D: only shapes of that width (qkvfuse_bench_kernels)
   std::string model;     ///< --model NAME: only that model shape's rows, no speedrun shapes
                          ///< (qkvfuse_bench_kernels; e.g. for Nsight Compute at one shape)
 };

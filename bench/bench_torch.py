@@ -23,7 +23,6 @@ device, date and commit; a short table is printed last.
       [--sections norm,backward,packed,gemm,general] [--liger-path .whl]
 """
 import argparse
-import functools
 import time
 import csv
 import datetime
@@ -388,23 +387,9 @@ def bench_backward_fp8(shape, args, seed, copy_gbs, l2_bytes):
     return memory_rows("fused fp8 backward", shape, impls, min_bytes, copy_gbs)
 
 
-def packed_ops(problem):
-    """qkvfuse's packed op, and the same op with the fused QKV GEMM forward where this build and
-    shape run it (forward_gemm="fused"; a build without CUTLASS refuses it, said on stdout)."""
-    ops = {"qkvfuse": qkvfuse.packed_fp8_qkv}
-    fused = functools.partial(qkvfuse.packed_fp8_qkv, forward_gemm="fused")
-    try:
-        with torch.no_grad():
-            fused(*problem.arguments())
-        ops["qkvfuse fused forward"] = fused
-    except RuntimeError as error:
-        print(f"packed op, forward_gemm='fused': not run: {str(error).splitlines()[0]}")
-    return ops
-
-
 def bench_packed(shape, args, seed):
     problem = PackedProblem(shape, args.tokens, args.channels, "cuda")
-    ops = packed_ops(problem)
+    ops = {"qkvfuse": qkvfuse.packed_fp8_qkv}
     if seed is not None:
         ops["reference"] = seed.PackedFP8QKV
     rows = []

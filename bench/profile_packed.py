@@ -1,7 +1,6 @@
 """Timeline of one packed-op step (forward + backward through torch.autograd.grad) replayed as a
 CUDA graph: each GPU activity's duration and the idle gap before it, from torch.profiler's trace,
-for qkvfuse (with its fused QKV GEMM forward too, where the build has it) and, with --reference,
-the reference implementation. Shows where the step's time goes
+for qkvfuse and, with --reference, the reference implementation. Shows where the step's time goes
 without the timing overhead of a per-kernel benchmark; run it on an idle GPU (a long run at full
 power lowers the SM clock: see docs/perf_notes.md).
 
@@ -51,7 +50,7 @@ def main():
     args = parser.parse_args()
     shape = bt.Shape(args.heads, args.head_dim, mode=args.mode)
     problem = bt.PackedProblem(shape, args.tokens, args.channels, "cuda")
-    ops = bt.packed_ops(problem)
+    ops = {"qkvfuse": qkvfuse.packed_fp8_qkv}
     if args.reference:
         ops["reference"] = bt.load_reference(args.reference).PackedFP8QKV
     for name, op in ops.items():

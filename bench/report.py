@@ -12,6 +12,8 @@
              against the eager Hugging Face chain, torch.compile of it and Liger-Kernel
 Any of the three may be left out (its tables then say so). Every number in the report comes from
 the CSVs; only the method text is fixed here. The chart needs matplotlib (imported only for it).
+The whole-training-step sections that bench/bench_hf_step.py --markdown wrote into the file (between
+its markers) are kept, after the tables: they come from another benchmark's run.
 """
 import argparse
 import csv
@@ -255,7 +257,7 @@ PACKED_STEPS = [  # (row label, bench_torch section suffix, C++ (name suffix, no
     ("fwd+bwd eager", "fwd+bwd eager", ("fwd+bwd", "eager")),
     ("fwd+bwd CUDA graph", "fwd+bwd CUDA graph", ("fwd+bwd", "CUDA graph replay")),
 ]
-PACKED_BASELINES = ("qkvfuse fused forward", "reference", "bf16 eager chain", "bf16 compiled chain")
+PACKED_BASELINES = ("reference", "bf16 eager chain", "bf16 compiled chain")
 
 
 def packed_section(run):
@@ -293,8 +295,7 @@ def packed_section(run):
         "Forward (quantized x given, as in training where layers share it) and forward + backward "
         "(gradients of x, both weights and qkv_scale), eager and as one replayed CUDA graph. "
         "qkvfuse (`qkvfuse.packed_fp8_qkv` through autograd) and the baselines are timed side by "
-        "side in the PyTorch benchmark, each baseline as ms (its time over qkvfuse's); "
-        "\"qkvfuse fused forward\" is the same op with `forward_gemm=\"fused\"`; the bf16 "
+        "side in the PyTorch benchmark, each baseline as ms (its time over qkvfuse's); the bf16 "
         "chains are the unfused bf16 projection + norm + rotary that the op replaces. C++ API: "
         "`packed_qkv_forward` / `_backward` in `qkvfuse_bench_fp8`, without autograd."), "",
            table(["shape", "mode", "step", "qkvfuse ms", "C++ API ms"] +
@@ -302,7 +303,7 @@ def packed_section(run):
 
     overhead = []
     for heads, dim, mode in shapes:
-        for impl in ("qkvfuse", "qkvfuse fused forward", "reference"):
+        for impl in ("qkvfuse", "reference"):
             values = []
             for what in ("eager wall/step", "eager host/step", "graph wall/step"):
                 found = [number(r["ms"]) for r in run.torch_rows(f"packed op fwd+bwd {what}", impl)
@@ -432,7 +433,18 @@ def header(run, md_path, png_path):
     return lines + [""]
 
 
+# bench/bench_hf_step.py's sections: from its begin marker to the matching end marker.
+KEPT_SECTION = re.compile(r"<!-- bench_hf_step (\S+): begin.*?<!-- bench_hf_step \1: end -->",
+                          re.S)
+
+
+def kept_sections(text):
+    """The sections of `text` that another benchmark owns (KEPT_SECTION), in their order."""
+    return [match.group(0) for match in KEPT_SECTION.finditer(text)]
+
+
 def write_markdown(run, md_path, png_path):
+    kept = kept_sections(Path(md_path).read_text()) if Path(md_path).exists() else []
     lines = header(run, md_path, png_path)
     lines += memory_bound_section(run) + gemm_section(run) + packed_section(run)
     lines += general_section(run)
@@ -440,6 +452,8 @@ def write_markdown(run, md_path, png_path):
     failures = run.failures()
     if failures:
         lines += ["## Failed cases", ""] + [f"- {f}" for f in failures] + [""]
+    for section in kept:
+        lines += [section, ""]
     Path(md_path).parent.mkdir(parents=True, exist_ok=True)
     Path(md_path).write_text("\n".join(lines).rstrip() + "\n")
 

@@ -9,9 +9,19 @@ are refreshed in one call after each optimizer step (PackedWeightCache).
 
     python examples/train_gpt.py --steps 2000 --out runs/gpt            # one GPU, both variants
     torchrun --nproc-per-node 2 examples/train_gpt.py --steps 2000 ...   # DDP over NCCL
+    torchrun --nproc-per-node 2 examples/train_gpt.py --parallel fsdp ... # FSDP2 over NCCL
     python examples/train_gpt.py --device cpu --steps 3 --tiny           # smoke test on the CPU
+    torchrun --nproc-per-node 2 examples/train_gpt.py --device cpu --tiny --steps 3  # gloo
 
-Writes OUT/loss.csv (step, variant, train and validation loss, ms/step) and OUT/loss.png.
+Several processes (torchrun) train one model data-parallel: DDP, or FSDP2 (--parallel fsdp:
+fully_shard on every block, then on the whole model). Every rank draws the same global batch of
+batch x ranks x accum sequences per step and trains on its own slices, so a run on N ranks with
+--batch B sees the sequences of a one-process run with --batch B --accum N, micro-batch for
+micro-batch, and computes the same per-call FP8 scales (tests/python/test_train_distributed.py
+checks the losses and parameters against that run).
+
+Writes OUT/loss.csv (step, variant, train and validation loss, ms/step) and OUT/loss.png; the
+train loss is the mean over every rank's and micro-batch's loss of the step.
 """
 import argparse
 import csv
@@ -20,6 +30,7 @@ import os
 import sys
 import sysconfig
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,18 +72,89 @@ def stdlib_bytes(limit: int) -> torch.Tensor:
 
 
 class Batches:
-    """Random windows of `seq_len + 1` bytes; each rank draws its own stream."""
+    """Random windows of `seq_len + 1` bytes, `batch` per micro-batch. Every rank draws the same
+    windows from one seeded stream: a step's batch x ranks x accum windows, of which micro-batch
+    m of rank r is slice m * ranks + r. One process with accum = N therefore sees, micro-batch
+    for micro-batch, what N ranks see (the losses of the two runs can be compared exactly)."""
 
-    def __init__(self, data: torch.Tensor, batch: int, seq_len: int, seed: int, device):
+    def __init__(self, data: torch.Tensor, batch: int, seq_len: int, seed: int, device,
+                 rank: int = 0, world: int = 1):
         self.data, self.batch, self.seq_len, self.device = data, batch, seq_len, device
+        self.rank, self.world = rank, world
         self.generator = torch.Generator().manual_seed(seed)
 
+    def next_step(self, accum: int = 1):
+        """This rank's `accum` micro-batches of the next step: [(inputs, targets)] [B, S]."""
+        starts = torch.randint(0, len(self.data) - self.seq_len - 1,
+                               (accum * self.world * self.batch,), generator=self.generator)
+        out = []
+        for m in range(accum):
+            first = (m * self.world + self.rank) * self.batch
+            windows = torch.stack([self.data[s:s + self.seq_len + 1]
+                                   for s in starts[first:first + self.batch]]).long()
+            windows = windows.to(self.device, non_blocking=True)
+            out.append((windows[:, :-1], windows[:, 1:]))
+        return out
+
     def next(self):
-        starts = torch.randint(0, len(self.data) - self.seq_len - 1, (self.batch,),
-                               generator=self.generator)
-        windows = torch.stack([self.data[s:s + self.seq_len + 1] for s in starts]).long()
-        windows = windows.to(self.device, non_blocking=True)
-        return windows[:, :-1], windows[:, 1:]
+        return self.next_step(1)[0]
+
+
+# ---- data parallel: DDP or FSDP2 under torchrun (shared with train_hf.py) ---------------------
+
+def init_distributed(device_arg: str):
+    """(rank, world, device) from torchrun's environment: NCCL with one GPU per process, gloo
+    with --device cpu (the CPU check of the multi-process path); one process: --device as is."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world == 1:
+        return rank, world, torch.device(device_arg)
+    if device_arg == "cpu":
+        dist.init_process_group("gloo")
+        return rank, world, torch.device("cpu")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    return rank, world, device
+
+
+def parallelize(model: nn.Module, parallel: str, layers, device, world: int) -> nn.Module:
+    """What the training loop calls: the model itself (one process), DDP around it, or the
+    model with FSDP2's fully_shard applied to each of `layers` (its blocks), then to itself.
+    Build the optimizer afterwards: fully_shard turns the parameters into DTensor shards."""
+    if world == 1:
+        return model
+    if parallel == "ddp":
+        # The buffers are per-rank scaling state or constants: nothing to broadcast.
+        return nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None,
+            broadcast_buffers=False)
+    if parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+        for layer in layers:
+            fully_shard(layer)
+        fully_shard(model)
+        return model
+    raise ValueError(f"--parallel: expected ddp or fsdp, got {parallel!r}")
+
+
+def gradient_sync(model: nn.Module, last: bool):
+    """Around one micro-batch's backward: the ranks reduce their gradients on the last one only
+    (gradient accumulation). DDP: no_sync(); FSDP2: set_requires_gradient_sync."""
+    if hasattr(model, "no_sync"):
+        return nullcontext() if last else model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(last)
+    return nullcontext()
+
+
+def mean_over_ranks(value: torch.Tensor, world: int) -> float:
+    """The mean of a scalar over the ranks (every rank calls it at the same steps)."""
+    if world > 1:
+        value = value.detach().clone()
+        dist.all_reduce(value)
+        value /= world
+    return value.item()
 
 
 # ---- rotary tables --------------------------------------------------------------------------
@@ -140,7 +222,8 @@ class Attention(nn.Module):
         std = dim ** -0.5
         self.qk_weight = nn.Parameter(torch.randn(2 * heads * spec.qk_dim, dim) * std)
         self.v_weight = nn.Parameter(torch.randn(heads * v_dim, dim) * std)
-        self.qkv_scale = nn.Parameter(torch.tensor(1.0))
+        # [1], not a scalar: FSDP2 shards parameters along dim 0 (the op reads it as [] below).
+        self.qkv_scale = nn.Parameter(torch.ones(1))
         self.proj = nn.Linear(heads * v_dim, dim, bias=False)
         nn.init.zeros_(self.proj.weight)
         self.cache = None  # PackedWeight, set by the model's weight cache
@@ -164,11 +247,14 @@ class Attention(nn.Module):
         heads, spec = self.heads, self.spec
         factor1, factor2 = factors
         if self.fp8:
-            w = self.cache
+            # Under FSDP the model keeps no cache (GPT.per_call_weights): the block's forward
+            # holds the full, freshly gathered weights, quantized here for this call.
+            w = self.cache if self.cache is not None else qkvfuse.PackedWeightCache(
+                [(self.qk_weight, self.v_weight)])[0]
             q, k, v = qkvfuse.packed_fp8_qkv(
                 x, self.qk_weight.to(BF16), self.v_weight.to(BF16), w.weight_f8, w.weight_f8_t,
-                w.weight_scale, self.qkv_scale, self.x_scale, self.grad_scale, factor1, factor2, heads,
-                spec.paired, spec.key_offset, spec.rotary_dim, *x_q)
+                w.weight_scale, self.qkv_scale.reshape(()), self.x_scale, self.grad_scale,
+                factor1, factor2, heads, spec.paired, spec.key_offset, spec.rotary_dim, *x_q)
             if q.requires_grad:
                 self.grad_amax.zero_()
                 for output in (q, k, v):
@@ -215,10 +301,13 @@ class GPT(nn.Module):
         self.head = nn.Linear(dim, 256, bias=False)
         self.fp8 = fp8
         self.weight_cache = None
+        # FSDP: between steps the weights are shards (DTensors), full only inside each block's
+        # forward: each attention then quantizes its own weights per call (Attention.forward).
+        self.per_call_weights = False
 
     def refresh_weight_cache(self):
         """After every optimizer step: re-quantize every layer's packed [Wq; Wk; Wv] in one call."""
-        if not self.fp8:
+        if not self.fp8 or self.per_call_weights:
             return
         if self.weight_cache is None:
             self.weight_cache = qkvfuse.PackedWeightCache(
@@ -250,22 +339,18 @@ def make_tables(specs, heads, batch, seq_len, device):
 
 def train(variant, args, data, device, rank, world):
     fp8 = variant == "qkvfuse-fp8"
-    torch.manual_seed(args.seed)  # the same initial weights for both variants
+    torch.manual_seed(args.seed)  # the same initial weights for both variants and every rank
     specs = args.specs
-    model = GPT(args.dim, args.heads, args.v_dim, specs, fp8).to(device)
-    ddp = world > 1
-    module = model
-    if ddp:
-        # The buffers are per-rank scaling state (x_scale constant, grad_scale set by each rank's
-        # hooks from its own gradients): nothing to broadcast.
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index],
-                                                    broadcast_buffers=False)
+    module = GPT(args.dim, args.heads, args.v_dim, specs, fp8).to(device)
+    module.per_call_weights = world > 1 and args.parallel == "fsdp"
+    model = parallelize(module, args.parallel, module.blocks, device, world)
     optimizer = torch.optim.AdamW(module.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                   weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / 100) * (0.1 + 0.9 * (1 - s / args.steps)))
     split = int(0.9 * len(data))
-    train_batches = Batches(data[:split], args.batch, args.seq_len, args.seed + 1 + rank, device)
+    train_batches = Batches(data[:split], args.batch, args.seq_len, args.seed + 1, device,
+                            rank, world)
     val_batches = Batches(data[split:], args.batch, args.seq_len, args.seed + 10_000, device)
     tables = make_tables(specs, args.heads, args.batch, args.seq_len, device)
     module.refresh_weight_cache()
@@ -279,17 +364,23 @@ def train(variant, args, data, device, rank, world):
         pass  # the plain progress line below stands in for the bar
     timer = time.perf_counter()
     for step in progress:
-        idx, targets = train_batches.next()
-        with torch.autocast(device.type, dtype=BF16):
-            loss = model(idx, targets, tables)
-        loss.backward()
+        micro = train_batches.next_step(args.accum)
+        loss = 0.0
+        for m, (idx, targets) in enumerate(micro):
+            with gradient_sync(model, m == len(micro) - 1):
+                with torch.autocast(device.type, dtype=BF16):
+                    micro_loss = model(idx, targets, tables)
+                (micro_loss / len(micro)).backward()
+            loss = loss + micro_loss.detach()
+        loss = loss / len(micro)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         module.refresh_weight_cache()
-        if ddp and step == 0:
+        if step == 0:
             report_checksums(f"{variant}: after step 1", module, rank, world)
         if step % args.log_every == 0 or step == args.steps - 1:
+            loss = mean_over_ranks(loss, world)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             now = time.perf_counter()
@@ -299,29 +390,47 @@ def train(variant, args, data, device, rank, world):
                 step_ms.append(ms)
             if step % args.val_every == 0 or step == args.steps - 1:
                 last_val = evaluate(model, val_batches, tables, args, device)
-            tokens_s = args.batch * args.seq_len * world / (ms / 1e3)
-            rows.append((step, variant, loss.item(), last_val, ms))
+            tokens_s = args.batch * args.seq_len * args.accum * world / (ms / 1e3)
+            rows.append((step, variant, loss, last_val, ms))
             if hasattr(progress, "set_postfix"):
-                progress.set_postfix(loss=f"{loss.item():.3f}", val=f"{last_val:.3f}",
+                progress.set_postfix(loss=f"{loss:.3f}", val=f"{last_val:.3f}",
                                      tok_s=f"{tokens_s:,.0f}")
             elif rank == 0 and step % (4 * args.log_every) == 0:
-                print(f"{variant}: step {step}/{args.steps} loss {loss.item():.3f} "
+                print(f"{variant}: step {step}/{args.steps} loss {loss:.3f} "
                       f"val {last_val:.3f} {tokens_s:,.0f} tok/s", flush=True)
-    if ddp:
-        report_checksums(f"{variant}: after step {args.steps}", module, rank, world)
-    return rows, (sorted(step_ms)[len(step_ms) // 2] if step_ms else float("nan"))
+    report_checksums(f"{variant}: after step {args.steps}", module, rank, world)
+    median = sorted(step_ms)[len(step_ms) // 2] if step_ms else float("nan")
+    report_step_times(variant, median, rank, world)
+    return rows, median
 
 
 def report_checksums(when, module, rank, world):
-    """DDP check: every rank must hold bit-identical parameters (float64 sum of every tensor's
-    float64 sum, compared exactly across ranks)."""
-    checksum = sum(p.detach().double().sum().item() for p in module.parameters())
-    sums = [None] * world
-    dist.all_gather_object(sums, checksum)
+    """Every rank must hold bit-identical parameters: the float64 sum of every tensor's float64
+    sum, compared exactly across ranks (one process prints its own, for comparisons between
+    runs). Under FSDP each parameter is first gathered whole (full_tensor: every rank calls)."""
+    def whole(p):
+        return p.full_tensor() if hasattr(p, "full_tensor") else p
+    checksum = sum(whole(p.detach()).double().sum().item() for p in module.parameters())
+    sums = [checksum]
+    if world > 1:
+        sums = [None] * world
+        dist.all_gather_object(sums, checksum)
     if rank == 0:
         same = all(s == sums[0] for s in sums)
         print(f"{when}: parameter checksums per rank {sums}: "
               f"{'identical' if same else 'DIFFERENT'}", flush=True)
+
+
+def report_step_times(variant, median_ms, rank, world):
+    """Under several ranks: each rank's median step time (its own clock; the gradient reduction
+    makes them wait for each other, so they differ by the ranks' own work between reductions)."""
+    if world == 1:
+        return
+    times = [None] * world
+    dist.all_gather_object(times, median_ms)
+    if rank == 0:
+        print(f"{variant}: median step per rank {', '.join(f'{t:.2f}' for t in times)} ms",
+              flush=True)
 
 
 @torch.no_grad()
@@ -380,15 +489,29 @@ def write_plot(path, rows, title):
 
 def plot_from(specs, out, title):
     """--plot-from CSV[=LABEL] ...: one plot of earlier runs' curves, each variant named LABEL
-    variant (e.g. the one-GPU and the two-GPU run side by side)."""
-    rows = []
+    variant (e.g. the one-GPU and the two-GPU run side by side). Prints each curve's final
+    validation loss and median logged step time, and how far the final loss is from the first
+    run's for the same variant."""
+    rows, first_label = [], None
     for spec in specs:
         path, _, label = spec.partition("=")
+        first_label = label if first_label is None else first_label
         with open(path, newline="") as f:
             for r in csv.DictReader(f):
                 name = f"{label} {r['variant']}" if label else r["variant"]
                 rows.append((int(r["step"]), name, float(r["train_loss"]), float(r["val_loss"]),
                              float(r["ms_per_step"])))
+    finals = {}
+    for name in dict.fromkeys(r[1] for r in rows):
+        mine = sorted(r for r in rows if r[1] == name)
+        times = sorted(r[4] for r in mine[1:]) or [float("nan")]
+        finals[name] = mine[-1][3]
+        line = (f"{name}: final validation loss {mine[-1][3]:.4f} at step {mine[-1][0]}, "
+                f"median logged step {times[len(times) // 2]:.2f} ms")
+        base = f"{first_label} {name.split(' ', 1)[-1]}" if first_label else None
+        if base in finals and base != name:
+            line += f" ({100 * (finals[name] / finals[base] - 1):+.2f} % from {base})"
+        print(line)
     out.mkdir(parents=True, exist_ok=True)
     write_plot(out / "loss.png", rows, title)
 
@@ -396,7 +519,12 @@ def plot_from(specs, out, title):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--batch", type=int, default=16, help="sequences per step per rank")
+    parser.add_argument("--batch", type=int, default=16,
+                        help="sequences per micro-batch per rank")
+    parser.add_argument("--accum", type=int, default=1,
+                        help="micro-batches per step (gradient accumulation)")
+    parser.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
+                        help="under torchrun: DDP, or FSDP2 (fully_shard per block, then root)")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--dim", type=int, default=384)
     parser.add_argument("--heads", type=int, default=4)
@@ -425,18 +553,12 @@ def main():
         args.specs = [LayerSpec(32), LayerSpec(32, "paired"), LayerSpec(32, "key_offset")]
         args.log_every, args.val_every, args.val_batches = 1, 1, 1
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    if world > 1:
-        dist.init_process_group("nccl")
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device(args.device)
+    rank, world, device = init_distributed(args.device)
     data = stdlib_bytes(64 << 20)
     if rank == 0:
-        print(f"data: {len(data) / 1e6:.1f} MB of Python stdlib source; {world} rank(s); "
-              f"{args.batch * args.seq_len * world} tokens per step")
+        mode = f" ({args.parallel})" if world > 1 else ""
+        print(f"data: {len(data) / 1e6:.1f} MB of Python stdlib source; {world} rank(s){mode}; "
+              f"{args.batch * args.seq_len * args.accum * world} tokens per step")
     rows, summaries = [], []
     for variant in args.variants.split(","):
         variant_rows, median_ms = train(variant, args, data, device, rank, world)

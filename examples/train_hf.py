@@ -26,21 +26,27 @@ or one variant per command (same weights and batches: the seeds decide), then on
     python3 examples/train_hf.py --plot-from runs/hf_unpatched runs/hf_bf16 runs/hf_fp8 \\
         --out runs/hf_1gpu --title "Qwen3 95M, H200"
 
-DDP on two GPUs (NCCL), the FP8 variant at the same global batch (8 sequences per rank):
+DDP or FSDP2 (--parallel fsdp: fully_shard on every decoder layer, then on the whole model) on
+two GPUs (NCCL), the FP8 variant at the same global batch (8 sequences per rank). Every rank
+draws the same global batch and trains on its slice (examples/train_gpt.py's Batches): the
+sequences of a one-GPU run with --batch 16, or exactly those of --batch 8 --accum 2.
 
     torchrun --standalone --nproc-per-node 2 examples/train_hf.py --steps 2000 --batch 8 \\
-        --variants qkvfuse-fp8 --out runs/hf_ddp2
-    python3 examples/train_hf.py --plot-from runs/hf_1gpu=1gpu runs/hf_ddp2=ddp2 \\
-        --out runs/hf_1gpu_vs_ddp2 --title "Qwen3 95M: one GPU and DDP on two"
+        --variants qkvfuse-fp8 --parallel fsdp --out runs/hf_fsdp2
+    python3 examples/train_hf.py --plot-from runs/hf_1gpu=1gpu runs/hf_fsdp2=fsdp2 \\
+        --out runs/hf_1gpu_vs_fsdp2 --title "Qwen3 95M: one GPU and FSDP2 on two"
 
 Duration on an H200 (measured 2026-12-03): 64-92 ms per step depending on the variant, 561 s for
 the first command (all three variants and their profiles); the DDP run (not yet measured) should
 take about as long as one variant.
 
-CPU smoke tests (a tiny config, a few seconds per variant; the second runs DDP over gloo):
+CPU smoke tests (a tiny config, a few seconds per variant; the others run DDP and FSDP2 over
+gloo; tests/python/test_train_distributed.py compares them with one process, --accum 2):
 
     python3 examples/train_hf.py --device cpu --tiny --steps 5 --profile
     torchrun --standalone --nproc-per-node 2 examples/train_hf.py --device cpu --tiny --steps 5
+    torchrun --standalone --nproc-per-node 2 examples/train_hf.py --device cpu --tiny --steps 5 \\
+        --parallel fsdp
 
 Writes OUT/loss.csv (step, variant, train and validation loss, ms/step; the format of
 train_gpt.py, so its plots combine), OUT/loss.png and OUT/summary.txt (final losses, median step
@@ -49,18 +55,18 @@ OUT/profile_<variant>.txt, the profiler's table of a few whole steps).
 """
 import argparse
 import csv
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_gpt import Batches, plot_from, report_checksums, stdlib_bytes, write_plot  # noqa: E402
+from train_gpt import (  # noqa: E402
+    Batches, gradient_sync, init_distributed, mean_over_ranks, parallelize, plot_from,
+    report_checksums, report_step_times, stdlib_bytes, write_plot)
 
 import transformers  # noqa: E402
 
@@ -103,31 +109,34 @@ def loss_of(model, idx, targets, device):
 
 def train(variant, config, initial_state, args, data, device, rank, world):
     module = build_model(variant, config, initial_state, args, device)
-    ddp = world > 1
-    model = module
-    if ddp:
-        # The only buffers are the rotary frequencies, equal on every rank; the FP8 scaling
-        # state is not a buffer (per call, outside the module).
-        model = nn.parallel.DistributedDataParallel(
-            module, device_ids=[device.index] if device.type == "cuda" else None,
-            broadcast_buffers=False)
+    # DDP: the only buffers are the rotary frequencies, equal on every rank; the FP8 scaling
+    # state is not a buffer (per call, outside the module). FSDP2: fully_shard on each decoder
+    # layer, then the whole model (apply_qkvfuse's FP8 layers then quantize their gathered
+    # weights in each call).
+    model = parallelize(module, args.parallel, module.model.layers, device, world)
     optimizer = torch.optim.AdamW(module.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                   weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / 100) * (0.1 + 0.9 * (1 - s / args.steps)))
     split = int(0.9 * len(data))
-    train_batches = Batches(data[:split], args.batch, args.seq_len, args.seed + 1 + rank, device)
+    train_batches = Batches(data[:split], args.batch, args.seq_len, args.seed + 1, device,
+                            rank, world)
     val_batches = Batches(data[split:], args.batch, args.seq_len, args.seed + 10_000, device)
 
     def step():
-        idx, targets = train_batches.next()
-        loss = loss_of(model, idx, targets, device)
-        loss.backward()
+        """One optimizer step over args.accum micro-batches; returns this rank's mean loss."""
+        micro = train_batches.next_step(args.accum)
+        loss = 0.0
+        for m, (idx, targets) in enumerate(micro):
+            with gradient_sync(model, m == len(micro) - 1):
+                micro_loss = loss_of(model, idx, targets, device)
+                (micro_loss / len(micro)).backward()
+            loss = loss + micro_loss.detach()
         torch.nn.utils.clip_grad_norm_(module.parameters(), args.clip)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        return loss
+        return loss / len(micro)
 
     rows, step_ms, last_val = [], [], float("nan")
     progress = range(args.steps)
@@ -140,9 +149,10 @@ def train(variant, config, initial_state, args, data, device, rank, world):
     timer, logged = time.perf_counter(), -1
     for i in progress:
         loss = step()
-        if ddp and i == 0:
+        if i == 0:
             report_checksums(f"{variant}: after step 1", module, rank, world)
         if i % args.log_every == 0 or i == args.steps - 1:
+            loss = mean_over_ranks(loss, world)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             now = time.perf_counter()
@@ -152,21 +162,21 @@ def train(variant, config, initial_state, args, data, device, rank, world):
                 step_ms.append(ms)
             if i % args.val_every == 0 or i == args.steps - 1:
                 last_val = evaluate(model, val_batches, args, device)
-            rows.append((i, variant, loss.item(), last_val, ms))
-            tokens_s = args.batch * args.seq_len * world / (ms / 1e3)
+            rows.append((i, variant, loss, last_val, ms))
+            tokens_s = args.batch * args.seq_len * args.accum * world / (ms / 1e3)
             if hasattr(progress, "set_postfix"):
-                progress.set_postfix(loss=f"{loss.item():.3f}", val=f"{last_val:.3f}",
+                progress.set_postfix(loss=f"{loss:.3f}", val=f"{last_val:.3f}",
                                      tok_s=f"{tokens_s:,.0f}")
             elif rank == 0 and i % (4 * args.log_every) == 0:
-                print(f"{variant}: step {i}/{args.steps} loss {loss.item():.3f} "
+                print(f"{variant}: step {i}/{args.steps} loss {loss:.3f} "
                       f"val {last_val:.3f} {tokens_s:,.0f} tok/s", flush=True)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             timer = time.perf_counter()  # the validation is not a training step's time
-    if ddp:
-        report_checksums(f"{variant}: after step {args.steps}", module, rank, world)
+    report_checksums(f"{variant}: after step {args.steps}", module, rank, world)
     notes = []
     median = sorted(step_ms)[len(step_ms) // 2] if step_ms else float("nan")
+    report_step_times(variant, median, rank, world)
     profile = None
     if args.profile and world == 1:  # under DDP every rank would have to run the steps
         profile = profile_variant(variant, module, step, args, device)
@@ -301,7 +311,8 @@ def summarize(results, args, world):
         lines.append(f"qkvfuse-fp8 / qkvfuse-bf16: step time ratio {fp8[1] / bf16[1]:.3f}"
                      + (f"; patched part ratio {fp8[3][1] / bf16[3][1]:.3f}"
                         if fp8[3] and bf16[3] else ""))
-    lines.append(f"{world} rank(s), {args.batch} x {args.seq_len} tokens per rank and step, "
+    lines.append(f"{world} rank(s){f' ({args.parallel})' if world > 1 else ''}, "
+                 f"{args.accum} x {args.batch} x {args.seq_len} tokens per rank and step, "
                  f"{args.steps} steps")
     return lines
 
@@ -309,7 +320,13 @@ def summarize(results, args, world):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--batch", type=int, default=16, help="sequences per step per rank")
+    parser.add_argument("--batch", type=int, default=16,
+                        help="sequences per micro-batch per rank")
+    parser.add_argument("--accum", type=int, default=1,
+                        help="micro-batches per step (gradient accumulation)")
+    parser.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
+                        help="under torchrun: DDP, or FSDP2 (fully_shard per decoder layer, "
+                             "then the root)")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--dim", type=int, default=768)
     parser.add_argument("--layers", type=int, default=12)
@@ -355,17 +372,7 @@ def main():
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    if world > 1 and args.device == "cpu":  # a CPU smoke test of the DDP path (gloo)
-        dist.init_process_group("gloo")
-        device = torch.device("cpu")
-    elif world > 1:
-        dist.init_process_group("nccl")
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device(args.device)
+    rank, world, device = init_distributed(args.device)
     transformers.logging.set_verbosity_error()
     data = stdlib_bytes(64 << 20)
     config = qwen3_config(args)
@@ -376,8 +383,9 @@ def main():
     del initial
     if rank == 0:
         print(f"data: {len(data) / 1e6:.1f} MB of Python stdlib source; Qwen3ForCausalLM "
-              f"{parameters / 1e6:.1f} M parameters; {world} rank(s); "
-              f"{args.batch * args.seq_len * world} tokens per step; transformers "
+              f"{parameters / 1e6:.1f} M parameters; {world} rank(s)"
+              f"{f' ({args.parallel})' if world > 1 else ''}; "
+              f"{args.batch * args.seq_len * args.accum * world} tokens per step; transformers "
               f"{transformers.__version__}, torch {torch.__version__}", flush=True)
     rows, results = [], {}
     for variant in variants:

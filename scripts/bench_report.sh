@@ -35,9 +35,7 @@ reference=${QKVFUSE_REFERENCE:-.seed/reference_triton.py}
 export QKVFUSE_COMMIT=${QKVFUSE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 
 # File names: <date>_<commit>_<device>_<benchmark>, as in bench/results/ ("NVIDIA H200" -> h200).
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
-slug=${QKVFUSE_DEVICE_SLUG:-$(echo "${gpu:-gpu}" | tr '[:upper:]' '[:lower:]' |
-  sed -E 's/^nvidia //; s/[^a-z0-9]+/-/g; s/^-+|-+$//g')}
+slug=$(device_slug)
 prefix=$(date -u +%F)_${QKVFUSE_COMMIT//[^A-Za-z0-9._-]/-}_${slug:-gpu}
 mkdir -p "$dir" bench/results docs
 status=0

@@ -5,6 +5,8 @@
 #   python_outside ARGS...     python3 ARGS run from an empty directory outside the source tree
 #   start_old_builds DIR TARGET [CMAKE_ARG...]
 #                              the A/B's old sides, built in the background (device scripts)
+#   device_slug                the GPU's name for result file names ("NVIDIA H200" -> h200;
+#                              QKVFUSE_DEVICE_SLUG overrides)
 #
 # nvcc usually lives outside PATH in a fresh shell: /usr/local/cuda/bin joins PATH when it has one.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -40,10 +42,10 @@ python_outside() {
   return $rc
 }
 
-# An A/B's old sides (device_run.sh, device_fused_gemm.sh): each .device/old-src*/ holds another
-# commit's tree (scripts/device_prepare.sh COMMIT ...). Configures each in DIR-<commit> (Release,
-# sm_90a, no tests or examples, plus CMAKE_ARGs) and builds TARGET there in the background, logging
-# to $LOG/build_old_<commit>.log. Sets old_sides (the commits), old_builders (the background
+# An A/B's old sides (device_run.sh): each .device/old-src*/ holds another commit's tree
+# (scripts/device_prepare.sh COMMIT ...). Configures each in DIR-<commit> (Release, sm_90a, no tests
+# or examples, plus CMAKE_ARGs) and builds TARGET there in the background, logging to
+# $LOG/build_old_<commit>.log. Sets old_sides (the commits), old_builders (the background
 # builds' pids) and old_bins (each side's DIR-<commit>/bench/TARGET).
 start_old_builds() {
   local dir=$1 target=$2 src name
@@ -59,4 +61,12 @@ start_old_builds() {
     old_sides+=("$name")
     old_bins+=("$dir-$name/bench/$target")
   done
+}
+
+# The device part of bench/results/ file names: <date>_<commit>_<device>_<benchmark>.
+device_slug() {
+  local gpu
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+  echo "${QKVFUSE_DEVICE_SLUG:-$(echo "${gpu:-gpu}" | tr '[:upper:]' '[:lower:]' |
+    sed -E 's/^nvidia //; s/[^a-z0-9]+/-/g; s/^-+|-+$//g')}"
 }

@@ -2,10 +2,11 @@
 # Puts next to the tree what the GPU machine (no network) needs, in git-ignored folders that a
 # device call carries, and prints that carry list:
 #   .gtest/                     GoogleTest sources (Debian's googletest package; device_run.sh build)
-#   .deps/                      the CUTLASS 4.2 wheel and headers (scripts/fetch_cutlass.sh)
 #   .seed/reference_triton.py   the reference implementation, for side-by-side runs
 #                               (QKVFUSE_SEED_DIR, default ../shared/seed: its one file)
-#   .whl/                       the Liger-Kernel wheel (bench_torch.py's side-by-side rows)
+#   .whl/                       the wheels of the Python packages the GPU machine lacks (WHEELS
+#                               below), for its Python 3.12 on x86-64 Linux; device_run.sh's
+#                               hfstep stage installs them
 #   .device/COMMIT              this tree's commit (git describe: -dirty when it has changes), the
 #                               one device_run.sh records (the device's copy of .git may be stale)
 #   .device/old-src-N/          per COMMIT argument: that commit's tree, an old side of
@@ -17,7 +18,6 @@ source "$(dirname "$0")/common.sh"
 
 need_build_tools gtest
 rm -rf .gtest && cp -r /usr/src/googletest .gtest
-scripts/fetch_cutlass.sh >/dev/null
 seed_dir=${QKVFUSE_SEED_DIR:-../shared/seed}
 seed_files=("$seed_dir"/*)
 if [ ${#seed_files[@]} -ne 1 ] || [ ! -f "${seed_files[0]}" ]; then
@@ -25,10 +25,40 @@ if [ ${#seed_files[@]} -ne 1 ] || [ ! -f "${seed_files[0]}" ]; then
   exit 1
 fi
 mkdir -p .seed && cp "${seed_files[0]}" .seed/reference_triton.py
+# "name==version sha256": pinned, downloaded with --no-deps and checked against the hash. The GPU
+# machine has their dependencies (torch 2.11, triton; transformers and peft too).
+#   liger-kernel   bench_torch.py's side-by-side rows; bench_hf_step.py's Liger rows
+#   torchao        bench_hf_step.py's float8 row; 0.17.0 is the release torchao's compatibility
+#                  table pairs with torch 2.11, the machine's
+WHEELS=(
+  "liger-kernel==0.8.5 60789cd576af073ab9b192b570d2597fd0cdad489cd62fb44fb16256d43754c9"
+  "torchao==0.17.0 87a418ce0ec064a821ceab83c921b501acef0ce9a6ccd1be358fcd16c3ae8c58"
+)
 mkdir -p .whl
-ls .whl/liger_kernel-*.whl >/dev/null 2>&1 ||
-  python3 -m pip download -q --no-deps --only-binary=:all: liger-kernel -d .whl
-carry=(.gtest .deps .seed .whl .device)
+for entry in "${WHEELS[@]}"; do
+  read -r pin sha256 <<<"$entry"
+  name=${pin%%==*} version=${pin#*==}
+  file=${name//-/_}
+  # One version of each package: pip refuses to install two at once.
+  find .whl -maxdepth 1 -name "$file-*.whl" ! -name "$file-$version-*" -delete
+  wheel=$(compgen -G ".whl/$file-$version-*.whl" | head -1 || true)
+  if [ -n "$wheel" ] && ! echo "$sha256  $wheel" | sha256sum -c --status; then
+    echo "$wheel does not match its pinned sha256: downloading it again" >&2
+    rm -f "$wheel"
+    wheel=
+  fi
+  if [ -z "$wheel" ]; then
+    requirement=$(mktemp)
+    echo "$pin --hash=sha256:$sha256" >"$requirement"
+    python3 -m pip download -q --no-deps --only-binary=:all: --require-hashes \
+      --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+      --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux2014_x86_64 -r "$requirement" -d .whl >&2
+    rm -f "$requirement"
+  fi
+done
+echo "wheels: $(du -ch .whl/*.whl | tail -1 | cut -f1) in .whl:" $(cd .whl && echo *.whl) >&2
+carry=(.gtest .seed .whl .device)
 rm -rf .device/old-src*
 mkdir -p .device
 git describe --always --dirty --abbrev=7 >.device/COMMIT
@@ -38,5 +68,5 @@ for i in $(seq 1 $#); do
   git archive "$commit" | tar -x -C ".device/old-src-$i"
   echo "$commit" >".device/old-src-$i/COMMIT"
 done
-du -sh "${carry[@]}" >&2
+du -shc "${carry[@]}" >&2
 printf '%s\n' "${carry[@]}"

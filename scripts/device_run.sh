@@ -3,12 +3,16 @@
 # sanitizers and the benchmarks, and print a short table last. Logs and result files go to $OUT.
 #
 #   scripts/device_run.sh [stage ...]     stages: build test sanitize fuzz python profile ncu train train2
-#                                         ab general bench
+#                                         train2hf train1hf ab general bench hfstep
 #                                         (default: build test python bench)
 # Needs, carried next to the tree (git-ignored): .gtest/ (GoogleTest sources; the GPU machine has
-# no network) and .seed/reference_triton.py (the reference implementation, for side-by-side runs).
+# no network), .seed/reference_triton.py (the reference implementation, for side-by-side runs) and
+# .whl/ (the wheels of the packages the machine lacks); scripts/device_prepare.sh puts them there.
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
+# NVLink multicast stays off in every process started here (NCCL, PyTorch, NVSHMEM): a program
+# that uses it can put a shared host's GPUs out of service.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/qkvfuse-out}
 # $OUT brings back at most 8 files: logs and results are written to $LOG and packed into one
 # archive at the end.
@@ -64,17 +68,24 @@ fi
 
 
 
-if has python; then
-  start=$SECONDS
-  # The op library of the build stage, loaded from the build tree (no second build by pip).
+# The op library of the build stage, loaded from the build tree (no second build by pip).
+use_build_tree_python() {
   export QKVFUSE_TORCH_LIBRARY=$PWD/$build/bindings/torch/libqkvfuse_torch.so
   export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
+  [ -f "$QKVFUSE_TORCH_LIBRARY" ] || note "no $QKVFUSE_TORCH_LIBRARY: run the build stage first"
+}
+
+if has python; then
+  start=$SECONDS
+  use_build_tree_python
   # test_transformers_compose.py's GPU tests run Liger-Kernel's kernels: its carried wheel
-  # (scripts/device_prepare.sh) is installed when the machine has no Liger (they skip without).
-  if ! python3 -c 'import liger_kernel' 2>/dev/null && ls .whl/liger_kernel-*.whl >/dev/null 2>&1
+  # (scripts/device_prepare.sh) goes into a folder of its own on PYTHONPATH (they skip without).
+  if ! python3 -c 'import liger_kernel' 2>/dev/null && compgen -G ".whl/liger_kernel-*.whl" >/dev/null
   then
-    python3 -m pip install -q --no-deps .whl/liger_kernel-*.whl >"$LOG/pip_liger.log" 2>&1
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/qkvfuse-liger \
+      .whl/liger_kernel-*.whl >"$LOG/pip_liger.log" 2>&1
     note "Liger-Kernel for the composition tests: pip rc=$?"
+    export PYTHONPATH=$PYTHONPATH:/tmp/qkvfuse-liger
   fi
   # One pytest process per file: a crash in one file is reported and the others still run.
   for file in ${QKVFUSE_PYTEST_FILES:-tests/python/test_*.py}; do
@@ -205,6 +216,48 @@ if has bench; then
   done
 fi
 
+if has hfstep; then
+  # bench/bench_hf_step.py: the whole training step of a transformers Qwen3 model, unpatched and
+  # with Liger-Kernel, torch.compile and torchao float8, each with and without qkvfuse, on the build
+  # stage's op library (this call's or an earlier call's on the same machine), with the carried
+  # wheels (.whl/: Liger-Kernel, torchao) installed into /tmp/qkvfuse-site.
+  # QKVFUSE_HFSTEP_SHAPES and QKVFUSE_HFSTEP_VARIANTS choose (default: both shapes, every variant),
+  # QKVFUSE_HFSTEP_ARGS adds arguments (--steps 15; --profile VARIANT: that variant alone,
+  # profiled, no markdown). The CSV goes to bench/results/ and $OUT, its sections to
+  # docs/benchmarks.md, which comes back in $OUT.
+  start=$SECONDS
+  library=$PWD/$build/bindings/torch/libqkvfuse_torch.so
+  site=/tmp/qkvfuse-site
+  shapes=${QKVFUSE_HFSTEP_SHAPES:-qwen3-0.6b,qwen3-8b}
+  prefix=$(date -u +%F)_${commit//[^A-Za-z0-9._-]/-}_$(device_slug)
+  csv=bench/results/${prefix}_hf_step_${shapes//,/_}.csv
+  # A profiled run's one row must not take the name of the full run's rows.
+  [[ " ${QKVFUSE_HFSTEP_ARGS:-} " == *" --profile "* ]] && csv=${csv%.csv}_profile.csv
+  if [ ! -f "$library" ]; then
+    note "hfstep: $library is missing: run the build stage first"
+  else
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target $site .whl/*.whl >"$LOG/hfstep_pip.log" 2>&1
+    note "hfstep wheels: rc=$? $(cd .whl 2>/dev/null && echo *.whl)"
+    # Variants finish one by one, minutes in all: pack every 20 s, so that the rows printed so far
+    # (and the CSV, rewritten after each variant) survive the call's time limit.
+    (while sleep 20; do cp "$csv" "$LOG"/ 2>/dev/null; pack; done) &
+    packer=$!
+    # shellcheck disable=SC2086  # QKVFUSE_HFSTEP_ARGS is a list of arguments
+    QKVFUSE_TORCH_LIBRARY=$library PYTHONPATH=$PWD/python:$site${PYTHONPATH:+:$PYTHONPATH} \
+      PYTHONUNBUFFERED=1 python3 bench/bench_hf_step.py --shapes "$shapes" \
+      ${QKVFUSE_HFSTEP_VARIANTS:+--variants "$QKVFUSE_HFSTEP_VARIANTS"} --commit "$commit" \
+      --out "$csv" --markdown docs/benchmarks.md ${QKVFUSE_HFSTEP_ARGS:-} >"$LOG/hf_step.txt" 2>&1
+    rc=$?
+    kill "$packer" 2>/dev/null
+    cp "$csv" "$LOG"/ 2>/dev/null
+    cp "$csv" docs/benchmarks.md "$OUT"/ 2>/dev/null
+    note "bench_hf_step: rc=$rc in $((SECONDS - start)) s, rows: $csv"
+    grep -E "^\[|^check|^target|^failed|^total wall|^== profile|^-- attention input|^bound" \
+      "$LOG/hf_step.txt" | tee -a "$summary"
+    pack
+  fi
+fi
 
 if has ncu; then
   # Nsight Compute on one launch of each memory-bound kernel at the model shape (H=6, D=128,
@@ -228,26 +281,94 @@ if has ncu; then
   note "ncu: $((SECONDS - start)) s"
 fi
 
-# train NAME LAUNCHER... -- ARGS...: examples/train_gpt.py under LAUNCHER (nothing for one GPU),
-# time-boxed; its loss CSV and plot come back as NAME_loss.{csv,png}.
-train() {
-  local name=$1 start=$SECONDS launcher=()
-  shift
+# run_example NAME SCRIPT TIMEOUT LAUNCHER... -- ARGS...: examples/SCRIPT under LAUNCHER (python3
+# for one GPU, torchrun for several), time-boxed; its output stays in $LOG/NAME{.log,/}.
+run_example() {
+  local name=$1 script=$2 limit=$3 start=$SECONDS launcher=()
+  shift 3
   while [ "$1" != "--" ]; do launcher+=("$1"); shift; done
   shift
   # shellcheck disable=SC2068  # the launcher and arguments are word lists
-  timeout ${QKVFUSE_TRAIN_TIMEOUT:-300} ${launcher[@]} examples/train_gpt.py \
+  timeout "${QKVFUSE_TRAIN_TIMEOUT:-$limit}" ${launcher[@]} "examples/$script" \
     --steps "${QKVFUSE_TRAIN_STEPS:-2000}" $@ --out "$LOG/$name" >"$LOG/$name.log" 2>&1
   note "$name: rc=$? in $((SECONDS - start)) s"
-  grep -E "final validation|ratio|checksum" "$LOG/$name.log" | tee -a "$summary"
+  grep -E "final validation|ratio|checksum|per rank|quantized" "$LOG/$name.log" | tee -a "$summary"
+}
+# train NAME LAUNCHER... -- ARGS...: examples/train_gpt.py; its loss CSV and plot come back as
+# NAME_loss.{csv,png}.
+train() {
+  local name=$1
+  shift
+  run_example "$name" train_gpt.py 300 "$@"
   cp "$LOG/$name/loss.csv" "$OUT/${name}_loss.csv" 2>/dev/null
   cp "$LOG/$name/loss.png" "$OUT/${name}_loss.png" 2>/dev/null
 }
+# plot NAME TITLE RUN=LABEL...: one plot of these runs' curves ($OUT/NAME.png) and each run's
+# final validation loss against the first run's (train_gpt.py --plot-from).
+plot() {
+  local name=$1 title=$2
+  shift 2
+  python3 examples/train_gpt.py --plot-from "$@" --out "$LOG/$name" --title "$title" \
+    2>&1 | tee -a "$summary"
+  cp "$LOG/$name/loss.png" "$OUT/$name.png" 2>/dev/null
+}
+# The examples load the op library of the build stage from the build tree, as the python stage.
+if has train || has train2 || has train2hf || has train1hf; then use_build_tree_python; fi
+
 # One GPU, both variants (qkvfuse FP8 and the bf16 chain), QKVFUSE_TRAIN_ARGS passed through.
 has train && train train python3 -- ${QKVFUSE_TRAIN_ARGS:-}
-# DDP over NCCL on every GPU of the machine, at the per-rank batch QKVFUSE_TRAIN2_ARGS sets.
-has train2 && train train2 torchrun --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" -- \
-  ${QKVFUSE_TRAIN2_ARGS:-}
+
+# Several GPUs (issue 34), every GPU of the machine, NCCL (NVLink multicast off: the variables
+# at the top). Two calls of about 6 minutes on two H100s: `build train2`, then `train2hf`
+# (docs/training/README.md); `train1hf` (one GPU, about 5 minutes) is the same-card baseline.
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+torchrun_all=(torchrun --standalone --nproc-per-node "$gpus")
+# The GPT of docs/training/README.md, FP8 variant, a global batch of 16 x 1024 tokens.
+gpt_args="--seq-len 1024 --dim 768 --heads 6 --v-dim 128 --variants qkvfuse-fp8"
+# The Qwen3 95M of docs/training/hf_qwen3.md, FP8 variant, a global batch of 32 x 1024 tokens:
+# the sequences of docs/training/hf_b32_loss.csv (one H200), step for step.
+hf_args="--variants qkvfuse-fp8"
+if has train2 && [ "$gpus" -lt 2 ]; then
+  note "train2: $gpus GPU(s) on this machine; the stage needs two or more"
+elif has train2; then
+  start=$SECONDS
+  # The CUDA tests that need two devices: the C++ ones (skipped on one GPU; none may skip here)
+  # and the FSDP2 composition of apply_qkvfuse over NCCL.
+  $build/tests/qkvfuse_tests --gtest_brief=0 \
+    --gtest_filter='CudaConcurrency.SecondDeviceMatchesDeviceZero:CudaConcurrency.CurrentDeviceIsRestored:CudaFp8Gemm.SecondDeviceUsesItsOwnContext' \
+    >"$LOG/two_device_gtest.log" 2>&1
+  note "two-device gtests: rc=$? $(grep -cE '^\[       OK' "$LOG/two_device_gtest.log") OK, $(grep -cE '^\[  SKIPPED' "$LOG/two_device_gtest.log") skipped, $(grep -cE '^\[  FAILED  \] [A-Z]' "$LOG/two_device_gtest.log") failed"
+  (cd tests/python && timeout 300 python3 -m pytest -q -ra test_transformers_fsdp.py -k cuda \
+    >"$LOG/pytest_fsdp_cuda.log" 2>&1)
+  note "pytest test_transformers_fsdp (two GPUs, NCCL): rc=$? $(tail -1 "$LOG/pytest_fsdp_cuda.log")"
+  # train_gpt.py, FP8: one GPU, then DDP and FSDP2 on every GPU at the same global batch.
+  run_example gpt_1gpu train_gpt.py 240 env CUDA_VISIBLE_DEVICES=0 python3 -- \
+    --batch 16 $gpt_args
+  for parallel in ddp fsdp; do
+    run_example "gpt_${parallel}$gpus" train_gpt.py 240 "${torchrun_all[@]}" -- \
+      --batch $((16 / gpus)) --parallel $parallel $gpt_args
+  done
+  plot gpt_1gpu_vs_${gpus}gpu "train_gpt.py, FP8: one GPU, DDP and FSDP2 on $gpus" \
+    "$LOG/gpt_1gpu/loss.csv=1gpu" "$LOG/gpt_ddp$gpus/loss.csv=ddp$gpus" \
+    "$LOG/gpt_fsdp$gpus/loss.csv=fsdp$gpus"
+  note "train2: $((SECONDS - start)) s"
+fi
+if has train2hf && [ "$gpus" -lt 2 ]; then
+  note "train2hf: $gpus GPU(s) on this machine; the stage needs two or more"
+elif has train2hf; then
+  # train_hf.py, FP8, DDP and FSDP2 (fully_shard per decoder layer) on every GPU; plotted with
+  # the one-GPU run of the same global batch kept in docs/training/.
+  for parallel in ddp fsdp; do
+    run_example "hf_${parallel}$gpus" train_hf.py 330 "${torchrun_all[@]}" -- \
+      --batch $((32 / gpus)) --parallel $parallel $hf_args
+  done
+  plot hf_1gpu_vs_${gpus}gpu "Qwen3 95M, FP8: one GPU (H200, f0006af), DDP and FSDP2 on $gpus" \
+    docs/training/hf_b32_loss.csv=1gpu "$LOG/hf_ddp$gpus/loss.csv=ddp$gpus" \
+    "$LOG/hf_fsdp$gpus/loss.csv=fsdp$gpus"
+fi
+# train_hf.py, FP8, one GPU at the global batch of train2hf: the baseline on this machine's card.
+has train1hf && run_example hf_1gpu train_hf.py 480 env CUDA_VISIBLE_DEVICES=0 python3 -- \
+  --batch 32 $hf_args
 
 if [ -n "$sanitize_pid" ]; then wait "$sanitize_pid"; fi
 pack

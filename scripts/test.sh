@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The project's test command: builds every target (the CUDA backend and the CUTLASS fused GEMM too,
-# when nvcc is found) and runs the whole C++ suite, then the Python suite against PyPI's PyTorch.
+# The project's test command: builds every target (the CUDA backend too, when nvcc is found) and
+# runs the whole C++ suite, then the Python suite against PyPI's PyTorch.
 # GPU tests are compiled everywhere and skip, printing why, on a machine without an NVIDIA GPU.
 #
 #   scripts/test.sh            fresh Debian machine with the CUDA toolkit: installs what it needs
@@ -15,10 +15,6 @@ tests/no_shadowing.sh
 python3 scripts/check_refs.py
 
 need_build_tools gtest
-if command -v nvcc >/dev/null; then
-  # CI compiles the CUTLASS fused QKV GEMM too (QKVFUSE_ENABLE_CUTLASS=AUTO finds these headers).
-  echo "== CUTLASS 4.2 headers at $(scripts/fetch_cutlass.sh)"
-fi
 echo "== configure + build (all targets)"
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build "$build" -j "$jobs"

@@ -19,8 +19,9 @@ void check_cublaslt_fp8(const Checker& check, const Fp8GemmParams& p) {
   const int64_t n = p.b.sizes[0];
   const int64_t k = p.a.sizes[1];
   QKVF_CHECK(m % 16 == 0 && n % 16 == 0 && k % 16 == 0 && k > 0, check.op(),
-             ": on CUDA, expected M, N and K to be multiples of 16 with K > 0 (cuBLASLt FP8), ",
-             "got M = ", m, ", N = ", n, ", K = ", k);
+             ": a, b: on CUDA, expected M (a's rows), N (b's rows) and K to be multiples of 16 "
+             "with K > 0 (cuBLASLt FP8), got M = ",
+             m, ", N = ", n, ", K = ", k);
   for (const Arg& matrix : {Arg{p.a, "a"}, Arg{p.b, "b"}, Arg{p.d, "d"}}) {
     const auto address = reinterpret_cast<uintptr_t>(matrix.view.data);
     QKVF_CHECK(matrix.view.strides[0] % 16 == 0 && address % 16 == 0, check.op(), ": ", matrix.name,

@@ -3,9 +3,7 @@
 //
 // Forward:   qkv  = fp8_gemm(x_f8, weight_f8; scale_a = x_scale, scale_b = weight_scale,
 //                            alpha = qkv_scale, fast accumulation)  -> qk [T, 2HD], v [T, HDv]
-//            q, k = qk_norm_rope(qk)
-//            or, with forward_gemm = kFused (or kAuto choosing it), one fused_qkv_gemm writing q, k,
-//            v and qk (the backward's saved input either way; src/cuda/fused_qkv_gemm.hpp)
+//            q, k = qk_norm_rope(qk)       (qk is also the backward's saved input)
 // Backward:  grad_row, grad_t = qkv_backward_fp8(grad_q, grad_k, grad_v)
 //            grad_weight      = fp8_gemm(grad_t, x_f8_t; grad_scale, x_scale)      (unscaled)
 //            grad_x           = fp8_gemm(grad_row, weight_f8_t; grad_scale, weight_scale,
@@ -27,7 +25,6 @@
 #include <vector>
 
 #include "backend.hpp"
-#include "cuda/fused_qkv_gemm.hpp"
 #include "qkvfuse/error.hpp"
 #include "qkvfuse/fp8_gemm.hpp"
 #include "qkvfuse/qkv_backward_fp8.hpp"
@@ -183,34 +180,9 @@ PackedDims check_forward_args(const Checker& check, const PackedQkvForwardParams
   return dims;
 }
 
-/// Whether the forward runs the fused QKV GEMM: ForwardGemm's rule, decided here only. The
-/// layout and the sizes are fused_qkv_unsupported's to judge, the same answer fused_qkv_gemm's
-/// validation gives; kFused refuses with its reason (or the device's, or the build's).
-bool use_fused_gemm(const Checker& check, const PackedQkvForwardParams& p, const PackedDims& dims,
-                    Device device) {
-  const ForwardGemm choice = p.forward_gemm;
-  QKVF_CHECK(choice == ForwardGemm::kCublasLt || choice == ForwardGemm::kFused ||
-                 choice == ForwardGemm::kAuto,
-             check.op(), ": forward_gemm: expected kCublasLt, kFused or kAuto, got ", int(choice));
-  if (choice == ForwardGemm::kCublasLt) return false;
-  // The layout first: its reason holds on every device and in every build.
-  std::string why = cuda::fused_qkv_unsupported(p.layout, {dims.tokens, dims.head_dim, dims.v_dim});
-  if (why.empty() && device.type != DeviceType::kCUDA) {
-    why = "the fused QKV GEMM runs on CUDA tensors only, got " + device_name(device);
-  } else if (why.empty() && !cuda::cutlass_gemms_available()) {
-    why = "qkvfuse was built without CUTLASS 4.2, which the fused QKV GEMM needs (run "
-          "scripts/fetch_cutlass.sh before configuring; see cmake/cutlass.cmake)";
-  }
-  QKVF_CHECK(why.empty() || choice == ForwardGemm::kAuto, check.op(), ": forward_gemm = kFused: ",
-             why, " (kCublasLt runs every layout; kAuto picks the fused GEMM where it runs)");
-  return why.empty();
-}
-
 struct ForwardPlan {
   std::vector<Fp8GemmParams> gemms;
   QkNormRopeParams rope;
-  bool fused = false;
-  cuda::FusedQkvKernelArgs fused_args;  ///< when fused: replaces gemms and rope
 };
 
 ForwardPlan plan_forward(const PackedQkvForwardParams& p) {
@@ -247,12 +219,6 @@ ForwardPlan plan_forward(const PackedQkvForwardParams& p) {
   }
   plan.rope = {.qk = p.qk, .q = p.q, .k = p.k, .layout = p.layout, .stream = p.stream};
   validate::validate_qk_norm_rope(plan.rope, check.op() + ": qk_norm_rope");
-  // The unfused steps are validated either way: the op takes the same arguments on both paths.
-  plan.fused = use_fused_gemm(check, p, dims, device);
-  if (plan.fused) {
-    plan.fused_args =
-        cuda::fused_qkv_kernel_args(cuda::fused_qkv_params(p), check.op() + ": fused QKV GEMM");
-  }
   return plan;
 }
 
@@ -422,9 +388,7 @@ void packed_qkv_forward(const PackedQkvForwardParams& params) {
   const ForwardPlan plan = plan_forward(params);
   if (params.x_f8.sizes[0] == 0) return;  // T = 0: nothing to compute
   validate::check_positions_if_asked(params.layout, params.stream);
-  if (plan.fused) {
-    cuda::run_fused_qkv_gemm(plan.fused_args, params.stream);
-  } else if (params.x_f8.device.type == DeviceType::kCUDA) {
+  if (params.x_f8.device.type == DeviceType::kCUDA) {
     for (const Fp8GemmParams& gemm : plan.gemms) cuda::fp8_gemm(gemm);
     cuda::qk_norm_rope(plan.rope);
   } else {

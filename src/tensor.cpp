@@ -14,6 +14,8 @@ const char* dtype_name(DType dtype) {
     case DType::kFloat8E4M3: return "float8_e4m3fn";
     case DType::kInt32: return "int32";
     case DType::kInt64: return "int64";
+    case DType::kFloat16: return "float16";
+    case DType::kFloat8E5M2: return "float8_e5m2";
   }
   QKVF_FAIL("unknown dtype tag ", int(dtype));
 }
@@ -26,6 +28,8 @@ std::size_t dtype_size(DType dtype) {
     case DType::kFloat8E4M3: return 1;
     case DType::kInt32: return 4;
     case DType::kInt64: return 8;
+    case DType::kFloat16: return 2;
+    case DType::kFloat8E5M2: return 1;
   }
   QKVF_FAIL("unknown dtype tag ", int(dtype));
 }

@@ -195,31 +195,39 @@ void Checker::rope_options(const RopeLayout& layout, int64_t head_dim) const {
   const int64_t kv = kv_heads(layout);
   QKVF_CHECK(q_heads >= 1, op_, ": layout.num_heads: expected >= 1, got ", q_heads);
   QKVF_CHECK(layout.num_kv_heads >= 0 && q_heads % kv == 0, op_,
-             ": layout.num_kv_heads: expected a divisor of num_heads = ", q_heads,
-             " (0 for num_heads), got ", layout.num_kv_heads);
+             ": layout.num_kv_heads: expected a divisor of layout.num_heads = ", q_heads, ", got ",
+             layout.num_kv_heads);
   // Rotary pairs need an even D; 256 bounds the kernels' registers per row.
   QKVF_CHECK(head_dim % 2 == 0 && head_dim >= 2 && head_dim <= 256, op_, ": qk: head width D = ",
              head_dim, " is not supported: expected an even D in [2, 256]");
   QKVF_CHECK(layout.rotary_style == RotaryStyle::kInterleaved ||
                  layout.rotary_style == RotaryStyle::kNeox,
-             op_, ": layout.rotary_style: expected kInterleaved or kNeox, got ",
+             op_,
+             ": layout.rotary_style: expected RotaryStyle::kInterleaved or RotaryStyle::kNeox, "
+             "got ",
              int(layout.rotary_style));
 
   const bool tables = !is_absent(layout.factor1) || !is_absent(layout.factor2);
   const bool cache = !is_absent(layout.cos_sin) || !is_absent(layout.positions);
   QKVF_CHECK(tables != cache, op_,
-             tables ? ": layout: expected one angle source, got both the factor tables "
-                      "(factor1, factor2) and a cos/sin cache (cos_sin, positions)"
-                    : ": layout: expected an angle source: factor1 and factor2, or cos_sin and "
-                      "positions");
+             tables ? ": layout.factor1, layout.cos_sin: expected one angle source, got both the "
+                      "factor tables (layout.factor1, layout.factor2) and a cos/sin cache "
+                      "(layout.cos_sin, layout.positions)"
+                    : ": layout.factor1, layout.cos_sin: expected an angle source, got none: the "
+                      "factor tables (layout.factor1 and layout.factor2) or a cos/sin cache "
+                      "(layout.cos_sin and layout.positions)");
   if (tables) {
-    QKVF_CHECK(!is_absent(layout.factor1) && !is_absent(layout.factor2), op_,
-               ": layout: factor1 and factor2 go together, got only ",
-               is_absent(layout.factor1) ? "factor2" : "factor1");
+    const bool first = is_absent(layout.factor1);
+    QKVF_CHECK(!is_absent(layout.factor1) && !is_absent(layout.factor2), op_, ": ",
+               first ? "layout.factor1" : "layout.factor2",
+               ": missing: layout.factor1 and layout.factor2 go together, got only ",
+               first ? "layout.factor2" : "layout.factor1");
   } else {
-    QKVF_CHECK(!is_absent(layout.cos_sin) && !is_absent(layout.positions), op_,
-               ": layout: cos_sin and positions go together, got only ",
-               is_absent(layout.cos_sin) ? "positions" : "cos_sin");
+    const bool first = is_absent(layout.cos_sin);
+    QKVF_CHECK(!is_absent(layout.cos_sin) && !is_absent(layout.positions), op_, ": ",
+               first ? "layout.cos_sin" : "layout.positions",
+               ": missing: layout.cos_sin and layout.positions go together, got only ",
+               first ? "layout.positions" : "layout.cos_sin");
     QKVF_CHECK(layout.cos_sin.ndim == 2, op_, ": layout.cos_sin: expected 2 dims [P, r], got ",
                layout.cos_sin.describe());
   }
@@ -239,18 +247,21 @@ void Checker::rope_options(const RopeLayout& layout, int64_t head_dim) const {
 
   const bool same_heads = kv == q_heads;
   QKVF_CHECK(!(layout.paired && layout.key_offset), op_,
-             ": layout: paired and key_offset cannot both be set");
+             ": layout.paired, layout.key_offset: cannot both be set");
   QKVF_CHECK(!layout.paired || (same_heads && q_heads % 2 == 0), op_,
-             ": layout.paired: needs num_kv_heads = num_heads and an even num_heads, got ",
+             ": layout.paired: needs layout.num_kv_heads = layout.num_heads and an even "
+             "layout.num_heads, got ",
              q_heads, " and ", kv);
   QKVF_CHECK(!layout.paired || tables, op_,
              ": layout.paired: defined with factor tables [T, 2D] only, got a cos/sin cache");
   QKVF_CHECK(!layout.key_offset || same_heads, op_,
-             ": layout.key_offset: needs num_kv_heads = num_heads, got ", q_heads, " and ", kv);
+             ": layout.key_offset: needs layout.num_kv_heads = layout.num_heads, got ", q_heads,
+             " and ", kv);
 
   const bool weighted = !is_absent(layout.q_weight) || !is_absent(layout.k_weight);
-  QKVF_CHECK(!weighted || layout.normalize, op_,
-             ": layout: norm weights (q_weight, k_weight) need normalize = true");
+  QKVF_CHECK(!weighted || layout.normalize, op_, ": ",
+             is_absent(layout.q_weight) ? "layout.k_weight" : "layout.q_weight",
+             ": norm weights need layout.normalize = true, got false");
   QKVF_CHECK(!layout.normalize || (layout.eps > 0.0f && layout.eps <= 3.4e38f), op_,
              ": layout.eps: expected a positive finite value, got ", layout.eps);
   QKVF_CHECK(layout.weight_offset == layout.weight_offset &&

@@ -493,6 +493,9 @@ std::vector<unsigned char> poison_bytes(DType dtype) {
     case DType::kFloat8E4M3: bytes[0] = kPoisonE4M3; break;
     case DType::kInt32:
     case DType::kInt64: std::memset(bytes.data(), 0x7f, bytes.size()); bytes[0] = 0xc1; break;
+    // NaN in both; tensors of these dtypes only test that the ops refuse them.
+    case DType::kFloat16:
+    case DType::kFloat8E5M2: std::memset(bytes.data(), 0xff, bytes.size()); break;
   }
   return bytes;
 }
@@ -552,7 +555,17 @@ const unsigned char* HostTensor::slot(int64_t element) const {
   return bytes_.data() + size_t(element) * dtype_size(dtype_);
 }
 
+namespace {
+/// float16 and float8_e5m2 tensors exist only to be refused by the ops: they hold no values.
+void check_has_values(DType dtype) {
+  if (dtype == DType::kFloat16 || dtype == DType::kFloat8E5M2) {
+    throw std::logic_error(std::string("HostTensor: no values for dtype ") + dtype_name(dtype));
+  }
+}
+}  // namespace
+
 void HostTensor::set(const std::vector<double>& values) {
+  check_has_values(dtype_);
   if (dtype_ == DType::kFloat8E4M3) {
     std::vector<uint8_t> codes(values.size());
     for (size_t i = 0; i < values.size(); ++i)
@@ -598,6 +611,7 @@ void HostTensor::set_codes(const std::vector<uint8_t>& codes) {
 }
 
 std::vector<double> HostTensor::get() const {
+  check_has_values(dtype_);
   std::vector<double> out(static_cast<size_t>(numel()));
   for (int64_t i = 0; i < numel(); ++i) {
     const unsigned char* in = slot(buffer_index(i));
@@ -677,6 +691,8 @@ std::vector<double> random_values(std::mt19937_64& rng, size_t count, DType dtyp
       case DType::kFloat8E4M3: v = ref::round_e4m3(v); break;
       case DType::kInt32:
       case DType::kInt64: v = std::nearbyint(v); break;
+      case DType::kFloat16:
+      case DType::kFloat8E5M2: check_has_values(dtype); break;
     }
   }
   return values;

@@ -22,15 +22,6 @@
 //     gradients, grad_qkv_scale within 1e-2 * ||G|| * ||W|| (the scale of that dot product), fewer
 //     than 1% of e4m3 grad bytes differing, grad_t == grad_row^T exactly, and a bitwise rerun.
 // GEMM dims must be multiples of 16 on CUDA, so T is (64 and 1008).
-//
-// The fused forward (ForwardGemm::kFused, CudaPackedQkvFusedForward) against the default cuBLASLt
-// forward, both on the GPU and from the same inputs. Both accumulate the GEMM with fast
-// accumulation but over different tiles and orders, and the fused epilogue sums the norm's row in
-// another order, so qk, v, q and k may differ by a rounding here and there: checked, at least
-// 99.9% of each within one bf16 step of cuBLASLt's and every element within the tolerances of the
-// CPU comparison above. kAuto picks the fused GEMM for these layouts: the same bits as kFused. The
-// backward reads nothing of the forward but its saved qk: run from each forward's qk, the
-// gradients are compared as the GPU's with the CPU's above.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -46,7 +37,6 @@
 #include <vector>
 
 #include "backend.hpp"
-#include "cuda/fused_qkv_gemm.hpp"
 #include "gpu_util.hpp"
 #include "qkvfuse/qkvfuse.hpp"
 #include "test_util.hpp"
@@ -195,8 +185,7 @@ struct ForwardOut {
 
 /// One forward on `device`. Plain layouts write qk and v as two column slices of one
 /// [T, qkv_dim] buffer (one GEMM); paired layouts as two dense buffers (two GEMMs).
-ForwardOut run_forward(const Config& cfg, const Inputs& in, Device device,
-                       ForwardGemm forward_gemm = ForwardGemm::kCublasLt) {
+ForwardOut run_forward(const Config& cfg, const Inputs& in, Device device) {
   Arena arena(device);
   const int64_t t = in.tokens, c = cfg.channels, qkv = cfg.qkv_dim(), hd2 = cfg.qk_features();
   const int64_t hdv = cfg.heads * cfg.v_dim;
@@ -231,7 +220,6 @@ ForwardOut run_forward(const Config& cfg, const Inputs& in, Device device,
   uint16_t* k = arena.put(std::vector<uint16_t>(qk_out, kPoisonBF16));
   p.q = qk_out_view(cfg, q, device, t);
   p.k = qk_out_view(cfg, k, device, t);
-  p.forward_gemm = forward_gemm;
   packed_qkv_forward(p);
   if (device.type == DeviceType::kCUDA) synchronize();
 
@@ -462,60 +450,6 @@ TEST_P(CudaPackedQkv, MatchesCpuBackend) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, CudaPackedQkv, kLayoutCases, layout_case_name);
-
-// ---- the fused forward (ForwardGemm::kFused) ----------------------------------------------------
-
-/// At least `min_share` of the elements within one bf16 step of want's (neighbouring encodings,
-/// +0 and -0 alike), and every element within `tol` * max(|want|, rms(want)) (expect_close).
-void expect_within_one_step(const std::vector<uint16_t>& got, const std::vector<uint16_t>& want,
-                            double min_share, double tol, const char* what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  const auto ordered = [](uint16_t bits) {
-    return (bits & 0x8000) ? -int32_t(bits & 0x7fff) : int32_t(bits & 0x7fff);
-  };
-  int64_t within = 0;
-  for (size_t i = 0; i < got.size(); ++i) within += std::abs(ordered(got[i]) - ordered(want[i])) <= 1;
-  const double share = double(within) / double(std::max<size_t>(got.size(), 1));
-  EXPECT_GE(share, min_share) << what << ": " << (got.size() - size_t(within)) << " of "
-                              << got.size() << " elements more than one bf16 step apart";
-  expect_close(got, want, tol, tol / 2, what);
-}
-
-class CudaPackedQkvFusedForward : public ::testing::TestWithParam<std::tuple<int, int64_t>> {};
-
-TEST_P(CudaPackedQkvFusedForward, MatchesCublasLtForward) {
-  QKVF_REQUIRE_GPU();
-  if (!cuda::cutlass_gemms_available()) {
-    GTEST_SKIP() << "built without CUTLASS 4.2, so without the fused QKV GEMM "
-                    "(scripts/fetch_cutlass.sh, cmake/cutlass.cmake)";
-  }
-  const auto [index, tokens] = GetParam();
-  const Config& cfg = kConfigs[index];
-  SCOPED_TRACE(::testing::Message() << cfg.name << " T=" << tokens);
-  auto rng = rng_for_test();
-  const Inputs in = make_inputs(cfg, tokens, rng);
-
-  const ForwardOut unfused = run_forward(cfg, in, kGPU, ForwardGemm::kCublasLt);
-  const ForwardOut fused = run_forward(cfg, in, kGPU, ForwardGemm::kFused);
-  expect_within_one_step(fused.qk, unfused.qk, 0.999, 1.0 / 64, "qk (fused)");
-  expect_within_one_step(fused.v, unfused.v, 0.999, 1.0 / 64, "v (fused)");
-  expect_within_one_step(fused.q, unfused.q, 0.999, 1.0 / 32, "q (fused)");
-  expect_within_one_step(fused.k, unfused.k, 0.999, 1.0 / 32, "k (fused)");
-
-  const ForwardOut automatic = run_forward(cfg, in, kGPU, ForwardGemm::kAuto);
-  EXPECT_TRUE(automatic.qk == fused.qk && automatic.v == fused.v && automatic.q == fused.q &&
-              automatic.k == fused.k)
-      << "kAuto differs from kFused in a layout the fused GEMM takes";
-
-  for (bool one_buffer : {true, false}) {
-    SCOPED_TRACE(one_buffer ? "weight grads in one buffer" : "weight grads in two buffers");
-    const BackwardOut from_fused = run_backward(cfg, in, fused.qk, kGPU, one_buffer);
-    const BackwardOut from_unfused = run_backward(cfg, in, unfused.qk, kGPU, one_buffer);
-    expect_same_gradients(in, from_fused, from_unfused);
-  }
-}
-
-INSTANTIATE_TEST_SUITE_P(Layouts, CudaPackedQkvFusedForward, kLayoutCases, layout_case_name);
 
 // T = 0 is a no-op on the GPU too: the wgrad GEMM (K = T) is not validated against cuBLASLt's
 // K > 0 when it will not run, and nothing is written (the outputs keep their poison).

@@ -13,7 +13,6 @@
 #include <string>
 #include <vector>
 
-#include "cuda/fused_qkv_gemm.hpp"
 #include "qkvfuse/qkvfuse.hpp"
 #include "reference.hpp"
 #include "test_util.hpp"
@@ -109,6 +108,48 @@ TEST(Validation, QkNormRopeWrongDtype) {
   p = args.forward();
   p.layout.factor2.dtype = DType::kFloat32;
   EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"factor2: expected dtype bfloat16"}));
+}
+
+// float16 and float8_e5m2 have DType tags (so that the PyTorch binding can hand them in) but no op
+// takes them: each is refused by the argument's own check, listing what that argument takes.
+TEST(Validation, DtypesNoOpTakesAreRefusedPerArgument) {
+  RopeArgs args;
+  auto p = args.forward();
+  p.qk.dtype = DType::kFloat16;
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); },
+                           {"qk_norm_rope: qk: expected dtype bfloat16, float32 or float64, got "
+                            "float16 ["}));
+  p = args.forward();
+  p.layout.factor1.dtype = DType::kFloat16;
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); },
+                           {"qk_norm_rope: layout.factor1: expected dtype bfloat16 or float32, "
+                            "got float16 ["}));
+  auto f = args.fp8();
+  f.grad_row.dtype = DType::kFloat8E5M2;
+  EXPECT_TRUE(throws_error([&] { qkv_backward_fp8(f); },
+                           {"qkv_backward_fp8: grad_row: expected dtype float8_e4m3fn, got "
+                            "float8_e5m2 ["}));
+}
+
+// what() is the message and the location; the PyTorch binding reads the parts apart.
+TEST(Validation, ErrorKeepsMessageAndLocationApart) {
+  RopeArgs args;
+  auto p = args.forward();
+  p.layout.num_heads = 3;
+  try {
+    qk_norm_rope(p);
+    FAIL() << "did not throw";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.message().rfind("qk_norm_rope: qk: expected shape [T, 6, 32]", 0), 0u)
+        << error.message();
+    EXPECT_NE(std::string(error.file()).find("validate.cpp"), std::string::npos) << error.file();
+    EXPECT_GT(error.line(), 0);
+    EXPECT_EQ(std::string(error.what()), error.message() + " [" + error.file() + ":" +
+                                             std::to_string(error.line()) + "]");
+  }
+  const Error bare("no location");
+  EXPECT_STREQ(bare.what(), "no location");
+  EXPECT_STREQ(bare.file(), "");
 }
 
 TEST(Validation, QkNormRopeWrongHeadCountAndShapes) {
@@ -319,7 +360,7 @@ TEST(Validation, RopeLayoutFlags) {
   p = args.forward();
   p.layout.paired = true;
   p.layout.key_offset = true;
-  EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"paired and key_offset cannot both be set"}));
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"layout.paired, layout.key_offset: cannot both be set"}));
 
   p = args.forward();
   p.layout.num_heads = 0;
@@ -337,7 +378,8 @@ TEST(Validation, PairedNeedsEvenHeads) {
         qk_norm_rope({qk.view(), out.view(), out2.view(),
                       tables_layout(H, D, true, false, f.view(), f.view())});
       },
-      {"layout.paired: needs num_kv_heads = num_heads and an even num_heads, got 3 and 3"}));
+      {"layout.paired: needs layout.num_kv_heads = layout.num_heads and an even layout.num_heads, "
+       "got 3 and 3"}));
 }
 
 TEST(Validation, QkNormRopeOutputAliasing) {
@@ -645,14 +687,14 @@ TEST(ValidationLayout, KvHeadsMustDivideQueryHeads) {
   for (int64_t bad : {3, -1, 5}) {
     SCOPED_TRACE(bad);
     expect_layout_refused([bad](RopeLayout& l) { l.num_kv_heads = bad; },
-                          {"layout.num_kv_heads: expected a divisor of num_heads = 4 (0 for "
-                           "num_heads), got " + std::to_string(bad)});
+                          {"layout.num_kv_heads: expected a divisor of layout.num_heads = 4, "
+                           "got " + std::to_string(bad)});
   }
 }
 
 TEST(ValidationLayout, UnknownRotaryStyle) {
   expect_layout_refused([](RopeLayout& l) { l.rotary_style = static_cast<RotaryStyle>(7); },
-                        {"layout.rotary_style: expected kInterleaved or kNeox, got 7"});
+                        {"layout.rotary_style: expected RotaryStyle::kInterleaved or RotaryStyle::kNeox, got 7"});
 }
 
 TEST(ValidationLayout, ExactlyOneAngleSource) {
@@ -664,23 +706,29 @@ TEST(ValidationLayout, ExactlyOneAngleSource) {
         l.factor1 = f1;
         l.factor2 = f2;
       },
-      {"layout: expected one angle source, got both the factor tables (factor1, factor2) and a "
-       "cos/sin cache (cos_sin, positions)"});
+      {"layout.factor1, layout.cos_sin: expected one angle source, got both the factor tables "
+       "(layout.factor1, layout.factor2) and a cos/sin cache (layout.cos_sin, layout.positions)"});
   expect_layout_refused([&](RopeLayout& l) { l.factor1 = f1; }, {"expected one angle source"});
   expect_layout_refused(
       [](RopeLayout& l) {
         l.cos_sin = TensorView{};
         l.positions = TensorView{};
       },
-      {"layout: expected an angle source: factor1 and factor2, or cos_sin and positions"});
+      {"layout.factor1, layout.cos_sin: expected an angle source, got none: the factor tables "
+       "(layout.factor1 and layout.factor2) or a cos/sin cache (layout.cos_sin and "
+       "layout.positions)"});
   expect_layout_refused([](RopeLayout& l) { l.factor2 = TensorView{}; },
-                        {"layout: factor1 and factor2 go together, got only factor1"}, true);
+                        {"layout.factor2: missing: layout.factor1 and layout.factor2 go together, got "
+                         "only layout.factor1"}, true);
   expect_layout_refused([](RopeLayout& l) { l.factor1 = TensorView{}; },
-                        {"layout: factor1 and factor2 go together, got only factor2"}, true);
+                        {"layout.factor1: missing: layout.factor1 and layout.factor2 go together, got "
+                         "only layout.factor2"}, true);
   expect_layout_refused([](RopeLayout& l) { l.positions = TensorView{}; },
-                        {"layout: cos_sin and positions go together, got only cos_sin"});
+                        {"layout.positions: missing: layout.cos_sin and layout.positions go together, "
+                         "got only layout.cos_sin"});
   expect_layout_refused([](RopeLayout& l) { l.cos_sin = TensorView{}; },
-                        {"layout: cos_sin and positions go together, got only positions"});
+                        {"layout.cos_sin: missing: layout.cos_sin and layout.positions go together, "
+                         "got only layout.positions"});
   (void)cos_sin;
   (void)positions;
 }
@@ -733,8 +781,8 @@ TEST(ValidationLayout, PairedAndKeyOffsetNeedEqualHeads) {
   HostTensor wide1(DType::kBFloat16, {LayoutArgs::T, 2 * LayoutArgs::D});
   HostTensor wide2(DType::kBFloat16, {LayoutArgs::T, 2 * LayoutArgs::D});
   expect_layout_refused([](RopeLayout& l) { l.paired = true; },
-                        {"layout.paired: needs num_kv_heads = num_heads and an even num_heads, "
-                         "got 4 and 2"},
+                        {"layout.paired: needs layout.num_kv_heads = layout.num_heads and an "
+                         "even layout.num_heads, got 4 and 2"},
                         true);
   // Paired with a cache, even with equal heads: defined with factor tables only.
   expect_layout_refused(
@@ -744,27 +792,27 @@ TEST(ValidationLayout, PairedAndKeyOffsetNeedEqualHeads) {
       },
       {"layout.paired: defined with factor tables [T, 2D] only, got a cos/sin cache"});
   expect_layout_refused([](RopeLayout& l) { l.key_offset = true; },
-                        {"layout.key_offset: needs num_kv_heads = num_heads, got 4 and 2"});
+                        {"layout.key_offset: needs layout.num_kv_heads = layout.num_heads, got 4 and 2"});
   expect_layout_refused([](RopeLayout& l) { l.key_offset = true; },
-                        {"layout.key_offset: needs num_kv_heads = num_heads, got 4 and 2"}, true);
+                        {"layout.key_offset: needs layout.num_kv_heads = layout.num_heads, got 4 and 2"}, true);
   // MQA and an odd head count for paired.
   expect_layout_refused(
       [](RopeLayout& l) {
         l.paired = true;
         l.num_kv_heads = 1;
       },
-      {"layout.paired: needs num_kv_heads = num_heads", "got 4 and 1"}, true);
+      {"layout.paired: needs layout.num_kv_heads = layout.num_heads", "got 4 and 1"}, true);
 }
 
 TEST(ValidationLayout, WeightsNeedTheNorm) {
   expect_layout_refused([](RopeLayout& l) { l.normalize = false; },
-                        {"layout: norm weights (q_weight, k_weight) need normalize = true"});
+                        {"layout.q_weight: norm weights need layout.normalize = true, got false"});
   expect_layout_refused(
       [](RopeLayout& l) {
         l.normalize = false;
         l.q_weight = TensorView{};
       },
-      {"layout: norm weights (q_weight, k_weight) need normalize = true"});
+      {"layout.k_weight: norm weights need layout.normalize = true, got false"});
   // Without weights, no norm is fine (and eps is not read: 0 passes).
   LayoutArgs args;
   auto f = args.forward();
@@ -1111,7 +1159,7 @@ TEST(ValidationLayout, PackedOpWithAGeneralLayout) {
   f.layout.key_offset = true;
   EXPECT_TRUE(throws_error([&] { packed_qkv_forward(f); },
                            {"packed_qkv_forward",
-                            "layout.key_offset: needs num_kv_heads = num_heads"}));
+                            "layout.key_offset: needs layout.num_kv_heads = layout.num_heads"}));
   f = args.forward();
   f.layout.positions.sizes[0] = PackedLayoutArgs::T - 1;
   EXPECT_TRUE(throws_error([&] { packed_qkv_forward(f); },
@@ -1570,190 +1618,6 @@ TEST(Validation, PackedForwardChecks) {
   p.qk.dtype = DType::kFloat32;
   EXPECT_TRUE(throws_error([&] { packed_qkv_forward(p); },
                            {"packed_qkv_forward: qk: expected dtype bfloat16"}));
-}
-
-// ---- the packed forward's GEMM (ForwardGemm) ----------------------------------------------------
-
-/// Valid packed forward arguments in a layout the fused QKV GEMM is built for (weightless RMS
-/// norm, bf16 factor tables, (Hq + Hkv) * D a multiple of 128): T=4, C=16, H=2, Dv=16, head width
-/// D (64 unless given). Random inputs drawn from the test's generator, so that two instances in
-/// one test hold the same bits and their outputs compare bit for bit.
-struct FusedForwardArgs {
-  static constexpr int64_t T = 4, C = 16, H = 2, Dv = 16;
-  const int64_t D, kQk = 2 * H * D, kQkv = kQk + H * Dv;
-  HostTensor x_f8{DType::kFloat8E4M3, {T, C}};
-  HostTensor weight_f8{DType::kFloat8E4M3, {kQkv, C}};
-  HostTensor scale{DType::kFloat32, {}};
-  HostTensor factor1{DType::kBFloat16, {T, D}};
-  HostTensor factor2{DType::kBFloat16, {T, D}};
-  HostTensor q_weight{DType::kBFloat16, {D}};
-  HostTensor k_weight{DType::kBFloat16, {D}};
-  HostTensor qkv{DType::kBFloat16, {T, kQkv}};
-  HostTensor q{DType::kBFloat16, {T, H, D}};
-  HostTensor k{DType::kBFloat16, {T, H, D}};
-
-  explicit FusedForwardArgs(int64_t d = 64) : D(d) {
-    auto rng = rng_for_test();
-    x_f8.set_codes(random_e4m3(rng, size_t(x_f8.numel())));
-    weight_f8.set_codes(random_e4m3(rng, size_t(weight_f8.numel())));
-    scale.set({0.125});
-    std::vector<float> f1, f2;
-    rotary_tables(T, D, 1, D, f1, f2);
-    factor1.set(std::vector<double>(f1.begin(), f1.end()));
-    factor2.set(std::vector<double>(f2.begin(), f2.end()));
-    for (HostTensor* weight : {&q_weight, &k_weight}) {
-      const std::vector<float> values = random_f32(rng, size_t(D), 0.5f);
-      std::vector<double> around_one(values.begin(), values.end());
-      for (double& v : around_one) v += 1.0;
-      weight->set(around_one);
-    }
-  }
-  PackedQkvForwardParams forward(ForwardGemm gemm) {
-    return {.x_f8 = x_f8.view(),
-            .weight_f8 = weight_f8.view(),
-            .x_scale = scale.view(),
-            .weight_scale = scale.view(),
-            .qkv_scale = scale.view(),
-            .qk = make_view(qkv.view().data, DType::kBFloat16, kCPU, {T, 2 * H, D}, {kQkv, D, 1}),
-            .v = make_view(static_cast<uint16_t*>(qkv.view().data) + kQk, DType::kBFloat16, kCPU,
-                           {T, H, Dv}, {kQkv, Dv, 1}),
-            .q = q.view(),
-            .k = k.view(),
-            .layout = tables_layout(H, D, false, false, factor1.view(), factor2.view()),
-            .forward_gemm = gemm};
-  }
-  /// The forward with norm weights, a layout the fused GEMM is not built for.
-  PackedQkvForwardParams weighted_forward(ForwardGemm gemm) {
-    PackedQkvForwardParams p = forward(gemm);
-    p.layout.q_weight = q_weight.view();
-    p.layout.k_weight = k_weight.view();
-    return p;
-  }
-  bool nothing_written() const { return untouched(qkv) && untouched(q) && untouched(k); }
-  bool everything_written() const {
-    return qkv.elements_touched() == qkv.numel() && q.elements_touched() == q.numel() &&
-           k.elements_touched() == k.numel();
-  }
-};
-
-/// qkv, q and k of two forwards are the same bits.
-void expect_same_bits(const FusedForwardArgs& got, const FusedForwardArgs& want) {
-  EXPECT_TRUE(got.everything_written() && want.everything_written());
-  EXPECT_EQ(got.qkv.get_bf16_bits(), want.qkv.get_bf16_bits());
-  EXPECT_EQ(got.q.get_bf16_bits(), want.q.get_bf16_bits());
-  EXPECT_EQ(got.k.get_bf16_bits(), want.k.get_bf16_bits());
-}
-
-// kCublasLt is the default. kAuto on the CPU backend is the cuBLASLt path (there its CPU GEMM and
-// norm + rotary), silently: the same bits, in layouts the fused GEMM takes and in those it does not.
-TEST(Validation, PackedForwardGemmAutoIsTheUnfusedForwardOnTheCpu) {
-  EXPECT_EQ(PackedQkvForwardParams{}.forward_gemm, ForwardGemm::kCublasLt);
-  for (int64_t d : {64, 128}) {
-    SCOPED_TRACE(::testing::Message() << "D = " << d);
-    FusedForwardArgs unfused(d), automatic(d);
-    ASSERT_NO_THROW(packed_qkv_forward(unfused.forward(ForwardGemm::kCublasLt)));
-    ASSERT_NO_THROW(packed_qkv_forward(automatic.forward(ForwardGemm::kAuto)));
-    expect_same_bits(automatic, unfused);
-  }
-  SCOPED_TRACE("norm weights");
-  FusedForwardArgs unfused, automatic;
-  ASSERT_NO_THROW(packed_qkv_forward(unfused.weighted_forward(ForwardGemm::kCublasLt)));
-  ASSERT_NO_THROW(packed_qkv_forward(automatic.weighted_forward(ForwardGemm::kAuto)));
-  expect_same_bits(automatic, unfused);
-}
-
-// kFused on the CPU backend: refused before anything is written, naming the argument and why.
-TEST(Validation, PackedForwardGemmFusedRefusesCpuTensors) {
-  FusedForwardArgs args;
-  EXPECT_TRUE(throws_error([&] { packed_qkv_forward(args.forward(ForwardGemm::kFused)); },
-                           {"packed_qkv_forward: forward_gemm = kFused: the fused QKV GEMM runs on "
-                            "CUDA tensors only, got cpu"}));
-  EXPECT_TRUE(args.nothing_written());
-}
-
-// A value outside the enum (a cast from an unchecked integer) is refused, not read as one of them.
-TEST(Validation, PackedForwardGemmRefusesAnInvalidValue) {
-  FusedForwardArgs args;
-  for (int value : {3, -1, 7}) {
-    EXPECT_TRUE(throws_error(
-        [&] { packed_qkv_forward(args.forward(ForwardGemm(value))); },
-        {"packed_qkv_forward: forward_gemm: expected kCublasLt, kFused or kAuto, got " +
-         std::to_string(value)}));
-  }
-  EXPECT_TRUE(args.nothing_written());
-}
-
-// kFused with a layout or size the fused GEMM is not built for: that reason, on any device (so
-// here, on the CPU, where it comes before the device's), in the words fused_qkv_gemm's own
-// validation uses (one predicate, cuda::fused_qkv_unsupported, answers both). kAuto runs them.
-TEST(Validation, PackedForwardGemmFusedRefusesUnsupportedLayouts) {
-  struct Case {
-    const char* name;
-    int64_t head_dim;
-    std::function<void(PackedQkvForwardParams&, FusedForwardArgs&)> change;
-    const char* reason;
-  };
-  HostTensor f1_f32{DType::kFloat32, {FusedForwardArgs::T, 64}};
-  HostTensor f2_f32{DType::kFloat32, {FusedForwardArgs::T, 64}};
-  {
-    std::vector<float> f1, f2;
-    rotary_tables(FusedForwardArgs::T, 64, 1, 64, f1, f2);
-    f1_f32.set(std::vector<double>(f1.begin(), f1.end()));
-    f2_f32.set(std::vector<double>(f2.begin(), f2.end()));
-  }
-  const auto nothing = [](PackedQkvForwardParams&, FusedForwardArgs&) {};
-  const Case cases[] = {
-      {"norm weights", 64,
-       [](PackedQkvForwardParams& p, FusedForwardArgs& a) {
-         p.layout.q_weight = a.q_weight.view();
-         p.layout.k_weight = a.k_weight.view();
-       },
-       "layout: norm weights (q_weight, k_weight) are not built into the fused epilogue"},
-      {"no norm", 64, [](PackedQkvForwardParams& p, FusedForwardArgs&) { p.layout.normalize = false; },
-       "layout.normalize = false (no QK norm) is not built into the fused epilogue"},
-      {"partial rotary without key offset", 64,
-       [](PackedQkvForwardParams& p, FusedForwardArgs&) { p.layout.rotary_dim = 32; },
-       "layout.rotary_dim: a partial rotary (r = 32 < D = 64) is built only with key_offset"},
-      {"float32 factor tables", 64,
-       [&](PackedQkvForwardParams& p, FusedForwardArgs&) {
-         p.layout.factor1 = f1_f32.view();
-         p.layout.factor2 = f2_f32.view();
-       },
-       "layout.factor1: the fused epilogue is built for bfloat16 factor tables only, got float32"},
-      {"D = 100", 100, nothing,
-       "no fused kernel for head width D = 100; built: D = 64, 96 and 128"},
-      {"D = 32", 32, nothing, "no fused kernel for head width D = 32; built: D = 64, 96 and 128"},
-  };
-  for (const Case& c : cases) {
-    SCOPED_TRACE(c.name);
-    FusedForwardArgs args(c.head_dim);
-    auto p = args.forward(ForwardGemm::kFused);
-    c.change(p, args);
-    EXPECT_TRUE(throws_error([&] { packed_qkv_forward(p); },
-                             {"packed_qkv_forward: forward_gemm = kFused: ", c.reason}));
-    EXPECT_TRUE(args.nothing_written());
-    const cuda::FusedQkvGemmParams fused = cuda::fused_qkv_params(p);
-    // (A build without CUDA has no fused_qkv_gemm: its stub throws "built without CUDA".)
-    if (built_with_cuda()) {
-      EXPECT_TRUE(throws_error([&] { cuda::fused_qkv_kernel_args(fused); },
-                               {"fused_qkv_gemm: ", c.reason}));
-    }
-    p.forward_gemm = ForwardGemm::kAuto;
-    EXPECT_NO_THROW(packed_qkv_forward(p));
-    EXPECT_TRUE(args.everything_written());
-  }
-  {
-    SCOPED_TRACE("cos/sin cache");
-    PackedLayoutArgs args;  // GQA, a cos/sin cache, norm weights: the angle source is refused first
-    auto p = args.forward();
-    p.forward_gemm = ForwardGemm::kFused;
-    EXPECT_TRUE(throws_error([&] { packed_qkv_forward(p); },
-                             {"packed_qkv_forward: forward_gemm = kFused: layout: a cos/sin cache "
-                              "(cos_sin, positions) is not built into the fused epilogue"}));
-    EXPECT_TRUE(args.nothing_written());
-    p.forward_gemm = ForwardGemm::kAuto;
-    EXPECT_NO_THROW(packed_qkv_forward(p));
-  }
 }
 
 TEST(Validation, PackedForwardRefusesBeforeWritingAnything) {

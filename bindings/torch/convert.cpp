@@ -19,7 +19,25 @@ bool to_dtype(at::ScalarType type, DType* dtype) {
     case at::kFloat8_e4m3fn: *dtype = DType::kFloat8E4M3; return true;
     case at::kInt: *dtype = DType::kInt32; return true;
     case at::kLong: *dtype = DType::kInt64; return true;
+    // Taken by no op, but passed often enough by mistake that the op's own check should refuse
+    // them, naming the dtypes this argument takes.
+    case at::kHalf: *dtype = DType::kFloat16; return true;
+    case at::kFloat8_e5m2: *dtype = DType::kFloat8E5M2; return true;
     default: return false;
+  }
+}
+
+/// torch's Python name of the dtypes to_dtype does not map ("torch.int8"), else ScalarType's.
+std::string python_dtype_name(at::ScalarType type) {
+  switch (type) {
+    case at::kByte: return "torch.uint8";
+    case at::kChar: return "torch.int8";
+    case at::kShort: return "torch.int16";
+    case at::kBool: return "torch.bool";
+    case at::kComplexHalf: return "torch.complex32";
+    case at::kComplexFloat: return "torch.complex64";
+    case at::kComplexDouble: return "torch.complex128";
+    default: return std::string("torch dtype ") + c10::toString(type);
   }
 }
 
@@ -34,9 +52,8 @@ std::string shape_text(const at::Tensor& tensor) {
 
 TensorView OpArgs::view(const at::Tensor& tensor, const char* name) const {
   TensorView view;
-  QKVF_CHECK(to_dtype(tensor.scalar_type(), &view.dtype), op_, ": ", name,
-             ": expected dtype bfloat16, float32, float64, float8_e4m3fn, int32 or int64, got ",
-             c10::toString(tensor.scalar_type()));
+  QKVF_CHECK(to_dtype(tensor.scalar_type(), &view.dtype), op_, ": ", name, ": got dtype ",
+             python_dtype_name(tensor.scalar_type()), ", which no qkvfuse op takes");
   QKVF_CHECK(tensor.dim() <= kMaxDims, op_, ": ", name, ": expected at most ", kMaxDims,
              " dims, got shape ", shape_text(tensor));
   const at::Device device = tensor.device();

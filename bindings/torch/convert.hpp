@@ -3,8 +3,8 @@
 //
 // The binding adds no validation of its own beyond what it needs to allocate outputs: the public
 // C++ API checks every view (dtype, shape, strides, alignment, device) and throws qkvfuse::Error,
-// which PyTorch's op dispatcher turns into a Python RuntimeError carrying the library's message.
-// The few errors raised here read like the library's: "<op>: <argument>: expected ..., got ...".
+// which the binding rethrows in Python's terms (errors.hpp) as a Python RuntimeError. The few
+// errors raised here read like the library's: "<op>: <argument>: expected ..., got ...".
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -27,9 +27,9 @@ class OpArgs {
   const char* op() const { return op_; }
 
   /// A non-owning view of `tensor`: data pointer, dtype, device, sizes and strides. Throws
-  /// qkvfuse::Error naming `name` for a dtype the library does not take (bfloat16, float32,
-  /// float64, float8_e4m3fn, int32, int64), more than kMaxDims dims, or a device other than CPU
-  /// and CUDA.
+  /// qkvfuse::Error naming `name` for a dtype qkvfuse::DType cannot describe (float16 and
+  /// float8_e5m2 it can, so that the op refuses them listing this argument's dtypes), more than
+  /// kMaxDims dims, or a device other than CPU and CUDA.
   TensorView view(const at::Tensor& tensor, const char* name) const;
 
   /// As view, and the absent view (the library's "no tensor") for nullopt.

@@ -28,6 +28,7 @@
 
 #include "autograd.hpp"
 #include "convert.hpp"
+#include "errors.hpp"
 #include "qkvfuse/error.hpp"
 #include "qkvfuse/qkvfuse.hpp"
 
@@ -223,10 +224,8 @@ void qkv_backward_fp8(const c10::OperatorHandle& op, Stack* stack) {
 }
 
 // packed_qkv_forward(Tensor x_f8, Tensor weight_f8, Tensor x_scale, Tensor weight_scale,
-//                    Tensor qkv_scale, int qk_dim, int v_dim, str forward_gemm, <layout>)
+//                    Tensor qkv_scale, int qk_dim, int v_dim, <layout>)
 //   -> (Tensor q, Tensor k, Tensor qkv)
-// forward_gemm ("cublaslt", "fused" or "auto": qkvfuse::ForwardGemm) is the forward's own choice,
-// not part of the layout, which the backward and the other rope ops share.
 // qkv is one flat bf16 buffer of T * qkv_dim holding the GEMM's Q/K columns (saved for the
 // backward) and V. Plain layers store it as row-major [T, qkv_dim] so that one GEMM writes both
 // column slices; paired layers store [T, (Hq+Hkv)*D] then [T, Hkv*Dv] so that V is dense (two
@@ -241,17 +240,6 @@ void packed_qkv_forward(const c10::OperatorHandle& op, Stack* stack) {
   const int64_t v_dim = call.integer("v_dim");
   args.expect_positive(qk_dim, "qk_dim");
   args.expect_positive(v_dim, "v_dim");
-  const std::string forward_gemm_name = call.text("forward_gemm");
-  ForwardGemm forward_gemm = ForwardGemm::kCublasLt;
-  if (forward_gemm_name == "fused") {
-    forward_gemm = ForwardGemm::kFused;
-  } else if (forward_gemm_name == "auto") {
-    forward_gemm = ForwardGemm::kAuto;
-  } else {
-    QKVF_CHECK(forward_gemm_name == "cublaslt", args.op(),
-               ": forward_gemm: expected \"cublaslt\", \"fused\" or \"auto\", got \"",
-               forward_gemm_name, "\"");
-  }
   const RopeLayout layout = rope_layout(call, args);
   const int64_t tokens = x_f8.size(0);
   const int64_t qk_heads = layout.num_heads + kv_heads(layout);
@@ -284,7 +272,6 @@ void packed_qkv_forward(const c10::OperatorHandle& op, Stack* stack) {
        .q = args.view(q, "q"),
        .k = args.view(k, "k"),
        .layout = layout,
-       .forward_gemm = forward_gemm,
        .stream = current_stream(x_f8)});
   call.finish(std::move(q), std::move(k), std::move(qkv));
 }
@@ -365,10 +352,12 @@ void packed_qkv_backward(const c10::OperatorHandle& op, Stack* stack) {
 }
 
 void check_positions(const Tensor& positions, int64_t num_positions) {
-  const OpArgs args("check_positions");
-  const c10::DeviceGuard guard(positions.device());
-  qkvfuse::check_positions(args.view(positions, "positions"), num_positions,
-                           current_stream(positions));
+  python_errors([&] {
+    const OpArgs args("check_positions");
+    const c10::DeviceGuard guard(positions.device());
+    qkvfuse::check_positions(args.view(positions, "positions"), num_positions,
+                             current_stream(positions));
+  });
 }
 
 // ---- the FP8 producers (unboxed) ----------------------------------------------------------------
@@ -406,49 +395,65 @@ std::tuple<Tensor, Tensor, std::optional<Tensor>> run_quantize_dual(const char* 
   return {row, t, amax};
 }
 
+// The library calls the source `src`; the Python functions call it `x` (and `weights` below).
 std::tuple<Tensor, Tensor> quantize_dual_layout(const Tensor& x, const Tensor& scale) {
-  auto [row, t, amax] = run_quantize_dual("quantize_dual_layout", x, scale, false);
-  return {row, t};
+  return python_errors(
+      [&]() -> std::tuple<Tensor, Tensor> {
+        auto [row, t, amax] = run_quantize_dual("quantize_dual_layout", x, scale, false);
+        return {row, t};
+      },
+      {{"src", "x"}});
 }
 
 std::tuple<Tensor, Tensor, Tensor> quantize_dual_layout_amax(const Tensor& x, const Tensor& scale) {
-  auto [row, t, amax] = run_quantize_dual("quantize_dual_layout", x, scale, true);
-  return {row, t, *amax};
+  return python_errors(
+      [&]() -> std::tuple<Tensor, Tensor, Tensor> {
+        auto [row, t, amax] = run_quantize_dual("quantize_dual_layout", x, scale, true);
+        return {row, t, *amax};
+      },
+      {{"src", "x"}});
 }
 
 std::tuple<Tensor, Tensor, Tensor> quantize_weight_bank(const Tensor& weights) {
-  const OpArgs args("quantize_weight_bank");
-  const c10::DeviceGuard guard(weights.device());
-  args.expect_dims(weights, 3, "src", "[B, M, N]");
-  auto [row, t] = alloc_dual_layout(args, weights);
-  // Empty entries get scale 1, as all-zero ones do (the library writes nothing for an empty src).
-  const auto f32 = weights.options().dtype(at::kFloat);
-  Tensor scale = weights.numel() == 0 ? at::ones({weights.size(0)}, f32)
-                                      : at::empty({weights.size(0)}, f32);
-  qkvfuse::quantize_weight_bank({.src = args.view(weights, "src"),
-                                 .scale = args.view(scale, "scale"),
-                                 .row = args.view(row, "row"),
-                                 .t = args.view(t, "t"),
-                                 .stream = current_stream(weights)});
-  return {row, t, scale};
+  return python_errors(
+      [&]() -> std::tuple<Tensor, Tensor, Tensor> {
+        const OpArgs args("quantize_weight_bank");
+        const c10::DeviceGuard guard(weights.device());
+        args.expect_dims(weights, 3, "src", "[B, M, N]");
+        auto [row, t] = alloc_dual_layout(args, weights);
+        // Empty entries get scale 1, as all-zero ones do (the library writes nothing for an
+        // empty src).
+        const auto f32 = weights.options().dtype(at::kFloat);
+        Tensor scale = weights.numel() == 0 ? at::ones({weights.size(0)}, f32)
+                                            : at::empty({weights.size(0)}, f32);
+        qkvfuse::quantize_weight_bank({.src = args.view(weights, "src"),
+                                       .scale = args.view(scale, "scale"),
+                                       .row = args.view(row, "row"),
+                                       .t = args.view(t, "t"),
+                                       .stream = current_stream(weights)});
+        return {row, t, scale};
+      },
+      {{"src", "weights"}});
 }
 
 Tensor fp8_gemm(const Tensor& a, const Tensor& b, const Tensor& scale_a, const Tensor& scale_b,
                 const std::optional<Tensor>& alpha, bool fast_accum) {
-  const OpArgs args("fp8_gemm");
-  const c10::DeviceGuard guard(a.device());
-  args.expect_dims(a, 2, "a", "[M, K]");
-  args.expect_dims(b, 2, "b", "[N, K]");
-  Tensor d = at::empty({a.size(0), b.size(0)}, a.options().dtype(at::kBFloat16));
-  qkvfuse::fp8_gemm({.a = args.view(a, "a"),
-                     .b = args.view(b, "b"),
-                     .scale_a = args.view(scale_a, "scale_a"),
-                     .scale_b = args.view(scale_b, "scale_b"),
-                     .alpha = args.optional_view(alpha, "alpha"),
-                     .d = args.view(d, "d"),
-                     .fast_accum = fast_accum,
-                     .stream = current_stream(a)});
-  return d;
+  return python_errors([&] {
+    const OpArgs args("fp8_gemm");
+    const c10::DeviceGuard guard(a.device());
+    args.expect_dims(a, 2, "a", "[M, K]");
+    args.expect_dims(b, 2, "b", "[N, K]");
+    Tensor d = at::empty({a.size(0), b.size(0)}, a.options().dtype(at::kBFloat16));
+    qkvfuse::fp8_gemm({.a = args.view(a, "a"),
+                       .b = args.view(b, "b"),
+                       .scale_a = args.view(scale_a, "scale_a"),
+                       .scale_b = args.view(scale_b, "scale_b"),
+                       .alpha = args.optional_view(alpha, "alpha"),
+                       .d = args.view(d, "d"),
+                       .fast_accum = fast_accum,
+                       .stream = current_stream(a)});
+    return d;
+  });
 }
 
 // ---- registration -------------------------------------------------------------------------------
@@ -463,8 +468,14 @@ constexpr const char* kOpsWithoutGradient[] = {
 };
 
 template <void (*kernel)(const c10::OperatorHandle&, Stack*)>
+void boxed_for_python(const c10::OperatorHandle& op, Stack* stack) {
+  python_errors([&] { kernel(op, stack); });
+}
+
+/// A boxed kernel whose errors Python sees in its own terms (errors.hpp).
+template <void (*kernel)(const c10::OperatorHandle&, Stack*)>
 torch::CppFunction boxed() {
-  return torch::CppFunction::makeFromBoxedFunction<kernel>();
+  return torch::CppFunction::makeFromBoxedFunction<&boxed_for_python<kernel>>();
 }
 
 void register_kernels(torch::Library& m) {
@@ -496,7 +507,7 @@ void define_ops(torch::Library& m) {
                   "(Tensor grad_row, Tensor grad_t, Tensor grad_q_weight, Tensor grad_k_weight)"),
       rope_schema("packed_qkv_forward",
                   "Tensor x_f8, Tensor weight_f8, Tensor x_scale, Tensor weight_scale, "
-                  "Tensor qkv_scale, int qk_dim, int v_dim, str forward_gemm",
+                  "Tensor qkv_scale, int qk_dim, int v_dim",
                   "(Tensor q, Tensor k, Tensor qkv)"),
       rope_schema("packed_qkv_backward",
                   "Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor qk, Tensor x_f8_t, "

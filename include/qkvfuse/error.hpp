@@ -10,11 +10,30 @@
 namespace qkvfuse {
 
 /// Every failure the library reports: bad arguments, unsupported configurations, CUDA and
-/// cuBLASLt errors. The message names the offending argument and what was expected, and ends
-/// with the source location that raised it.
+/// cuBLASLt errors. what() is the message, which names the offending argument and what was
+/// expected, followed by the source location that raised it: "<message> [<file>:<line>]".
+/// message(), file() and line() are those parts on their own (the PyTorch binding shows Python
+/// users the message in Python's terms and keeps the location for debugging; README.md).
 class Error : public std::runtime_error {
  public:
-  using std::runtime_error::runtime_error;
+  /// A message with no source location (file() is "", line() 0).
+  explicit Error(const std::string& message) : Error(message, "", 0) {}
+  /// `file` must outlive the error (QKVF_CHECK passes __FILE__, a string literal).
+  Error(const std::string& message, const char* file, int line)
+      : std::runtime_error(*file ? message + " [" + file + ":" + std::to_string(line) + "]"
+                                 : message),
+        message_(message),
+        file_(file),
+        line_(line) {}
+
+  const std::string& message() const { return message_; }
+  const char* file() const { return file_; }
+  int line() const { return line_; }
+
+ private:
+  std::string message_;
+  const char* file_;
+  int line_;
 };
 
 namespace detail {
@@ -53,13 +72,7 @@ std::string concat(const Args&... args) {
 
 template <typename... Args>
 [[noreturn]] void throw_error(const char* file, int line, const Args&... args) {
-  std::string message = concat(args...);
-  append(message, " [");
-  append(message, file);
-  append(message, ":");
-  append(message, line);
-  append(message, "]");
-  throw Error(message);
+  throw Error(concat(args...), file, line);
 }
 }  // namespace detail
 

@@ -11,21 +11,6 @@
 
 namespace qkvfuse {
 
-/// Which GEMM the packed forward runs (issue 22). Both write the same outputs, qk included (the
-/// backward's saved input), and take the same arguments; they differ in speed and in the layouts
-/// they take.
-///   kCublasLt  fp8_gemm (cuBLASLt on CUDA) into qk and v, then qk_norm_rope reads qk back: every
-///              layout, both backends. The default: on the H200 the fused kernel of 8e9e238 took
-///              0.318 ms at T = 49152, D = 128 against 0.214 ms for this pair (docs/STATUS.md).
-///   kFused     the fused QKV GEMM (CUTLASS, src/cuda/fused_qkv_gemm.hpp): one kernel writes q, k,
-///              v and qk. CUDA tensors, a build with CUTLASS, and a layout its epilogue is built
-///              for (weightless RMS norm, bf16 factor tables, D = 64, 96 or 128, ...); otherwise
-///              the call throws, naming forward_gemm and the reason. Its GEMM accumulates in
-///              another order and its norm sums the row in another order, so qk, v, q and k are
-///              within 1 bf16 step of kCublasLt's almost everywhere, not bit for bit.
-///   kAuto      kFused where it would run, kCublasLt otherwise.
-enum class ForwardGemm { kCublasLt, kFused, kAuto };
-
 /// Forward: qkv = (x_f8 @ weight_f8^T) * x_scale * weight_scale * qkv_scale (fast accumulation,
 /// bf16 out), then q, k = qk_norm_rope(qkv[:, :QK]) and v = qkv[:, QK:], QK = (Hq + Hkv) * D.
 ///
@@ -42,8 +27,6 @@ enum class ForwardGemm { kCublasLt, kFused, kAuto };
 /// GEMM step takes fp8_gemm's requirements: T, C and qkv_dim (with two GEMMs also QK and Hkv*Dv)
 /// multiples of 16, row strides of x_f8, weight_f8, qk and v multiples of 16 elements and their
 /// pointers 16-byte aligned; the op checks them all before anything runs. T = 0 is a no-op.
-/// forward_gemm = kFused (or kAuto choosing it) adds the fused kernel's requirements on the same
-/// arguments (16-byte aligned q, k and v rows among them), checked with the rest.
 struct PackedQkvForwardParams {
   TensorView x_f8;
   TensorView weight_f8;
@@ -55,7 +38,6 @@ struct PackedQkvForwardParams {
   TensorView q;
   TensorView k;
   RopeLayout layout;
-  ForwardGemm forward_gemm = ForwardGemm::kCublasLt;
   Stream stream = nullptr;
 };
 

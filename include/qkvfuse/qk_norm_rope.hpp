@@ -46,6 +46,9 @@ struct RopeLayout {
   /// r: rotary lanes [0, r), even, in [0, D]; -1 means the whole head (D) with factor tables
   /// and cos_sin's width with a cos/sin cache (which r must then equal).
   int64_t rotary_dim = -1;
+  /// The factor tables' default is the speedrun's. A cos/sin cache does not say how its lanes
+  /// pair: set the style of the convention it was built for (Hugging Face's rotate_half is
+  /// kNeox); the Python functions require it with a cache.
   RotaryStyle rotary_style = RotaryStyle::kInterleaved;
   bool normalize = true;        ///< false: rotary only (models without QK norm)
   float eps = kRmsNormEps;      ///< > 0 and finite; read when normalize

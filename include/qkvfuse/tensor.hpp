@@ -27,9 +27,15 @@ enum class DType : int8_t {
   kFloat8E4M3,  ///< float8_e4m3fn: bias 7, max 448, 0x7f/0xff NaN, no infinities
   kInt32,       ///< rotary positions
   kInt64,       ///< rotary positions
+  // Taken by no op: they exist so that a view can describe a tensor of a dtype a caller may pass
+  // by mistake (a float16 model, the other FP8 format), and each op's checks refuse it naming the
+  // argument and the dtypes that argument takes.
+  kFloat16,
+  kFloat8E5M2,
 };
 
-/// "bfloat16", "float32", "float64", "float8_e4m3fn", "int32", "int64".
+/// "bfloat16", "float32", "float64", "float8_e4m3fn", "int32", "int64", "float16",
+/// "float8_e5m2".
 const char* dtype_name(DType dtype);
 /// Size of one element in bytes.
 std::size_t dtype_size(DType dtype);

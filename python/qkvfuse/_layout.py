@@ -18,7 +18,8 @@ class RopeLayout(NamedTuple):
 
     None means the C++ default: num_kv_heads = num_heads; rotary_dim = D with factor tables,
     cos_sin's width with a cos/sin cache. The norm weights are separate tensor arguments of the
-    ops so that autograd can return their gradients.
+    ops so that autograd can return their gradients. rotary_style is always named here (the
+    public functions require it with a cos/sin cache: ops.rope_layout).
     """
     num_heads: int
     num_kv_heads: Optional[int] = None
@@ -49,6 +50,10 @@ class RopeLayout(NamedTuple):
         """The tensor fields (factor1 .. k_weight), e.g. to save for the backward;
         RopeLayout(*options, *tensors) joins them again."""
         return tuple(self[_FIRST_TENSOR:])
+
+    def named_tensors(self) -> dict:
+        """The tensor fields by name (None for the absent ones), e.g. for a device check."""
+        return dict(zip(self._fields[_FIRST_TENSOR:], self[_FIRST_TENSOR:]))
 
     @property
     def kv_heads(self) -> int:

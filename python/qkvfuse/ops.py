@@ -1,29 +1,70 @@
 """The functional API over torch.ops.qkvfuse.
 
 Each function is a thin call of one registered op; shapes and dtypes are documented in SPEC.md and
-include/qkvfuse/*.hpp. Invalid arguments raise RuntimeError with the library's message, which names
-the offending argument as the C++ params struct does: the same names as here, except that the
-layout's arguments read `layout.<name>` (layout.factor1, layout.q_weight, ...) and the quantize
-functions' source (x, weights) is `src` there.
+include/qkvfuse/*.hpp. Errors name the argument at fault as these functions spell it and say what
+was expected: a tensor of the wrong dtype, shape or device raises RuntimeError (the library's
+check), a Python value of the wrong type TypeError (checked here first), a bad option ValueError.
+The library's C++ source location of an error is not in its message: TORCH_SHOW_CPP_STACKTRACES=1
+shows it (README.md, "Errors").
+
+The rope functions take the speedrun's arguments positionally, in the reference's order
+(qk_norm_rope(qk, factor1, factor2, num_heads, rotary_dim, paired, key_offset)), and every
+argument by keyword; the general layouts (SPEC.md section 8) are called by keyword from num_heads
+on: qk_norm_rope(qk, num_heads=32, num_kv_heads=8, rotary_style="neox", cos_sin=...,
+positions=...).
 """
 from typing import Optional
 
 import torch
 import torch.fx
 
+from . import _checks
 from ._layout import DEFAULT_EPS, RopeLayout
 
 _ops = torch.ops.qkvfuse
 
+ROTARY_STYLES = ("interleaved", "neox")
+
+# A cos/sin cache does not say which lanes pair: a default would rotate the wrong lanes of the
+# other convention's cache and give wrong q and k with no error.
+_STYLE_REQUIRED = (
+    'required with a cos/sin cache, which does not say how its lanes pair: "neox" for Hugging '
+    'Face models (rotate_half: Llama, Qwen, Gemma, Mistral, ...), "interleaved" for GPT-J-style '
+    'pairs (d, d ^ 1)')
+
 
 def rope_layout(num_heads, rotary_dim=None, paired=False, key_offset=False, factor1=None,
-                factor2=None, *, num_kv_heads=None, rotary_style="interleaved", normalize=True,
+                factor2=None, *, num_kv_heads=None, rotary_style=None, normalize=True,
                 q_weight=None, k_weight=None, weight_offset=0.0, eps=DEFAULT_EPS, cos_sin=None,
                 positions=None, op="qk_norm_rope") -> RopeLayout:
-    """The RopeLayout of the public functions' arguments (SPEC.md section 8); the library
-    validates it when the op runs, naming the argument at fault."""
+    """The RopeLayout of the public functions' arguments (SPEC.md section 8), their Python types
+    checked; the library validates the rest when the op runs, naming the argument at fault.
+    rotary_style None is "interleaved" with factor tables (the speedrun's, SPEC.md sections 1-7)
+    and an error with a cos/sin cache."""
+    # An int in factor1's place is num_heads given second: the general call without its keywords.
+    hint = (f"; the general layouts pass num_heads and the angles by keyword: {op}(..., "
+            f"num_heads=..., cos_sin=..., positions=..., rotary_style=...)"
+            if isinstance(factor1, int) else "")
+    _checks.tensor(op, "factor1", factor1, optional=True, hint=hint)
     if num_heads is None:
-        raise TypeError(f"{op}: num_heads is required")
+        raise TypeError(f"{op}: num_heads: missing (a required argument)")
+    _checks.integer(op, "num_heads", num_heads)
+    _checks.integer(op, "num_kv_heads", num_kv_heads, optional=True)
+    _checks.integer(op, "rotary_dim", rotary_dim, optional=True, least=0)
+    for name, value in (("paired", paired), ("key_offset", key_offset), ("normalize", normalize)):
+        _checks.flag(op, name, value)
+    _checks.number(op, "weight_offset", weight_offset)
+    _checks.number(op, "eps", eps)
+    for name, value in (("factor2", factor2), ("cos_sin", cos_sin), ("positions", positions),
+                        ("q_weight", q_weight), ("k_weight", k_weight)):
+        _checks.tensor(op, name, value, optional=True)
+    if rotary_style is None:
+        if cos_sin is not None:
+            raise ValueError(f"{op}: rotary_style: {_STYLE_REQUIRED}")
+        rotary_style = "interleaved"
+    elif rotary_style not in ROTARY_STYLES:
+        raise ValueError(f'{op}: rotary_style: expected "interleaved" or "neox", got '
+                         f"{rotary_style!r}")
     return RopeLayout(num_heads, num_kv_heads, rotary_dim, rotary_style, normalize, eps,
                       weight_offset, paired, key_offset, factor1, factor2, cos_sin, positions,
                       q_weight, k_weight)
@@ -33,12 +74,20 @@ def qk_norm_rope(qk: torch.Tensor, factor1: Optional[torch.Tensor] = None,
                  factor2: Optional[torch.Tensor] = None, num_heads: Optional[int] = None,
                  rotary_dim: Optional[int] = None, paired: bool = False,
                  key_offset: bool = False, *, num_kv_heads: Optional[int] = None,
-                 rotary_style: str = "interleaved", normalize: bool = True,
+                 rotary_style: Optional[str] = None, normalize: bool = True,
                  q_weight: Optional[torch.Tensor] = None, k_weight: Optional[torch.Tensor] = None,
                  weight_offset: float = 0.0, eps: float = DEFAULT_EPS,
                  cos_sin: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None):
     """(q, k) = rotary(norm(qk)) per head (SPEC.md sections 1 and 8), differentiable in qk and the
     norm weights (the backward is the registered qk_norm_rope_backward op).
+
+    The speedrun's layout, with per-token factor tables, positionally in the reference's order:
+        q, k = qk_norm_rope(qk, factor1, factor2, num_heads)
+    The general layouts by keyword from num_heads on, e.g. a Qwen3 layer:
+        q, k = qk_norm_rope(qk, num_heads=32, num_kv_heads=8, rotary_style="neox",
+                            q_weight=q_norm.weight, k_weight=k_norm.weight, eps=1e-6,
+                            cos_sin=cos_sin, positions=position_ids)
+    (num_heads second without its keyword, qk_norm_rope(qk, 32, ...), raises TypeError).
 
       qk            [T, Hq + Hkv, D] (query heads first), bf16 (float32/float64 too on the CPU);
                     last dim contiguous, other strides free. D even, 2..256.
@@ -51,7 +100,10 @@ def qk_norm_rope(qk: torch.Tensor, factor1: Optional[torch.Tensor] = None,
       key_offset    keys' lanes >= r come from the previous token (Hq = Hkv)
     Keyword-only:
       num_kv_heads  Hkv (GQA/MQA; divides Hq); default Hq
-      rotary_style  "interleaved" (lane d turns with d ^ 1) or "neox" (with d +- r/2)
+      rotary_style  "interleaved" (lane d turns with d ^ 1: the speedrun, GPT-J) or "neox" (with
+                    d +- r/2: Hugging Face's rotate_half, as in Llama, Qwen, Gemma). Required
+                    with cos_sin, which does not say how its lanes pair; with factor tables the
+                    default is "interleaved"
       normalize     False: rotary only, no RMS-norm (norm weights then not allowed)
       q_weight, k_weight  [D] bf16 or float32 norm weights: n * (w + weight_offset); each
                     receives a gradient (summed in float32, deterministic), in its own dtype
@@ -64,6 +116,7 @@ def qk_norm_rope(qk: torch.Tensor, factor1: Optional[torch.Tensor] = None,
                     or QKVFUSE_CHECK_POSITIONS=1 raise instead
     q is [T, Hq, D] and k [T, Hkv, D] ([2T, Hq/2, D] when paired), qk's dtype.
     """
+    _checks.tensor("qk_norm_rope", "qk", qk)
     layout = rope_layout(num_heads, rotary_dim, paired, key_offset, factor1, factor2,
                          num_kv_heads=num_kv_heads, rotary_style=rotary_style, normalize=normalize,
                          q_weight=q_weight, k_weight=k_weight, weight_offset=weight_offset, eps=eps,
@@ -71,23 +124,31 @@ def qk_norm_rope(qk: torch.Tensor, factor1: Optional[torch.Tensor] = None,
     return _ops.qk_norm_rope(qk, *layout)
 
 
-def qkv_backward_fp8(grad_q, grad_k, grad_v, qk, factor1, factor2, grad_scale, num_heads: int,
-                     rotary_dim: Optional[int] = None, paired: bool = False,
-                     key_offset: bool = False, *, num_kv_heads: Optional[int] = None,
-                     rotary_style: str = "interleaved", normalize: bool = True,
-                     q_weight: Optional[torch.Tensor] = None,
+def qkv_backward_fp8(grad_q, grad_k, grad_v, qk, factor1=None, factor2=None, grad_scale=None,
+                     num_heads: Optional[int] = None, rotary_dim: Optional[int] = None,
+                     paired: bool = False, key_offset: bool = False, *,
+                     num_kv_heads: Optional[int] = None, rotary_style: Optional[str] = None,
+                     normalize: bool = True, q_weight: Optional[torch.Tensor] = None,
                      k_weight: Optional[torch.Tensor] = None, weight_offset: float = 0.0,
                      eps: float = DEFAULT_EPS, cos_sin: Optional[torch.Tensor] = None,
                      positions: Optional[torch.Tensor] = None):
     """(grad_row [T, qkv_dim], grad_t [qkv_dim, T]), e4m3: the norm/rotary gradient of Q and K
-    (rounded to bf16) and grad_v [T, Hkv, Dv], divided by grad_scale, in both layouts (SPEC.md
-    sections 3 and 8; qkv_dim = (Hq + Hkv) * D + Hkv * Dv). The layout arguments are
-    qk_norm_rope's. With a norm weight given, returns (grad_row, grad_t, grad_q_weight,
+    (rounded to bf16) and grad_v [T, Hkv, Dv], divided by grad_scale (a float32 tensor [] or
+    [1]), in both layouts (SPEC.md sections 3 and 8; qkv_dim = (Hq + Hkv) * D + Hkv * Dv). The
+    layout arguments are qk_norm_rope's: the speedrun's positionally (grad_q, grad_k, grad_v, qk,
+    factor1, factor2, grad_scale, num_heads, ...), the general layouts' by keyword from
+    grad_scale on. With a norm weight given, returns (grad_row, grad_t, grad_q_weight,
     grad_k_weight), None for the weight not given."""
+    op = "qkv_backward_fp8"
+    for name, value in (("grad_q", grad_q), ("grad_k", grad_k), ("grad_v", grad_v), ("qk", qk)):
+        _checks.tensor(op, name, value)
+    if grad_scale is None:
+        raise TypeError(f"{op}: grad_scale: missing (a required argument)")
+    _checks.tensor(op, "grad_scale", grad_scale, expected=_checks.SCALAR)
     layout = rope_layout(num_heads, rotary_dim, paired, key_offset, factor1, factor2,
                          num_kv_heads=num_kv_heads, rotary_style=rotary_style, normalize=normalize,
                          q_weight=q_weight, k_weight=k_weight, weight_offset=weight_offset, eps=eps,
-                         cos_sin=cos_sin, positions=positions, op="qkv_backward_fp8")
+                         cos_sin=cos_sin, positions=positions, op=op)
     grad_row, grad_t, grad_q_weight, grad_k_weight = _ops.qkv_backward_fp8(
         grad_q, grad_k, grad_v, qk, grad_scale, *layout)
     if q_weight is None and k_weight is None:
@@ -101,6 +162,8 @@ def check_positions(positions: torch.Tensor, num_positions: int) -> None:
     the stream, and it cannot run while a CUDA graph is being captured (nor in a torch.compile
     graph replayed as one, mode="reduce-overhead"); QKVFUSE_CHECK_POSITIONS=1 makes every rope
     op run it first."""
+    _checks.tensor("check_positions", "positions", positions)
+    _checks.integer("check_positions", "num_positions", num_positions)
     _ops.check_positions(positions, num_positions)
 
 
@@ -110,8 +173,11 @@ torch.fx.node.has_side_effect(_ops.check_positions.default)
 
 def quantize_dual_layout(x: torch.Tensor, scale: torch.Tensor, amax: bool = False):
     """(row, t) = e4m3(x / scale) and its transpose, from one read of x (SPEC.md section 5); with
-    amax=True also max|x| (scale's shape). x is bf16 [M, N] with a scalar scale, or [B, M, N] with
-    scale [B]."""
+    amax=True also max|x| (scale's shape). x is bf16 [M, N] with a float32 scale [] or [1], or
+    [B, M, N] with scale [B]."""
+    _checks.tensor("quantize_dual_layout", "x", x)
+    _checks.tensor("quantize_dual_layout", "scale", scale,
+                   expected=_checks.SCALAR + " ([B] for x [B, M, N])")
     if amax:
         return _ops.quantize_dual_layout_amax(x, scale)
     return _ops.quantize_dual_layout(x, scale)
@@ -120,10 +186,19 @@ def quantize_dual_layout(x: torch.Tensor, scale: torch.Tensor, amax: bool = Fals
 def quantize_weight_bank(weights: torch.Tensor):
     """(row [B, M, N], t [B, N, M], scale [B]) for bf16 weights [B, M, N], with the current scale
     max|weights[b]| / 448 per entry (1 for an all-zero entry), computed on the device."""
+    _checks.tensor("quantize_weight_bank", "weights", weights)
     return _ops.quantize_weight_bank(weights)
 
 
 def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
              alpha: Optional[torch.Tensor] = None, fast_accum: bool = False) -> torch.Tensor:
-    """bf16 (a @ b^T) * scale_a * scale_b * alpha for e4m3 a [M, K] and b [N, K], fp32 accumulation."""
+    """bf16 (a @ b^T) * scale_a * scale_b * alpha for e4m3 a [M, K] and b [N, K], fp32
+    accumulation; the scales are float32 tensors [] or [1]."""
+    _checks.tensor("fp8_gemm", "a", a)
+    _checks.tensor("fp8_gemm", "b", b)
+    for name, value in (("scale_a", scale_a), ("scale_b", scale_b)):
+        _checks.tensor("fp8_gemm", name, value, expected=_checks.SCALAR)
+    _checks.tensor("fp8_gemm", "alpha", alpha, optional=True,
+                   expected=_checks.SCALAR + " or None")
+    _checks.flag("fp8_gemm", "fast_accum", fast_accum)
     return _ops.fp8_gemm(a, b, scale_a, scale_b, alpha, fast_accum)

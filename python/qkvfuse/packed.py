@@ -20,13 +20,11 @@ from typing import Optional
 
 import torch
 
+from . import _checks
 from ._layout import DEFAULT_EPS, RopeLayout, kernel_readable, qkv_views, split_grad_weight
 from .ops import quantize_dual_layout, quantize_weight_bank, rope_layout
 
 _ops = torch.ops.qkvfuse
-
-# packed_fp8_qkv's forward_gemm values (qkvfuse::ForwardGemm, include/qkvfuse/packed_qkv.hpp).
-FORWARD_GEMMS = ("cublaslt", "fused", "auto")
 
 E4M3_MAX = 448.0
 # Never a zero scale: it would saturate every e4m3 code (docs/special_values.md).
@@ -37,19 +35,15 @@ GRAD_HEADROOM = 4.0
 
 
 def _forward(ctx, x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale, qkv_scale,
-             x_scale, grad_scale, x_f8, x_f8_t, layout: RopeLayout, forward_gemm: str):
-    qk_heads = layout.num_heads + layout.kv_heads
-    # The head widths come from the master weights' rows; the library checks everything else.
-    for name, weight, heads, what in (
-            ("qk_weight", qk_weight, qk_heads, "num_heads + num_kv_heads"),
-            ("v_weight", v_weight, layout.kv_heads, "num_kv_heads")):
-        if weight.dim() != 2 or heads < 1 or weight.shape[0] % heads:
-            raise RuntimeError(f"packed_fp8_qkv: {name}: expected 2 dims whose rows are a "
-                               f"multiple of {what} = {heads}, got shape {list(weight.shape)}")
-    qk_dim = qk_weight.shape[0] // qk_heads
-    v_dim = v_weight.shape[0] // layout.kv_heads
+             x_scale, grad_scale, x_f8, x_f8_t, layout: RopeLayout):
+    # What only the backward reads is checked now, so that a mistake fails this call; the head
+    # widths come from the master weights' rows. The library checks the rest when the op runs.
+    qk_dim, v_dim = _checks.packed_arguments("packed_fp8_qkv", dict(
+        x=x, qk_weight=qk_weight, v_weight=v_weight, weight_f8=weight_f8, weight_f8_t=weight_f8_t,
+        weight_scale=weight_scale, qkv_scale=qkv_scale, x_scale=x_scale, grad_scale=grad_scale,
+        x_f8=x_f8, x_f8_t=x_f8_t), layout)
     q, k, qkv = _ops.packed_qkv_forward(x_f8, weight_f8, x_scale, weight_scale, qkv_scale, qk_dim,
-                                        v_dim, forward_gemm, *layout)
+                                        v_dim, *layout)
     qk, v = qkv_views(qkv, x_f8.shape[0], layout, qk_dim, v_dim)
     ctx.save_for_backward(qk, x_f8_t, weight_f8_t, qk_weight, v_weight, x_scale, weight_scale,
                           qkv_scale, *layout.tensors())
@@ -68,6 +62,7 @@ def _backward(ctx, grad_q, grad_k, grad_v):
     (qk, x_f8_t, weight_f8_t, qk_weight, v_weight, x_scale, weight_scale, qkv_scale,
      *tensors) = ctx.saved_tensors
     layout = RopeLayout(*ctx.options, *tensors)
+    _checks.positive_scale("packed_fp8_qkv", "grad_scale", ctx.grad_scale)
     grad_x, grad_weight, grad_qkv_scale, grad_q_weight, grad_k_weight = _ops.packed_qkv_backward(
         kernel_readable(grad_q), kernel_readable(grad_k), kernel_readable(grad_v), qk, x_f8_t,
         weight_f8_t, qk_weight, v_weight, x_scale, weight_scale, qkv_scale, ctx.grad_scale,
@@ -87,7 +82,7 @@ class PackedFP8QKVFunction(torch.autograd.Function):
         layout = RopeLayout(num_heads, rotary_dim=rotary_dim, paired=paired,
                             key_offset=key_offset, factor1=factor1, factor2=factor2)
         return _forward(ctx, x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale,
-                        qkv_scale, x_scale, grad_scale, x_f8, x_f8_t, layout, "cublaslt")
+                        qkv_scale, x_scale, grad_scale, x_f8, x_f8_t, layout)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k, grad_v):
@@ -99,17 +94,15 @@ class PackedFP8QKVFunction(torch.autograd.Function):
 
 
 class PackedFP8QKVLayoutFunction(torch.autograd.Function):
-    """The general layout: the projection's arguments, the forward's GEMM (packed_fp8_qkv's
-    forward_gemm), then RopeLayout's fields in order (their tensors factor1, factor2, cos_sin,
-    positions, q_weight, k_weight). Gradients for x, qk_weight, v_weight, qkv_scale and the norm
-    weights."""
+    """The general layout: the projection's arguments, then RopeLayout's fields in order (their
+    tensors factor1, factor2, cos_sin, positions, q_weight, k_weight). Gradients for x, qk_weight,
+    v_weight, qkv_scale and the norm weights."""
 
     @staticmethod
     def forward(ctx, x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale, qkv_scale,
-                x_scale, grad_scale, x_f8, x_f8_t, forward_gemm, *layout):
+                x_scale, grad_scale, x_f8, x_f8_t, *layout):
         return _forward(ctx, x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale,
-                        qkv_scale, x_scale, grad_scale, x_f8, x_f8_t, RopeLayout(*layout),
-                        forward_gemm)
+                        qkv_scale, x_scale, grad_scale, x_f8, x_f8_t, RopeLayout(*layout))
 
     @staticmethod
     def backward(ctx, grad_q, grad_k, grad_v):
@@ -117,7 +110,7 @@ class PackedFP8QKVLayoutFunction(torch.autograd.Function):
             _backward(ctx, grad_q, grad_k, grad_v))
         layout_grads = (None,) * (len(RopeLayout._fields) - 2) + (grad_q_weight, grad_k_weight)
         return (grad_x, grad_qk_weight, grad_v_weight, None, None, None, grad_qkv_scale, None,
-                None, None, None, None, *layout_grads)
+                None, None, None, *layout_grads)
 
 
 # The reference exports its autograd function's apply under this name: calling it runs the op.
@@ -127,11 +120,11 @@ PackedFP8QKV = PackedFP8QKVFunction.apply
 def packed_fp8_qkv(x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale, qkv_scale,
                    x_scale, grad_scale, factor1, factor2, num_heads, paired, key_offset, rotary_dim,
                    x_f8, x_f8_t, *, num_kv_heads: Optional[int] = None,
-                   rotary_style: str = "interleaved", normalize: bool = True,
+                   rotary_style: Optional[str] = None, normalize: bool = True,
                    q_weight: Optional[torch.Tensor] = None,
                    k_weight: Optional[torch.Tensor] = None, weight_offset: float = 0.0,
                    eps: float = DEFAULT_EPS, cos_sin: Optional[torch.Tensor] = None,
-                   positions: Optional[torch.Tensor] = None, forward_gemm: str = "cublaslt"):
+                   positions: Optional[torch.Tensor] = None):
     """(q, k, v) = norm + rotary of x @ (qkv_scale * [Wq; Wk; Wv]).T, as one FP8 GEMM off the cached
     packed weight (two for paired layers, so that v is dense).
 
@@ -141,32 +134,28 @@ def packed_fp8_qkv(x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale,
                    the cached packed weight (PackedWeightCache); qkv_dim = (Hq+Hkv)*D + Hkv*Dv
       qkv_scale    float32 scalar, learnable
       x_scale, grad_scale  float32 scalars; x_f8 [T, C], x_f8_t [C, T]: x quantized with x_scale.
-                   grad_scale is read when the backward runs: it must bring the gradients into
-                   e4m3 range (a fixed 1/448 lets small gradients round to zero), and a tensor
-                   hook on q, k or v may set it from the gradients of the step (current scaling)
+                   grad_scale is read when the backward runs: it must be positive and bring the
+                   gradients into e4m3 range (a fixed 1/448 lets small gradients round to zero),
+                   and a tensor hook on q, k or v may set it from the gradients of the step
+                   (current scaling). On the CPU the backward refuses a scale that is not
+                   positive and finite (ValueError); on CUDA nothing reads it on the host (that
+                   would synchronize): a zero scale there gives zero (or NaN) gradients
+                   (docs/special_values.md)
       factor1/2    rotary tables [T, D] ([T, 2D] when paired), bf16 or float32; None with cos_sin
       num_heads    Hq; paired, key_offset, rotary_dim (None: the default) as qk_norm_rope's
-    Keyword-only, as qk_norm_rope's: num_kv_heads, rotary_style, normalize, q_weight, k_weight
-    (these receive gradients), weight_offset, eps, cos_sin, positions. And the forward's GEMM,
-    forward_gemm: "cublaslt" (the default: cuBLASLt, then the norm + rotary kernel; every layout),
-    "fused" (one CUTLASS kernel writes q, k and v: CUDA, a build with CUTLASS, which pip's is not
-    by default, weightless RMS norm, bf16 factor tables, D = 64, 96 or 128; otherwise an error
-    says why) or "auto" (fused where it runs). Not yet faster than cuBLASLt (docs/STATUS.md); the
-    backward is the same either way.
+    Keyword-only, as qk_norm_rope's: num_kv_heads, rotary_style (required with cos_sin),
+    normalize, q_weight, k_weight (these receive gradients), weight_offset, eps, cos_sin,
+    positions. Every argument is checked when the forward runs, those only the backward reads
+    included.
     Returns q [T, Hq, D], k [T, Hkv, D] ([2T, Hq/2, D] each when paired) and v [T, Hkv, Dv], bf16.
     """
-    # The op refuses it too, but as a RuntimeError from inside the autograd function: a typo is a
-    # bad Python argument, reported as such before anything runs.
-    if forward_gemm not in FORWARD_GEMMS:
-        raise ValueError(f"packed_fp8_qkv: forward_gemm: expected 'cublaslt', 'fused' or 'auto', "
-                         f"got {forward_gemm!r}")
     layout = rope_layout(num_heads, rotary_dim, paired, key_offset, factor1, factor2,
                          num_kv_heads=num_kv_heads, rotary_style=rotary_style, normalize=normalize,
                          q_weight=q_weight, k_weight=k_weight, weight_offset=weight_offset, eps=eps,
                          cos_sin=cos_sin, positions=positions, op="packed_fp8_qkv")
     return PackedFP8QKVLayoutFunction.apply(x, qk_weight, v_weight, weight_f8, weight_f8_t,
                                             weight_scale, qkv_scale, x_scale, grad_scale, x_f8,
-                                            x_f8_t, forward_gemm, *layout)
+                                            x_f8_t, *layout)
 
 
 # ---- current scaling: every scale from the tensors of the call ---------------------------------
@@ -185,30 +174,24 @@ def current_scale(tensors, headroom: float = 1.0) -> torch.Tensor:
 
 class PackedFP8QKVCurrentScalingFunction(torch.autograd.Function):
     """packed_fp8_qkv_current_scaling's autograd function: x, the packed weight, qkv_scale, the
-    head width, the gradient's headroom and the forward's GEMM, then RopeLayout's fields in order.
-    Gradients for x, weight, qkv_scale and the norm weights."""
+    head width and the gradient's headroom, then RopeLayout's fields in order. Gradients for x,
+    weight, qkv_scale and the norm weights."""
 
     @staticmethod
-    def forward(ctx, x, weight, qkv_scale, head_dim, grad_headroom, forward_gemm, *layout):
+    def forward(ctx, x, weight, qkv_scale, head_dim, grad_headroom, *layout):
         layout = RopeLayout(*layout)
         qk_rows = (layout.num_heads + layout.kv_heads) * head_dim
-        v_rows = weight.shape[0] - qk_rows if weight.dim() == 2 else 0
-        if v_rows <= 0 or v_rows % layout.kv_heads:
-            raise ValueError(
-                f"packed_fp8_qkv_current_scaling: weight: expected [(Hq + Hkv) * D + Hkv * Dv, C] "
-                f"= [{qk_rows} + {layout.kv_heads} * Dv, C] with Dv >= 1 (Hq = "
-                f"{layout.num_heads}, Hkv = {layout.kv_heads}, D = head_dim = {head_dim}), got "
-                f"shape {list(weight.shape)}")
+        v_dim = (weight.shape[0] - qk_rows) // layout.kv_heads
+        x2d = x.reshape(-1, weight.shape[1])
         # Outside autocast, whose CUDA policy would reduce the norm in float32 (a cast of x).
         with torch.autocast(x.device.type, enabled=False):
-            x_scale = current_scale((x,))
-        x_f8, x_f8_t = quantize_dual_layout(x, x_scale)
+            x_scale = current_scale((x2d,))
+        x_f8, x_f8_t = quantize_dual_layout(x2d, x_scale)
         # The weight bank op computes amax / 448 on the device; one entry here.
         weight_f8, weight_f8_t, weight_scale = quantize_weight_bank(weight.unsqueeze(0))
         weight_f8, weight_f8_t, weight_scale = weight_f8[0], weight_f8_t[0], weight_scale[0]
-        v_dim = v_rows // layout.kv_heads
         q, k, qkv = _ops.packed_qkv_forward(x_f8, weight_f8, x_scale, weight_scale, qkv_scale,
-                                            head_dim, v_dim, forward_gemm, *layout)
+                                            head_dim, v_dim, *layout)
         qk, v = qkv_views(qkv, x_f8.shape[0], layout, head_dim, v_dim)
         ctx.save_for_backward(qk, x_f8_t, weight_f8_t, weight, x_scale, weight_scale, qkv_scale,
                               *layout.tensors())
@@ -232,7 +215,7 @@ class PackedFP8QKVCurrentScalingFunction(torch.autograd.Function):
                                      grad_scale, *layout))
         layout_grads = (None,) * (len(RopeLayout._fields) - 2) + tuple(
             layout.weight_grads(grad_q_weight, grad_k_weight))
-        return (grad_x.view(ctx.x_shape), grad_weight, grad_qkv_scale, None, None, None,
+        return (grad_x.view(ctx.x_shape), grad_weight, grad_qkv_scale, None, None,
                 *layout_grads)
 
 
@@ -242,19 +225,18 @@ def packed_fp8_qkv_current_scaling(
         num_kv_heads: Optional[int] = None, rotary_dim: Optional[int] = None,
         paired: bool = False, key_offset: bool = False,
         factor1: Optional[torch.Tensor] = None, factor2: Optional[torch.Tensor] = None,
-        rotary_style: str = "interleaved", normalize: bool = True,
+        rotary_style: Optional[str] = None, normalize: bool = True,
         q_weight: Optional[torch.Tensor] = None, k_weight: Optional[torch.Tensor] = None,
         weight_offset: float = 0.0, eps: float = DEFAULT_EPS,
-        cos_sin: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None,
-        forward_gemm: str = "cublaslt"):
+        cos_sin: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None):
     """(q, k, v) = norm + rotary of x @ (qkv_scale * weight).T through one FP8 GEMM, as
     packed_fp8_qkv computes them, with every e4m3 scale computed in the call (current scaling):
 
       x          bf16 [T, C] (or any shape of T*C elements): x_scale = max|x| / 448, quantized
                  to e4m3 [T, C] and [C, T] in this call
-      weight     bf16 [(Hq+Hkv)*D + Hkv*Dv, C], the packed [Wq; Wk; Wv] (e.g. a torch.cat of
-                 the master weights cast to bf16, through which their gradients flow): quantized
-                 to e4m3 in both layouts with scale max|weight| / 448 in this call
+      weight     bf16 [(Hq+Hkv)*D + Hkv*Dv, C], contiguous: the packed [Wq; Wk; Wv] (e.g. a
+                 torch.cat of the master weights cast to bf16, through which their gradients
+                 flow), quantized to e4m3 in both layouts with scale max|weight| / 448 in this call
       num_heads  Hq;  head_dim  D (Dv follows from the weight's rows)
       qkv_scale  float32 scalar multiplying the product (learnable; None: 1)
       grad_headroom  the backward quantizes grad q, k, v with grad_scale = grad_headroom *
@@ -263,9 +245,9 @@ def packed_fp8_qkv_current_scaling(
                  forwards before one backward each get their own); a fixed scale lets small
                  gradients round to zero in e4m3 (docs/training/README.md)
     The layout keywords are packed_fp8_qkv's and qk_norm_rope's (num_kv_heads, rotary_dim,
-    paired, key_offset, factor tables or cos_sin + positions, rotary_style, normalize, q_weight,
-    k_weight, weight_offset, eps), and forward_gemm is packed_fp8_qkv's. Scales never drop below
-    2^-100 (an all-zero tensor). Gradients for x, weight, qkv_scale and the norm weights.
+    paired, key_offset, factor tables or cos_sin + positions, rotary_style (required with
+    cos_sin), normalize, q_weight, k_weight, weight_offset, eps). Scales never drop below 2^-100
+    (an all-zero tensor). Gradients for x, weight, qkv_scale and the norm weights.
     Returns q [T, Hq, D], k [T, Hkv, D] ([2T, Hq/2, D] each when paired), v [T, Hkv, Dv], bf16.
 
     What per-call weight scaling costs: the weight's quantization (two passes over the bf16
@@ -281,20 +263,32 @@ def packed_fp8_qkv_current_scaling(
     that is under 1 % of the forward and about 0.3 % of forward + backward.
     """
     name = "packed_fp8_qkv_current_scaling"
-    if forward_gemm not in FORWARD_GEMMS:
-        raise ValueError(f"{name}: forward_gemm: expected 'cublaslt', 'fused' or 'auto', got "
-                         f"{forward_gemm!r}")
     layout = rope_layout(num_heads, rotary_dim, paired, key_offset, factor1, factor2,
                          num_kv_heads=num_kv_heads, rotary_style=rotary_style, normalize=normalize,
                          q_weight=q_weight, k_weight=k_weight, weight_offset=weight_offset, eps=eps,
                          cos_sin=cos_sin, positions=positions, op=name)
-    for arg, tensor in (("x", x), ("weight", weight)):
-        if tensor.dtype != torch.bfloat16:
-            raise TypeError(f"{name}: {arg}: expected torch.bfloat16, got {tensor.dtype}")
+    _checks.tensor(name, "x", x)
+    _checks.tensor(name, "weight", weight)
+    _checks.tensor(name, "qkv_scale", qkv_scale, optional=True, expected=_checks.SCALAR)
+    _checks.integer(name, "head_dim", head_dim, least=1)
+    _checks.number(name, "grad_headroom", grad_headroom)
     if not 0 < grad_headroom < float("inf"):
         raise ValueError(f"{name}: grad_headroom: expected a positive finite number, got "
                          f"{grad_headroom}")
+    if x.dtype != torch.bfloat16:
+        raise RuntimeError(f"{name}: x: expected torch.bfloat16, got {x.dtype}")
+    qk_rows = (layout.num_heads + layout.kv_heads) * head_dim
+    rows = weight.shape[0] if weight.dim() == 2 else 0
+    if not (weight.dtype == torch.bfloat16 and weight.is_contiguous() and rows > qk_rows
+            and layout.kv_heads >= 1 and (rows - qk_rows) % layout.kv_heads == 0
+            and weight.shape[1] >= 1 and x.numel() % weight.shape[1] == 0):
+        raise RuntimeError(
+            f"{name}: weight: expected a contiguous torch.bfloat16 tensor [(Hq + Hkv) * D + "
+            f"Hkv * Dv, C] = [{qk_rows} + {layout.kv_heads} * Dv, C] with Dv >= 1 (Hq = "
+            f"{layout.num_heads}, Hkv = {layout.kv_heads}, D = head_dim = {head_dim}) and C "
+            f"dividing x's {x.numel()} elements, got {weight.dtype} of shape "
+            f"{list(weight.shape)}")
     if qkv_scale is None:
         qkv_scale = torch.ones((), dtype=torch.float32, device=x.device)
     return PackedFP8QKVCurrentScalingFunction.apply(x, weight, qkv_scale, head_dim, grad_headroom,
-                                                    forward_gemm, *layout)
+                                                    *layout)

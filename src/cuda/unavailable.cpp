@@ -1,7 +1,6 @@
 // unavailable.cpp: the CUDA backend of a build without nvcc. Every entry throws, so a CUDA
 // tensor handed to a CPU-only build gets a clear error rather than a crash.
 #include "backend.hpp"
-#include "cuda/fused_qkv_gemm.hpp"
 #include "qkvfuse/error.hpp"
 #include "qkvfuse/qkvfuse.hpp"
 
@@ -33,13 +32,6 @@ int64_t backward_workspace_size(const QkvBackwardFp8Params&) { unavailable("qkv_
 BadPosition find_bad_position(const TensorView&, int64_t, Stream) {
   unavailable("check_positions");
 }
-// What the packed op's forward calls of the fused QKV GEMM (fused_qkv_gemm.hpp); which layouts it
-// takes (fused_qkv_unsupported) is answered in this build too.
-bool cutlass_gemms_available() { return false; }
-FusedQkvKernelArgs fused_qkv_kernel_args(const FusedQkvGemmParams&, const std::string& op) {
-  unavailable(op.c_str());
-}
-void run_fused_qkv_gemm(const FusedQkvKernelArgs&, Stream) { unavailable("fused_qkv_gemm"); }
 
 }  // namespace cuda
 

@@ -97,44 +97,6 @@ def test_compiled_layout_step_matches_eager(device, name, dynamic):
         assert torch.equal(raw_bytes(a), raw_bytes(b))
 
 
-def gemm_step(x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale, qkv_scale, x_scale,
-              grad_scale, factor1, factor2, num_heads, paired, key_offset, rotary_dim,
-              forward_gemm):
-    """The packed projection alone, with the forward's GEMM chosen by forward_gemm."""
-    x_f8, x_f8_t = qkvfuse.quantize_dual_layout(x.detach(), x_scale)
-    return qkvfuse.packed_fp8_qkv(x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale,
-                                  qkv_scale, x_scale, grad_scale, factor1, factor2, num_heads,
-                                  paired, key_offset, rotary_dim, x_f8, x_f8_t,
-                                  forward_gemm=forward_gemm)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_compiled_forward_gemm_auto_matches_eager(device):
-    """forward_gemm="auto" through torch.compile(fullgraph=True): the choice is made in the op at
-    run time (the fused GEMM where it runs: CUDA tensors, a build with CUTLASS, this layout), so
-    the compiled graph runs what eager runs, bit for bit."""
-    torch._dynamo.reset()
-    p = Problem(LAYOUTS["key_offset"], device)  # D = 64: a layout the fused GEMM is built for
-    w = p.cache[0]
-    inputs = (p.x, p.qk_weight, p.v_weight, p.qkv_scale)
-
-    def run_gemm(fn, grads_out=None):
-        outputs = fn(p.x, p.qk_weight, p.v_weight, w.weight_f8, w.weight_f8_t, w.weight_scale,
-                     p.qkv_scale, p.x_scale, p.grad_scale, p.factor1, p.factor2, p.heads,
-                     p.paired, p.key_offset, p.rotary_dim, "auto")
-        if grads_out is None:
-            grads_out = [torch.randn_like(t) for t in outputs]
-        grads = torch.autograd.grad(outputs, inputs, grads_out)
-        return [t.detach() for t in outputs] + list(grads), grads_out
-
-    eager, grads_out = run_gemm(gemm_step)
-    compiled, _ = run_gemm(torch.compile(gemm_step, fullgraph=True), grads_out)
-    assert len(compiled) == len(eager) == 3 + len(inputs)
-    for a, b in zip(compiled, eager):
-        assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
-        assert torch.equal(raw_bytes(a), raw_bytes(b))
-
-
 def checked_rope(qk, cos_sin, positions):
     qkvfuse.check_positions(positions, cos_sin.shape[0])
     return qkvfuse.qk_norm_rope(qk, num_heads=2, num_kv_heads=1, rotary_style="neox",
@@ -153,3 +115,30 @@ def test_compiled_check_positions_still_checks():
         assert torch.equal(a, b)
     with pytest.raises(RuntimeError, match=r"check_positions: positions\[1\] = 6 lies outside"):
         compiled(qk, cos_sin, torch.tensor([0, 6, 2, 1, 3]))
+
+
+def test_meta_tensors_give_meta_outputs():
+    """Every tensor on the meta device: the fake kernels answer with outputs of the right shapes
+    on meta, as tracing and device="meta" model building need (a meta tensor among real ones is
+    an error instead: test_errors.py)."""
+    layout, options = LAYOUT_CASES["qwen3_gqa"]
+    p = Problem(layout, "meta", options)
+    q, k, v = qkvfuse.packed_fp8_qkv(*p.arguments(), **p.options)
+    assert [t.shape for t in (q, k, v)] == [(32, 4, 32), (32, 2, 32), (32, 2, 32)]
+    grads = torch.autograd.grad((q, k, v), (p.x, p.qk_weight, p.v_weight, p.qkv_scale,
+                                            p.options["q_weight"]),
+                                [torch.ones_like(t) for t in (q, k, v)])
+    assert [g.shape for g in grads] == [p.x.shape, p.qk_weight.shape, p.v_weight.shape, (),
+                                        (32,)]
+    qk = p.x.new_empty((32, 6, 32)).requires_grad_()
+    q, k = qkvfuse.qk_norm_rope(qk, **p.rope_layout(detach=True))
+    (grad_qk,) = torch.autograd.grad((q, k), (qk,), (torch.ones_like(q), torch.ones_like(k)))
+    grad_row, grad_t, _, _ = qkvfuse.qkv_backward_fp8(
+        q.detach(), k.detach(), v.detach(), qk.detach(), grad_scale=p.grad_scale,
+        **p.rope_layout(detach=True))
+    row, t, amax = qkvfuse.quantize_dual_layout(p.x.detach(), p.x_scale, amax=True)
+    d = qkvfuse.fp8_gemm(row, row, p.x_scale, p.x_scale)
+    outputs = (q, k, grad_qk, grad_row, grad_t, row, t, amax, d, *grads)
+    assert all(t.device.type == "meta" for t in outputs)
+    assert (grad_qk.shape, grad_row.shape, grad_t.shape, t.shape, d.shape) == (
+        qk.shape, (32, 256), (256, 32), (64, 32), (32, 32))

@@ -125,20 +125,28 @@ def test_errors_name_the_argument():
     x = p.x.detach()
     tables = dict(factor1=p.factor1, factor2=p.factor2)
     call = qkvfuse.packed_fp8_qkv_current_scaling
-    with pytest.raises(TypeError, match=r"packed_fp8_qkv_current_scaling: x: expected "
-                                        r"torch.bfloat16, got torch.float32"):
+    with pytest.raises(RuntimeError, match=r"packed_fp8_qkv_current_scaling: x: expected "
+                                           r"torch.bfloat16, got torch.float32"):
         call(x.float(), weight, p.heads, p.qk_dim, **tables)
-    with pytest.raises(TypeError, match=r"weight: expected torch.bfloat16, got torch.float32"):
+    with pytest.raises(RuntimeError, match=r"weight: expected a contiguous torch.bfloat16 tensor "
+                                           r".* got torch.float32 of shape \[192, 64\]"):
         call(x, weight.float(), p.heads, p.qk_dim, **tables)
-    with pytest.raises(ValueError, match=r"weight: expected \[\(Hq \+ Hkv\) \* D \+ Hkv \* Dv, "
-                                         r"C\] = \[128 \+ 2 \* Dv, C\] .* got shape \[128, 64\]"):
+    with pytest.raises(RuntimeError, match=r"weight: expected .*\[\(Hq \+ Hkv\) \* D \+ Hkv \* "
+                                           r"Dv, C\] = \[128 \+ 2 \* Dv, C\] .* got "
+                                           r"torch.bfloat16 of shape \[128, 64\]"):
         call(x, weight[:128], p.heads, p.qk_dim, **tables)
+    with pytest.raises(RuntimeError, match=r"weight: expected a contiguous"):
+        call(x, weight.t().contiguous().t(), p.heads, p.qk_dim, **tables)
+    with pytest.raises(TypeError, match=r"weight: expected a tensor, got float"):
+        call(x, 1.0, p.heads, p.qk_dim, **tables)
+    with pytest.raises(TypeError, match=r"qkv_scale: expected a torch.float32 tensor"):
+        call(x, weight, p.heads, p.qk_dim, qkv_scale=1.0, **tables)
     with pytest.raises(ValueError, match=r"grad_headroom: expected a positive finite number, "
                                          r"got 0"):
         call(x, weight, p.heads, p.qk_dim, grad_headroom=0, **tables)
-    with pytest.raises(ValueError, match=r"forward_gemm: expected 'cublaslt', 'fused' or "
-                                         r"'auto', got 'cutlass'"):
-        call(x, weight, p.heads, p.qk_dim, forward_gemm="cutlass", **tables)
+    with pytest.raises(ValueError, match=r"rotary_style"):  # required with a cos/sin cache
+        call(x, weight, p.heads, p.qk_dim, cos_sin=torch.randn(40, 32),
+             positions=torch.zeros(32, dtype=torch.int64))
 
 
 @pytest.mark.parametrize("device", DEVICES)

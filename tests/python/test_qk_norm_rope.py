@@ -4,7 +4,7 @@ import torch
 
 import qkvfuse
 import reference as ref
-from conftest import DEVICES, assert_bf16_close, poison_allocator, requires_cuda
+from conftest import DEVICES, assert_bf16_close, poison_allocator
 from qkvfuse._layout import RopeLayout
 
 BF16 = torch.bfloat16
@@ -164,27 +164,25 @@ def test_opcheck(device, name):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_errors_name_the_argument(device):
-    qk, factor1, factor2 = make_inputs(LAYOUTS["plain"], device)
-    with pytest.raises(RuntimeError, match="qk_norm_rope: qk: .*Half"):
-        qkvfuse.qk_norm_rope(qk.half(), factor1, factor2, 2)
-    with pytest.raises(RuntimeError, match="qk_norm_rope: layout.factor1"):
-        qkvfuse.qk_norm_rope(qk, factor1[:, :16], factor2, 2)
-    with pytest.raises(RuntimeError, match="qk_norm_rope: qk"):
-        qkvfuse.qk_norm_rope(qk.transpose(0, 2).contiguous().transpose(0, 2), factor1, factor2, 2)
-    with pytest.raises(RuntimeError, match="qk_norm_rope: qk"):
-        qkvfuse.qk_norm_rope(qk, factor1, factor2, 3)
-    with pytest.raises(RuntimeError, match="qk_norm_rope: qk: expected 3 dims"):
-        qkvfuse.qk_norm_rope(qk.flatten(1), factor1, factor2, 2)
-    with pytest.raises(RuntimeError,
-                       match="qk_norm_rope: layout.factor2: expected at most 4 dims"):
-        qkvfuse.qk_norm_rope(qk, factor1, factor2.view(1, 1, 1, *factor2.shape), 2)
-    with pytest.raises(RuntimeError, match="qk_norm_rope: layout.num_heads: expected >= 1"):
-        qkvfuse.qk_norm_rope(qk, factor1, factor2, 0)
-
-
-@requires_cuda
-def test_errors_on_mixed_devices():
-    qk, factor1, factor2 = make_inputs(LAYOUTS["plain"], "cuda")
-    with pytest.raises(RuntimeError, match="qk_norm_rope: layout.factor1"):
-        qkvfuse.qk_norm_rope(qk, factor1.cpu(), factor2, 2)
+def test_positional_and_keyword_calls_agree(device):
+    """The two ways to call it give the same bits: the speedrun's positional order (the
+    reference's: factor1, factor2, num_heads, rotary_dim, paired, key_offset) and keywords; a
+    general layout by keyword from num_heads on, or positionally with two Nones for the tables."""
+    qk, factor1, factor2 = make_inputs(LAYOUTS["key_offset"], device)
+    heads = qk.shape[1] // 2
+    positional = qkvfuse.qk_norm_rope(qk, factor1, factor2, heads, 32, False, True)
+    keywords = qkvfuse.qk_norm_rope(qk, key_offset=True, rotary_dim=32, num_heads=heads,
+                                    factor2=factor2, factor1=factor1)
+    for a, b in zip(positional, keywords):
+        assert torch.equal(a, b)
+    cos_sin = qkvfuse.rotary_cos_sin(40, qk.shape[2], device=device)
+    positions = torch.randint(0, 40, (qk.shape[0],), device=device)
+    general = dict(rotary_style="neox", cos_sin=cos_sin, positions=positions)
+    by_keyword = qkvfuse.qk_norm_rope(qk, num_heads=heads, **general)
+    with_nones = qkvfuse.qk_norm_rope(qk, None, None, heads, **general)
+    for a, b in zip(by_keyword, with_nones):
+        assert torch.equal(a, b)
+    # And it is the cache's rotation (tables built from the cache give the same bits).
+    tables = qkvfuse.factor_tables_from_cos_sin(cos_sin, positions, qk.shape[2], "neox")
+    for a, b in zip(by_keyword, qkvfuse.qk_norm_rope(qk, *tables, heads, rotary_style="neox")):
+        assert torch.equal(a, b)

@@ -114,19 +114,3 @@ def test_opcheck(device):
     # With an input that requires grad: the ops declare that they have no gradient.
     torch.library.opcheck(torch.ops.qkvfuse.quantize_weight_bank.default,
                           (batch.clone().requires_grad_(),))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_errors_name_the_argument(device):
-    x = torch.randn(32, 48, device=device).to(BF16)
-    scale = torch.tensor(0.05, device=device)
-    with pytest.raises(RuntimeError, match="quantize_dual_layout: src"):
-        qkvfuse.quantize_dual_layout(x.float(), scale)
-    with pytest.raises(RuntimeError, match="quantize_dual_layout: scale"):
-        qkvfuse.quantize_dual_layout(x, scale.double())
-    with pytest.raises(RuntimeError, match="quantize_dual_layout: scale"):
-        qkvfuse.quantize_dual_layout(x, torch.ones(2, device=device))
-    with pytest.raises(RuntimeError, match="quantize_dual_layout: src: expected 2 dims"):
-        qkvfuse.quantize_dual_layout(x.flatten(), scale)
-    with pytest.raises(RuntimeError, match="quantize_weight_bank: src: expected 3 dims"):
-        qkvfuse.quantize_weight_bank(x)

@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.nn as nn
 
+import qkvfuse
+
 transformers = pytest.importorskip(
     "transformers",
     reason="Hugging Face transformers is not installed (pip install .[transformers])")
@@ -188,6 +190,30 @@ def test_cuda_against_float64(family, fp8):
         assert_within_fp8(mine, exact)
     else:
         assert_within_bf16(mine, unpatched, exact)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_fp8_without_autocast_runs_whatever_the_token_count(dtype, monkeypatch):
+    """fp8=True on a float32 (or float64) model without autocast: every call runs, whether its
+    T = batch x sequence is a multiple of 16 (the FP8 op, computing in bf16, its q, k, v cast
+    back to the model's dtype) or not (the path of fp8=False, in the model's dtype)."""
+    calls = []
+    op = qkvfuse.packed_fp8_qkv_current_scaling
+    monkeypatch.setattr(qkvfuse, "packed_fp8_qkv_current_scaling",
+                        lambda *args, **kwargs: calls.append(1) or op(*args, **kwargs))
+    model = build("qwen3")
+    fp8_model = patched(model, fp8=True, dtype=dtype)
+    for seq in (24, 23):  # T = 48, a multiple of 16; T = 46, not
+        ids, _ = batch("batch", seq=seq)
+        exact = run(model, ids)
+        mine = run(fp8_model, ids)
+        assert all(p.grad.dtype == dtype for p in fp8_model.parameters())
+        if seq == 24:
+            assert_within_fp8(mine, exact)
+        else:
+            assert_close_f64(mine, exact, tolerance=2e-6 if dtype == F64 else 1e-5)
+        # The FP8 op ran in every layer for T = 48, in none for T = 46.
+        assert len(calls) == len(model.model.layers)
 
 
 @pytest.mark.parametrize("fp8", [False, True])

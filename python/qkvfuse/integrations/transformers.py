@@ -71,9 +71,11 @@ synchronization, nothing kept between calls):
 - the weights: the layer's master Wq, Wk, Wv concatenated in bf16 ([F, C]: the copy through which
   their gradients flow, which the backward also reads) and quantized to e4m3 in both layouts with
   scale max|W| / 448, in every forward. The e4m3 weight is therefore always the current one:
-  after optimizer steps, load_state_dict, .to(), or a sharded weight gathered for the forward,
-  with no call in the training loop. The cost, two passes over the bf16 weight, is under 1 % of
-  the layer's forward at Qwen3-0.6B and 8B training shapes (the op's docstring has the bytes).
+  after optimizer steps, load_state_dict, .to(), with no call in the training loop; under FSDP
+  (fully_shard per decoder layer, or on the whole model) the full weights FSDP gathers for the
+  forward are the ones quantized, so every rank quantizes the same full weights and sees the
+  optimizer step on the shards. The cost, two passes over the bf16 weight, is under 1 % of the
+  layer's forward at Qwen3-0.6B and 8B training shapes (the op's docstring has the bytes).
 - the activation: the attention's input x (bf16) is quantized once, to x_f8 [T, C] and its
   transpose, shared by the Q, K and V columns of the one FP8 GEMM: x_scale = max|x| / 448 (one
   extra read of x). HF's input norm multiplies by a learned weight, so the speedrun's fixed bound
@@ -84,11 +86,13 @@ synchronization, nothing kept between calls):
   checkpointing and several forwards before one backward each scale their own gradients.
 - the master weights receive their gradients in their own dtype (fp32 under autocast), and so do
   the q/k norm weights (from the fused backward).
-FP8 needs bf16 activations (autocast to bfloat16 or a bf16 model), no q/k/v bias, q/k/v
-projections that are plain nn.Linear, and C and the packed width (Hq + 2 Hkv) * D multiples of 16
-(cuBLASLt FP8), which apply_qkvfuse checks. A call whose token count T = batch x sequence is not
-a multiple of 16 (generate's decode steps, odd batches) runs the bf16 path for that call: same
-weights, no FP8 GEMM.
+FP8 computes in bf16 (its q, k and v are cast back to the activations' dtype: a float32 model
+without autocast runs too, on the CPU), and needs no q/k/v bias, q/k/v projections that are plain
+nn.Linear, and C and the packed width (Hq + 2 Hkv) * D multiples of 16 (cuBLASLt FP8), which
+apply_qkvfuse checks. A call whose token count T = batch x sequence is not a multiple of 16
+(generate's decode steps, odd batches) runs the bf16 path for that call: same weights, no FP8
+GEMM. A q/k/v weight that is still a DTensor shard in the forward (the attention module called
+alone under FSDP, or a tensor-parallel plan) is refused by name.
 
 Numerics. HF rounds to the activation dtype between steps (the normalized row before the weight,
 each product of the rotary); qkvfuse rounds once, so the patched bf16 model differs from the
@@ -124,11 +128,13 @@ What it composes with (tests/python/test_transformers_compose.py):
 - TRL's SFTTrainer trains a patched model (bf16 and FP8), tracking the unpatched model's losses.
 
 Also tested on the CPU (tests/python/test_transformers_integration.py): every family,
-GQA/MHA/MQA, packed sequences, rope scalings, generate, save/load; DDP through
-examples/train_hf.py (gloo on the CPU, NCCL on GPUs). Not covered: pickling a patched model
-object (its forward is a bound method: save the state dict, as save_pretrained does), FSDP, and
-tensor or pipeline parallel plans that shard q_proj/k_proj/v_proj; a q_norm wrapped by PEFT's
-modules_to_save is refused (its class is named).
+GQA/MHA/MQA, packed sequences, rope scalings, generate, save/load; DDP and FSDP2 (fully_shard per
+decoder layer, two processes over gloo: tests/python/test_transformers_fsdp.py, and
+examples/train_hf.py under torchrun, tests/python/test_train_distributed.py; NCCL on GPUs). Not
+covered: pickling a patched model object (its forward is a bound method: save the state dict, as
+save_pretrained does), and tensor or pipeline parallel plans that shard q_proj/k_proj/v_proj
+(fp8=True refuses a DTensor weight by name); a q_norm wrapped by PEFT's modules_to_save is
+refused (its class is named).
 """
 import inspect
 import sys
@@ -141,6 +147,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import qkvfuse
+
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # a torch built without torch.distributed
+    _DTensor = None
 
 try:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -204,6 +215,10 @@ def _looks_like_attention(module: nn.Module) -> bool:
     """Transformers names its attention classes XAttention, XSelfAttention, XFlashAttention2..."""
     name = type(module).__name__
     return name.endswith("Attention") or name.endswith("Attention2")
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    return _DTensor is not None and isinstance(tensor, _DTensor)
 
 
 # ---- the per-model state: the rotary caches of one forward ---------------------------------------
@@ -401,20 +416,26 @@ def attention_input(module: nn.Module, hidden_states: torch.Tensor, position_emb
             f"run it under torch.autocast(dtype=torch.bfloat16)); float32 and float64 run on the "
             f"CPU only")
     fp8 = layer.fp8 and tokens % FP8_MULTIPLE == 0 and tokens > 0
-    if fp8 and dtype != torch.bfloat16:
-        raise TypeError(f"qkvfuse: {type(module).__name__}: fp8=True needs bfloat16 activations "
-                        f"(autocast to bfloat16 or a bf16 model), got {dtype}")
-    # The cos/sin cache: bf16 or float32 (the CPU also takes qk's own dtype).
-    accept = (torch.bfloat16, torch.float32) + ((dtype,) if device.type == "cpu" else ())
+    # The cos/sin cache and the norm weights: bf16 or float32 (the CPU also takes qk's own dtype,
+    # which is bf16 in the FP8 op).
+    accept = (torch.bfloat16, torch.float32) + ((dtype,) if device.type == "cpu" and not fp8
+                                                else ())
     cos, sin = position_embeddings
     cos_sin, positions = layer.state.rope(cos, sin, batch, seq, layer.head_dim, accept)
     norms = dict(num_kv_heads=layer.kv_heads, rotary_style="neox", normalize=layer.normalize,
                  cos_sin=cos_sin, positions=positions)
     if layer.normalize:
         norms.update(_qk_norms(module, layer))
+        for name in ("q_weight", "k_weight"):
+            weight = norms[name]
+            if weight is not None and weight.dtype not in accept:
+                norms[name] = weight.float()
     x = hidden_states.reshape(tokens, channels)
     if fp8:
-        q, k, v = _fp8_projection(module, layer, x, norms)
+        # The FP8 op reads x in bf16 and writes bf16: q, k, v come back in the activations'
+        # dtype, so a float32 model without autocast runs FP8 too (at FP8's precision), whatever
+        # T is, and a call whose T is no multiple of 16 runs the bf16 path in that dtype.
+        q, k, v = (t.to(dtype) for t in _fp8_projection(module, layer, x, norms))
     else:
         qk, v = _bf16_projection(module, layer, x.to(dtype), dtype)
         q, k = qkvfuse.qk_norm_rope(qk, num_heads=layer.q_heads, **norms)
@@ -443,6 +464,16 @@ def _bf16_projection(module, layer, x, dtype):
 def _fp8_projection(module, layer, x, norms):
     """(q, k, v) through packed_fp8_qkv_current_scaling: x, the weight and the gradient scaled
     from this call's own tensors (module docstring). Traceable: no Python state between calls."""
+    names = ("q_proj", "k_proj", "v_proj")
+    sharded = [f"{name}.weight" for name in names if _is_dtensor(getattr(module, name).weight)]
+    if sharded:
+        raise RuntimeError(
+            f"qkvfuse: fp8=True: {layer.where}: {', '.join(sharded)} "
+            f"{'is a DTensor' if len(sharded) == 1 else 'are DTensors'} (sharded) in this "
+            f"forward; the FP8 weight is quantized from the full weights, which FSDP gathers "
+            f"around the forward of the module fully_shard was applied to (call the model, or "
+            f"that module, not the attention module alone). Tensor-parallel plans that shard "
+            f"q_proj/k_proj/v_proj are not supported with fp8=True")
     bf16 = torch.bfloat16
     return qkvfuse.packed_fp8_qkv_current_scaling(
         x.to(bf16), _packed_weight(module, bf16), layer.q_heads, layer.head_dim,
