@@ -377,7 +377,8 @@ def lora(model, targets=("q_proj", "k_proj", "v_proj", "o_proj")):
 
 
 @requires_peft
-@pytest.mark.parametrize("targets", [("q_proj", "k_proj", "v_proj", "o_proj"), ("q_proj", "v_proj")])
+@pytest.mark.parametrize("targets", [("q_proj", "k_proj", "v_proj", "o_proj"),
+                                     ("q_proj", "v_proj")])
 @pytest.mark.parametrize("family", ["qwen3", "gemma3", "llama"])
 def test_peft_lora_float64(family, targets):
     """apply_qkvfuse on a PEFT model: the projections run as modules (base + adapter), so the
