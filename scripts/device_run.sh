@@ -84,6 +84,15 @@ use_build_tree_python() {
 if has python; then
   start=$SECONDS
   use_build_tree_python
+  # test_transformers_compose.py's GPU tests run Liger-Kernel's kernels: its carried wheel
+  # (scripts/device_prepare.sh) goes into a folder of its own on PYTHONPATH (they skip without).
+  if ! python3 -c 'import liger_kernel' 2>/dev/null && compgen -G ".whl/liger_kernel-*.whl" >/dev/null
+  then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/qkvfuse-liger \
+      .whl/liger_kernel-*.whl >"$LOG/pip_liger.log" 2>&1
+    note "Liger-Kernel for the composition tests: pip rc=$?"
+    export PYTHONPATH=$PYTHONPATH:/tmp/qkvfuse-liger
+  fi
   # One pytest process per file: a crash in one file is reported and the others still run.
   for file in ${QKVFUSE_PYTEST_FILES:-tests/python/test_*.py}; do
     name=$(basename "$file" .py)

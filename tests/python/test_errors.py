@@ -105,7 +105,7 @@ class Inputs:
         rope = RopeLayout(**p.rope_layout(detach=True))
         q, k, qkv = torch.ops.qkvfuse.packed_qkv_forward(
             p.x_f8, w.weight_f8, p.x_scale, w.weight_scale, p.qkv_scale.detach(), p.qk_dim,
-            p.v_dim, "cublaslt", *rope)
+            p.v_dim, *rope)
         qk, v = qkv_views(qkv, p.tokens, rope, p.qk_dim, p.v_dim)
         args = dict(grad_q=q, grad_k=k, grad_v=v.contiguous(), qk=qk, x_f8_t=p.x_f8_t,
                     weight_f8_t=w.weight_f8_t, qk_weight=p.qk_weight.detach(),
