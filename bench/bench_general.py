@@ -95,10 +95,10 @@ Liger is imported from --liger-path (or $QKVFUSE_LIGER_PATH): a folder to put on
 without it, `import liger_kernel` as installed. When it does not import, its rows are left out
 and the header says why.
 
-axolotl's kernel is imported from --axolotl-path (or $QKVFUSE_AXOLOTL_PATH): its file
-gemma4_fused_rope.py, or a folder holding it with an optional SOURCE line naming its origin
-(scripts/device_prepare.sh extracts both from the pinned wheel into .seed/axolotl-kernel/); without
-it, `import axolotl.kernels.gemma4_fused_rope` as installed. It imports liger_kernel, so it needs
+axolotl's kernel is imported from --axolotl-path (or $QKVFUSE_AXOLOTL_PATH): its file, or a
+folder holding it and an optional SOURCE line naming its origin (scripts/device_prepare.sh extracts
+.seed/axolotl-kernel/gemma4_fused_rope.py and writes .seed/axolotl-kernel/SOURCE from the pinned
+wheel); without it, `import axolotl.kernels.gemma4_fused_rope` as installed. It imports liger_kernel, so it needs
 Liger too; when it does not import, its rows are left out and the header says why.
 
   python bench/bench_general.py --out general.csv [--liger-path .whl]
@@ -335,7 +335,8 @@ def load_axolotl(path) -> tuple:
     try:
         if path:
             path = Path(path)
-            file = path / "gemma4_fused_rope.py" if path.is_dir() else path
+            # A folder holds the module's file under its own name.
+            file = path / (AXOLOTL_MODULE.rsplit(".", 1)[1] + ".py") if path.is_dir() else path
             if not file.is_file():
                 return None, f"not found: no {file}"
             source = file.parent / "SOURCE"
@@ -751,7 +752,8 @@ def add_arguments(parser):
                         help="Liger-Kernel: a folder for sys.path, a liger_kernel-*.whl or a "
                              "folder holding one (default $QKVFUSE_LIGER_PATH, else as installed)")
     parser.add_argument("--axolotl-path", default=os.environ.get("QKVFUSE_AXOLOTL_PATH"),
-                        help="axolotl's gemma4_fused_rope.py or a folder holding it (default "
+                        help="axolotl's fused RMSNorm + RoPE kernel: its file or a folder "
+                             "holding it, e.g. .seed/axolotl-kernel (default "
                              "$QKVFUSE_AXOLOTL_PATH, else as installed; it needs Liger-Kernel)")
     parser.add_argument("--models", default=",".join(m.name for m in MODELS),
                         help="comma-separated subset of " + ",".join(m.name for m in MODELS))

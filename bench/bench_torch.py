@@ -535,9 +535,9 @@ def main():
                              "liger_kernel-*.whl or a folder holding one (default "
                              "$QKVFUSE_LIGER_PATH, else as installed; without it no Liger rows)")
     parser.add_argument("--axolotl-path", default=os.environ.get("QKVFUSE_AXOLOTL_PATH"),
-                        help="general section: axolotl's gemma4_fused_rope.py or a folder "
-                             "holding it (default $QKVFUSE_AXOLOTL_PATH, else as installed; "
-                             "without it no axolotl rows; it needs Liger-Kernel)")
+                        help="general section: axolotl's fused RMSNorm + RoPE kernel, its file "
+                             "or a folder holding it (default $QKVFUSE_AXOLOTL_PATH, else as "
+                             "installed; without it no axolotl rows; it needs Liger-Kernel)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_torch.py needs a CUDA device")

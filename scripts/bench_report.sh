@@ -23,8 +23,8 @@
 #                        sys.path, a liger_kernel-*.whl or a folder holding one (default .whl/,
 #                        git-ignored: `pip download --no-deps liger-kernel -d .whl`); none: no
 #                        Liger rows
-#   QKVFUSE_AXOLOTL_PATH axolotl's fused RMSNorm + RoPE kernel for the same section: its
-#                        gemma4_fused_rope.py or a folder holding it (default .seed/axolotl-kernel/,
+#   QKVFUSE_AXOLOTL_PATH axolotl's fused RMSNorm + RoPE kernel for the same section: its file or
+#                        a folder holding it (default .seed/axolotl-kernel/, where
 #                        scripts/device_prepare.sh extracts it); none: no axolotl rows
 #   QKVFUSE_BENCH_ARGS   extra arguments for the C++ benchmarks (e.g. --iters 200)
 # Prints one line per step. Exit status 1 when a benchmark or the report failed; the report is

@@ -67,8 +67,9 @@ done
 # module, with the wheel's LICENSE (Apache-2.0) and a SOURCE line naming where it came from
 # (bench_general.py records it). Extracted again when the pin changes.
 AXOLOTL="axolotl==0.19.0 f28eb3ad3709975eec4adfe13307dd980c7e7917cc43cb03f2c6f26c007135cc"
-AXOLOTL_FILES=(axolotl/kernels/gemma4_fused_rope.py axolotl-0.19.0.dist-info/licenses/LICENSE)
 read -r pin sha256 <<<"$AXOLOTL"
+name=${pin%%==*} version=${pin#*==}
+AXOLOTL_FILES=("$name/kernels/gemma4_fused_rope.py" "$name-$version.dist-info/licenses/LICENSE")
 source_line="$pin sha256:$sha256 ${AXOLOTL_FILES[0]}"
 if [ "$(cat .seed/axolotl-kernel/SOURCE 2>/dev/null)" != "$source_line" ]; then
   rm -rf .seed/axolotl-kernel
