@@ -98,8 +98,9 @@ and the header says why.
 axolotl's kernel is imported from --axolotl-path (or $QKVFUSE_AXOLOTL_PATH): its file, or a
 folder holding it and an optional SOURCE line naming its origin (scripts/device_prepare.sh extracts
 .seed/axolotl-kernel/gemma4_fused_rope.py and writes .seed/axolotl-kernel/SOURCE from the pinned
-wheel); without it, `import axolotl.kernels.gemma4_fused_rope` as installed. It imports liger_kernel, so it needs
-Liger too; when it does not import, its rows are left out and the header says why.
+wheel); without it, `import axolotl.kernels.gemma4_fused_rope` as installed. It imports
+liger_kernel, so it needs Liger too; when it does not import, its rows are left out and the header
+says why.
 
   python bench/bench_general.py --out general.csv [--liger-path .whl]
       [--axolotl-path .seed/axolotl-kernel] [--models Qwen3-8B,...]
@@ -331,7 +332,6 @@ def load_axolotl(path) -> tuple:
     """(Axolotl, None), or (None, why it is not there). Call after load_liger: the kernel imports
     liger_kernel's helpers. The file is loaded once per process (importing registers its
     torch.library ops, which a second import would register again)."""
-    origin = "installed"
     try:
         if path:
             path = Path(path)
