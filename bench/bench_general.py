@@ -45,6 +45,16 @@ Implementations (rows `impl`):
   Liger (dense q, k)  the same with q and k as separate contiguous tensors (separate q_proj and
                       k_proj, as HF's Qwen3 and Gemma3 have): no input copy for Qwen3's norm and
                       no gradient concatenation. Liger's best case at these shapes.
+  axolotl             axolotl's fused RMSNorm + RoPE Triton kernel with its backward
+                      (axolotl:src/axolotl/kernels/gemma4_fused_rope.py, fused_rms_norm_rope),
+                      called as its Qwen3 and Gemma 4 attention patches call it: once on q, once
+                      on k, as [B, S, H, D] views with its weight, HF's cos, sin [B, S, D] (the
+                      whole head rotates) and eps, then transpose(1, 2). Gemma3's 1 + w is its
+                      unit_offset=True (it scales by w + 1 in float32, as Gemma3RMSNorm does), so
+                      every shape runs with the weights as they are. Included in its time, as for
+                      Liger: its contiguous copy of the strided q/k columns, and the gradient
+                      concatenation.
+  axolotl (dense q, k)  the same on separate contiguous q and k (its patches' q_proj, k_proj).
   bytes floor         the minimum traffic at the copy bandwidth measured in the same run: forward
                       reads qk, the cache (P x D bf16), the positions and both weights once and
                       writes q and k once; backward reads grad q, grad k, qk, the cache, the
@@ -74,8 +84,9 @@ qkvfuse's fwd+bwd pays its Python autograd's launch latency there. GB/s is the s
 same step (above 1 qkvfuse is faster).
 
 Before timing, every shape is checked once: q, k, grad qk and both weight gradients of qkvfuse,
-torch.compile and Liger against the eager HF chain, relative error ||a - b|| / ||b|| below 1e-2
-(HF rounds to bf16 between steps, qkvfuse once: they differ by a few bf16 steps). A failed check
+torch.compile, Liger and axolotl against the eager HF chain, relative error ||a - b|| / ||b||
+(in float64) below 1e-2 (HF rounds to bf16 between steps, qkvfuse and axolotl once: they differ by
+a few bf16 steps). A failed check
 is printed, recorded in the results' header ("general check") and makes the exit status 1.
 
 Liger is imported from --liger-path (or $QKVFUSE_LIGER_PATH): a folder to put on sys.path (a pip
@@ -84,14 +95,24 @@ Liger is imported from --liger-path (or $QKVFUSE_LIGER_PATH): a folder to put on
 without it, `import liger_kernel` as installed. When it does not import, its rows are left out
 and the header says why.
 
-  python bench/bench_general.py --out general.csv [--liger-path .whl] [--models Qwen3-8B,...]
+axolotl's kernel is imported from --axolotl-path (or $QKVFUSE_AXOLOTL_PATH): its file, or a
+folder holding it and an optional SOURCE line naming its origin (scripts/device_prepare.sh extracts
+.seed/axolotl-kernel/gemma4_fused_rope.py and writes .seed/axolotl-kernel/SOURCE from the pinned
+wheel); without it, `import axolotl.kernels.gemma4_fused_rope` as installed. It imports
+liger_kernel, so it needs Liger too; when it does not import, its rows are left out and the header
+says why.
+
+  python bench/bench_general.py --out general.csv [--liger-path .whl]
+      [--axolotl-path .seed/axolotl-kernel] [--models Qwen3-8B,...]
   python bench/bench_general.py --dry-run [--no-compile]   (CPU, tiny T: exercises every call)
 bench_torch.py runs this section too (--sections general, in its default), into its own CSV.
-The dry run imports Liger and checks the signatures it calls, but does not run its Triton kernels
-(Triton's interpreter runs its rope, not its RMSNorm, which calls .to on a Python float there).
+The dry run imports Liger and axolotl and checks the signatures it calls, but does not run their
+Triton kernels (Triton's interpreter runs Liger's rope, not its RMSNorm, which calls .to on a
+Python float there; axolotl's backward asks CUDA for the SM count).
 """
 import argparse
 import datetime
+import importlib.util
 import inspect
 import os
 import statistics
@@ -113,7 +134,7 @@ EPS = 1e-6  # rms_norm_eps of all three configs
 CHECK_TOLERANCE = 1e-2
 SECTIONS = ("general fwd", "general bwd", "general fwd+bwd")
 IMPLS = ("bytes floor", "qkvfuse", "eager HF chain", "torch.compile", "Liger",
-         "Liger (dense q, k)")
+         "Liger (dense q, k)", "axolotl", "axolotl (dense q, k)")
 
 
 @dataclass(frozen=True)
@@ -294,6 +315,66 @@ def liger_chain(q, k, q_weight, k_weight, cos, sin, batch: int, family: str, lig
     return liger.rope(q, k, cos, sin, None, 1, None)
 
 
+# ---- axolotl's fused RMSNorm + RoPE kernel -----------------------------------------------------
+
+@dataclass
+class Axolotl:
+    fused_rms_norm_rope: Callable  # (x [B, S, H, D], weight [D], cos, sin [B, S, n_rot], eps,
+    #                                 unit_offset) -> [B, S, H, D]
+    origin: str
+
+
+AXOLOTL_MODULE = "axolotl.kernels.gemma4_fused_rope"
+AXOLOTL_SIGNATURE = ("x", "weight", "cos", "sin", "eps", "unit_offset")
+
+
+def load_axolotl(path) -> tuple:
+    """(Axolotl, None), or (None, why it is not there). Call after load_liger: the kernel imports
+    liger_kernel's helpers. The file is loaded once per process (importing registers its
+    torch.library ops, which a second import would register again)."""
+    try:
+        if path:
+            path = Path(path)
+            # A folder holds the module's file under its own name.
+            file = path / (AXOLOTL_MODULE.rsplit(".", 1)[1] + ".py") if path.is_dir() else path
+            if not file.is_file():
+                return None, f"not found: no {file}"
+            source = file.parent / "SOURCE"
+            origin = (source.read_text().strip() if source.is_file() else "") + f" ({file})"
+            module = sys.modules.get(AXOLOTL_MODULE)
+            if module is None:
+                spec = importlib.util.spec_from_file_location(AXOLOTL_MODULE, file)
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[AXOLOTL_MODULE] = module
+                try:
+                    spec.loader.exec_module(module)
+                except BaseException:
+                    del sys.modules[AXOLOTL_MODULE]
+                    raise
+        else:
+            import axolotl.kernels.gemma4_fused_rope as module
+            origin = f"installed ({module.__file__})"
+    except Exception as error:  # a missing file, liger_kernel missing, an older torch.library
+        return None, f"not importable ({type(error).__name__}: {error})"
+    names = tuple(inspect.signature(module.fused_rms_norm_rope).parameters)
+    if names != AXOLOTL_SIGNATURE:
+        return None, f"fused_rms_norm_rope{names} is not the expected {AXOLOTL_SIGNATURE}"
+    return Axolotl(module.fused_rms_norm_rope, origin.strip()), None
+
+
+def axolotl_chain(q, k, q_weight, k_weight, cos, sin, batch: int, family: str,
+                  axolotl: Axolotl):
+    """hf_chain with axolotl's kernel, as its attention patches call it
+    (axolotl:src/axolotl/monkeypatch/models/qwen3/fused_attn.py): on the [B, S, H, D] views,
+    then transpose(1, 2). The kernel flattens x to rows of D (a copy where x is strided) and
+    reads cos, sin as [B * S, n_rot] rows; n_rot = D here (HF's full-width cos, sin). Gemma3's
+    norm runs after the transpose in HF and before it here: it is per row, the same math."""
+    q, k = q.unflatten(0, (batch, -1)), k.unflatten(0, (batch, -1))
+    unit_offset = family == "gemma3"  # weight * (w + 1); Qwen3: weight * w
+    return tuple(axolotl.fused_rms_norm_rope(x, w, cos, sin, eps=EPS, unit_offset=unit_offset)
+                 .transpose(1, 2) for x, w in ((q, q_weight), (k, k_weight)))
+
+
 # ---- the problem and the implementations ----------------------------------------------------
 
 class Problem:
@@ -377,7 +458,8 @@ class Impl:
         return torch.autograd.grad(self.forward(s), self.inputs(s), self.grads(s))
 
 
-def implementations(p: Problem, liger: Optional[Liger], compile_chain: bool):
+def implementations(p: Problem, liger: Optional[Liger], axolotl: Optional[Axolotl],
+                    compile_chain: bool):
     m = p.model
     weights = (p.q_weight, p.k_weight)
     angles = (p.cos, p.sin)
@@ -405,7 +487,9 @@ def implementations(p: Problem, liger: Optional[Liger], compile_chain: bool):
         return lambda s: chain(s[0], *weights, *angles, m.heads, m.kv_heads, p.batch, m.family)
 
     fused_inputs = lambda s: (s[0], *weights)  # noqa: E731
+    dense_inputs = lambda s: (s[3], s[4], *weights)  # noqa: E731
     hf_grads = lambda s: p.hf_grads(s[1], s[2])  # noqa: E731
+    dense_grad_qk = lambda g: (torch.cat((g[0], g[1]), dim=1), *g[2:])  # noqa: E731
     impls = [
         Impl("qkvfuse", qkvfuse_forward, fused_inputs, lambda s: (s[1], s[2]), tuple,
              forward_op=qkvfuse_forward_op, backward_op=qkvfuse_backward_op),
@@ -414,6 +498,17 @@ def implementations(p: Problem, liger: Optional[Liger], compile_chain: bool):
     if compile_chain:
         compiled = torch.compile(hf_chain_fused, dynamic=False, fullgraph=True)
         impls.append(Impl("torch.compile", fused(compiled), fused_inputs, hf_grads, hf_tokens))
+    if axolotl is not None:  # before Liger, whose backward writes into the output gradients
+        def axolotl_fused(qk, q_weight, k_weight, cos, sin, heads, kv_heads, batch, family):
+            q, k = qk.split([heads, kv_heads], dim=1)
+            return axolotl_chain(q, k, q_weight, k_weight, cos, sin, batch, family, axolotl)
+
+        def axolotl_dense(s):
+            return axolotl_chain(s[3], s[4], *weights, *angles, p.batch, m.family, axolotl)
+
+        impls.append(Impl("axolotl", fused(axolotl_fused), fused_inputs, hf_grads, hf_tokens))
+        impls.append(Impl("axolotl (dense q, k)", axolotl_dense, dense_inputs, hf_grads,
+                          hf_tokens, grad_qk=dense_grad_qk))
     if liger is not None:
         def liger_fused(qk, q_weight, k_weight, cos, sin, heads, kv_heads, batch, family):
             q, k = qk.split([heads, kv_heads], dim=1)
@@ -423,9 +518,8 @@ def implementations(p: Problem, liger: Optional[Liger], compile_chain: bool):
             return liger_chain(s[3], s[4], *weights, *angles, p.batch, m.family, liger)
 
         impls.append(Impl("Liger", fused(liger_fused), fused_inputs, hf_grads, hf_tokens))
-        impls.append(Impl("Liger (dense q, k)", liger_dense, lambda s: (s[3], s[4], *weights),
-                          hf_grads, hf_tokens,
-                          grad_qk=lambda g: (torch.cat((g[0], g[1]), dim=1), *g[2:])))
+        impls.append(Impl("Liger (dense q, k)", liger_dense, dense_inputs, hf_grads, hf_tokens,
+                          grad_qk=dense_grad_qk))
     return impls
 
 
@@ -563,11 +657,11 @@ def time_impl(impl: Impl, sets, timers: Timers):
     return result
 
 
-def bench_model(model: Model, args, liger, copy_gbs, timers, make_sets, row_type):
+def bench_model(model: Model, args, liger, axolotl, copy_gbs, timers, make_sets, row_type):
     """(rows, check passed, check line) for one model."""
     p = Problem(model, args.batch, args.seq_len, args.device)
-    sets = make_sets(lambda: p.make_set(dense=liger is not None))
-    impls = implementations(p, liger, not args.no_compile)
+    sets = make_sets(lambda: p.make_set(dense=liger is not None or axolotl is not None))
+    impls = implementations(p, liger, axolotl, not args.no_compile)
     raised = {}  # implementation -> its exception, in one line: no rows for it
     passed, line = check(p, impls, sets[0], raised)
     print(f"check {line}", flush=True)
@@ -610,14 +704,23 @@ def run(args, copy_gbs, timers, make_sets, row_type):
                f"expected; not run (its Triton kernels need a GPU)")
         print(f"Liger rows left out: {why}", flush=True)
         liger = None
+    axolotl, axolotl_why = load_axolotl(args.axolotl_path)
+    if axolotl is None:
+        print(f"axolotl rows left out: its kernel is {axolotl_why}", flush=True)
+        axolotl_why = f"its kernel is {axolotl_why}"
+    elif args.device == "cpu":
+        axolotl_why = (f"{axolotl.origin}: imported, signature as expected; not run (its Triton "
+                       f"kernels need a GPU)")
+        print(f"axolotl rows left out: {axolotl_why}", flush=True)
+        axolotl = None
     wanted = [name for name in args.models.split(",") if name]
     unknown = set(wanted) - {m.name for m in MODELS}
     if unknown:
         raise SystemExit(f"unknown models {sorted(unknown)}; known: {[m.name for m in MODELS]}")
     rows, lines, passed = [], [], True
     for model in [m for m in MODELS if m.name in wanted]:
-        model_rows, ok, line = bench_model(model, args, liger, copy_gbs, timers, make_sets,
-                                           row_type)
+        model_rows, ok, line = bench_model(model, args, liger, axolotl, copy_gbs, timers,
+                                           make_sets, row_type)
         rows += model_rows
         lines.append(line)
         passed &= ok
@@ -630,14 +733,16 @@ def run(args, copy_gbs, timers, make_sets, row_type):
                            f"with gradients",
         "general check": ("passed: " if passed else "FAILED: ") + " | ".join(lines),
         "liger": f"liger-kernel {liger.version} from {liger.origin}" if liger else why,
+        "axolotl": f"fused_rms_norm_rope from {axolotl.origin}" if axolotl else axolotl_why,
     }
     return rows, header, passed
 
 
-def section_args(liger_path, device="cuda"):
+def section_args(liger_path, axolotl_path=None, device="cuda"):
     """The options run() reads, at their defaults (bench_torch.py's --sections general)."""
-    return argparse.Namespace(liger_path=liger_path, models=",".join(m.name for m in MODELS),
-                              no_compile=False, batch=4, seq_len=8192, device=device)
+    return argparse.Namespace(liger_path=liger_path, axolotl_path=axolotl_path,
+                              models=",".join(m.name for m in MODELS), no_compile=False, batch=4,
+                              seq_len=8192, device=device)
 
 
 def add_arguments(parser):
@@ -646,6 +751,10 @@ def add_arguments(parser):
     parser.add_argument("--liger-path", default=os.environ.get("QKVFUSE_LIGER_PATH"),
                         help="Liger-Kernel: a folder for sys.path, a liger_kernel-*.whl or a "
                              "folder holding one (default $QKVFUSE_LIGER_PATH, else as installed)")
+    parser.add_argument("--axolotl-path", default=os.environ.get("QKVFUSE_AXOLOTL_PATH"),
+                        help="axolotl's fused RMSNorm + RoPE kernel: its file or a folder "
+                             "holding it, e.g. .seed/axolotl-kernel (default "
+                             "$QKVFUSE_AXOLOTL_PATH, else as installed; it needs Liger-Kernel)")
     parser.add_argument("--models", default=",".join(m.name for m in MODELS),
                         help="comma-separated subset of " + ",".join(m.name for m in MODELS))
     parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out")

@@ -12,8 +12,9 @@ do_bench, and inputs rotated across enough copies to exceed L2):
   - the three FP8 GEMMs of the op (forward, wgrad, dgrad): torch._scaled_mm vs qkvfuse.fp8_gemm;
   - the general layouts at the model shapes (Qwen3-8B, Gemma3-12B, Qwen3-0.6B; SPEC.md section 8):
     QK-norm with learned weights + NeoX rotary from a cos/sin cache, forward, backward and both,
-    vs the eager Hugging Face chain, torch.compile of it and Liger-Kernel's ops (--liger-path);
-    bench/bench_general.py says what each row measures.
+    vs the eager Hugging Face chain, torch.compile of it, Liger-Kernel's ops (--liger-path) and
+    axolotl's fused RMSNorm + RoPE kernel (--axolotl-path); bench/bench_general.py says what each
+    row measures.
 Memory-bound kernels report GB/s of their minimum traffic and % of a measured device copy (2 GiB
 buffer); GEMMs report TFLOP/s. Results go to --out (markdown for *.md, CSV otherwise) with the
 device, date and commit; a short table is printed last.
@@ -21,6 +22,7 @@ device, date and commit; a short table is printed last.
   python bench/bench_torch.py --out bench_torch_h200.csv \
       [--reference /path/to/seed.txt] [--commit SHA] [--tokens 49152] [--channels 768]
       [--sections norm,backward,packed,gemm,general] [--liger-path .whl]
+      [--axolotl-path .seed/axolotl-kernel]
 """
 import argparse
 import time
@@ -532,6 +534,10 @@ def main():
                         help="general section: Liger-Kernel as a folder for sys.path, a "
                              "liger_kernel-*.whl or a folder holding one (default "
                              "$QKVFUSE_LIGER_PATH, else as installed; without it no Liger rows)")
+    parser.add_argument("--axolotl-path", default=os.environ.get("QKVFUSE_AXOLOTL_PATH"),
+                        help="general section: axolotl's fused RMSNorm + RoPE kernel, its file "
+                             "or a folder holding it (default $QKVFUSE_AXOLOTL_PATH, else as "
+                             "installed; without it no axolotl rows; it needs Liger-Kernel)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_torch.py needs a CUDA device")
@@ -559,7 +565,7 @@ def main():
         import bench_general  # the general layouts at the model shapes (its own module)
         try:
             general_rows, general_header, general_passed = bench_general.run(
-                bench_general.section_args(args.liger_path), copy_gbs,
+                bench_general.section_args(args.liger_path, args.axolotl_path), copy_gbs,
                 bench_general.Timers(median_ms, bench_general.cuda_split_ms, cycle),
                 lambda make: rotating(make, l2_bytes, args.budget_gib << 30), Row)
         except Exception as error:  # keep the other sections' results

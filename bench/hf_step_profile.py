@@ -7,8 +7,8 @@ time, and the share of the attention input, the part of the step apply_qkvfuse r
    rotary), forward and backward, at the step's shape, as the variant computes it
    (qkvfuse.integrations.transformers.attention_input for the qkvfuse variants, transformers'
    chain with the family's (possibly Liger-patched) norm and rotary otherwise, each under
-   torch.compile in the compiled variants), times the layers, plus the FP8 weight cache's one
-   refresh per step. Its share of the step's device time bounds what any change of the
+   torch.compile in the compiled variants), times the layers (FP8: each call quantizes its
+   layer's weights as well). Its share of the step's device time bounds what any change of the
    attention input can win: were it free, the step would be step / (step - part) times faster.
    Inside a compiled model Inductor may fuse across the part's edges, which the part compiled
    alone cannot; the bound is then approximate.
@@ -125,13 +125,9 @@ def attention_input_part(variant: Variant, shape: Shape, module, device: torch.d
 
     for _ in range(3):  # compiles where compiled
         part()
-    times = {name: ms * shape.layers for name, ms in profiled(part, PROFILED_STEPS,
-                                                              device).items()}
-    if variant.qkvfuse == "fp8":  # once per step for all layers (the optimizer changed them)
-        for name, ms in profiled(lambda: qkvfuse_hf.refresh_fp8_weights(module), 1,
-                                 device).items():
-            times[name] = times.get(name, 0.0) + ms
-    return times
+    # FP8: each call quantizes its layer's weights too (current scaling), inside `part`.
+    return {name: ms * shape.layers for name, ms in profiled(part, PROFILED_STEPS,
+                                                             device).items()}
 
 
 def report(variant_name: str, variant: Variant, shape: Shape, module, step,
@@ -155,7 +151,7 @@ def report(variant_name: str, variant: Variant, shape: Shape, module, step,
     groups = by_group(part_times)
     share = part_ms / step_ms if step_ms else float("nan")
     print(f"-- attention input (q/k/v projections, q/k norm, rotary; layer 0 alone x "
-          f"{shape.layers} layers{' + FP8 weight refresh' if variant.qkvfuse == 'fp8' else ''}"
+          f"{shape.layers} layers{', FP8 weights quantized' if variant.qkvfuse == 'fp8' else ''}"
           f"): {part_ms:.2f} ms per step, {100 * share:.1f} % of the step")
     for group, ms in groups.items():
         print(f"{ms:9.3f}  {100 * ms / step_ms:5.1f} %  {group}")

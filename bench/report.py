@@ -9,7 +9,8 @@
   --torch    bench/bench_torch.py --out X.csv: qkvfuse side by side with the eager PyTorch chain,
              torch.compile of it, the reference Triton implementation and torch._scaled_mm; and
              its general section (or bench/bench_general.py --out X.csv alone): the model shapes
-             against the eager Hugging Face chain, torch.compile of it and Liger-Kernel
+             against the eager Hugging Face chain, torch.compile of it, Liger-Kernel and axolotl's
+             fused kernel
 Any of the three may be left out (its tables then say so). Every number in the report comes from
 the CSVs; only the method text is fixed here. The chart needs matplotlib (imported only for it).
 The whole-training-step sections that bench/bench_hf_step.py --markdown wrote into the file (between
@@ -327,7 +328,8 @@ def packed_section(run):
 
 GENERAL_STEPS = (("general fwd", "forward"), ("general bwd", "backward"),
                  ("general fwd+bwd", "fwd+bwd"))
-GENERAL_BASELINES = ("eager HF chain", "torch.compile", "Liger", "Liger (dense q, k)")
+GENERAL_BASELINES = ("eager HF chain", "torch.compile", "Liger", "Liger (dense q, k)", "axolotl",
+                     "axolotl (dense q, k)")
 
 
 def general_section(run):
@@ -367,7 +369,9 @@ def general_section(run):
         "Hugging Face chain (transformers' Qwen3/Gemma3 RMSNorm and apply_rotary_pos_emb, "
         "restated), torch.compile of it (static shapes), Liger-Kernel's RMSNorm + rope as its "
         "patches use them, with the copies its ops make of strided inputs, and the same with q "
-        "and k as separate dense tensors (separate projections). Each as ms (its time over "
+        "and k as separate dense tensors (separate projections); axolotl's fused RMSNorm + RoPE "
+        "Triton kernel with its backward as its attention patches call it, on the fused "
+        "projection's columns and on dense q, k. Each as ms (its time over "
         "qkvfuse's; above 1.00x qkvfuse is faster). `bench/bench_general.py` documents every "
         "column. Targets (issue 20): forward and backward each at >= 88 % of copy, fwd+bwd >= "
         "3x faster than torch.compile and >= 5x faster than Liger."), ""]
@@ -380,6 +384,8 @@ def general_section(run):
         out += [f"  - {detail}" for detail in details.split(" | ") if detail]
     if meta.get("liger"):
         out.append(f"- Liger-Kernel: {meta['liger']}")
+    if meta.get("axolotl"):
+        out.append(f"- axolotl: {meta['axolotl']}")
     return out + ["", table(["shape", "mode", "step", "floor ms", "qkvfuse ms", "GB/s", "% copy"]
                             + [f"{b} ms" for b in baselines], rows), ""]
 

@@ -23,9 +23,9 @@ MLP 2048, vocabulary 256 (bytes): 95 M parameters. The data is examples/train_gp
 standard library's sources, byte level, 90/10 train/validation. Each variant starts from the
 same initial weights (seeded, built on the CPU) and sees the same batches; float32 master
 weights, bf16 autocast, AdamW (lr 1e-3 with 100 warm-up steps and a linear decay to 10 %),
-gradient clipping at 1. The FP8 variant needs no extra call in the loop: the patched forward
-re-quantizes the cached e4m3 weights after each optimizer step by itself (the script checks the
-refresh count), quantizes each layer's input once, and scales the gradients from their amax.
+gradient clipping at 1. The FP8 variant needs no extra call in the loop: each patched forward
+quantizes the layer's current q/k/v weights and its input, and its backward scales the gradients
+from their amax (current scaling, qkvfuse.packed_fp8_qkv_current_scaling).
 
 On the device machine (one H200), all three variants, 2000 steps of 16 x 1024 tokens, then the
 profile of the patched part:
@@ -218,17 +218,6 @@ def train(variant, config, initial_state, args, data, device, rank, world):
             timer = time.perf_counter()  # the validation is not a training step's time
     report_checksums(f"{variant}: after step {args.steps}", module, rank, world)
     notes = []
-    if variant == "qkvfuse-fp8":
-        # One refresh before the first forward and one after each optimizer step that a forward
-        # follows (every step but the last, plus the final validation); under FSDP one per
-        # layer and forward call.
-        refreshes = qkvfuse_hf.fp8_refresh_count(module)
-        notes.append(f"FP8 weight cache quantized {refreshes} times in {args.steps} steps"
-                     + (" (per layer and call: FSDP)" if world > 1 and args.parallel == "fsdp"
-                        else ""))
-        if refreshes < args.steps:
-            raise RuntimeError(f"{variant}: the FP8 weight cache was refreshed {refreshes} times "
-                               f"in {args.steps} steps: it did not follow the optimizer")
     median = sorted(step_ms)[len(step_ms) // 2] if step_ms else float("nan")
     report_step_times(variant, median, rank, world)
     profile = None
@@ -332,16 +321,9 @@ def profile_variant(variant, module, step, args, device):
             attention_input()
         sync()
     layer_ms = device_ms(prof, device) / args.profile_steps
-    refresh_ms = 0.0
-    if variant == "qkvfuse-fp8":  # once per step for all layers
-        qkvfuse_hf.refresh_fp8_weights(module)
-        sync()
-        with profile(activities=activities) as prof:
-            qkvfuse_hf.refresh_fp8_weights(module)
-            sync()
-        refresh_ms = device_ms(prof, device)
-    # ones_like for the output gradients: three fills per call, in every variant alike.
-    part_ms = layer_ms * len(module.model.layers) + refresh_ms
+    # ones_like for the output gradients: three fills per call, in every variant alike. The FP8
+    # variant's weight quantization runs inside each call (current scaling).
+    part_ms = layer_ms * len(module.model.layers)
     return step_ms, part_ms
 
 

@@ -23,6 +23,9 @@
 #                        sys.path, a liger_kernel-*.whl or a folder holding one (default .whl/,
 #                        git-ignored: `pip download --no-deps liger-kernel -d .whl`); none: no
 #                        Liger rows
+#   QKVFUSE_AXOLOTL_PATH axolotl's fused RMSNorm + RoPE kernel for the same section: its file or
+#                        a folder holding it (default .seed/axolotl-kernel/, where
+#                        scripts/device_prepare.sh extracts it); none: no axolotl rows
 #   QKVFUSE_BENCH_ARGS   extra arguments for the C++ benchmarks (e.g. --iters 200)
 # Prints one line per step. Exit status 1 when a benchmark or the report failed; the report is
 # still written from whatever ran.
@@ -79,9 +82,11 @@ if [ "${QKVFUSE_BENCH_TORCH:-1}" = 1 ]; then
   if python_outside -c 'import qkvfuse, triton' 2>/dev/null; then
     ref=()
     [ -f "$reference" ] && ref=(--reference "$reference")
-    liger=() # Liger-Kernel for the general section's baselines
-    [ -e "${QKVFUSE_LIGER_PATH:-.whl}" ] && liger=(--liger-path "${QKVFUSE_LIGER_PATH:-.whl}")
-    run bench_torch --torch python3 bench/bench_torch.py "${ref[@]}" "${liger[@]}" \
+    baselines=() # Liger-Kernel and axolotl's kernel for the general section's baselines
+    liger=${QKVFUSE_LIGER_PATH:-.whl} axolotl=${QKVFUSE_AXOLOTL_PATH:-.seed/axolotl-kernel}
+    [ -e "$liger" ] && baselines+=(--liger-path "$liger")
+    [ -e "$axolotl" ] && baselines+=(--axolotl-path "$axolotl")
+    run bench_torch --torch python3 bench/bench_torch.py "${ref[@]}" "${baselines[@]}" \
       --out "$dir/${prefix}_bench_torch.csv" --commit "$QKVFUSE_COMMIT"
   else
     echo "bench_torch: skipped: qkvfuse or triton does not import (pip install .)"

@@ -6,8 +6,9 @@
 #                                         train2hf train1hf ab general bench hfstep
 #                                         (default: build test python bench)
 # Needs, carried next to the tree (git-ignored): .gtest/ (GoogleTest sources; the GPU machine has
-# no network), .seed/reference_triton.py (the reference implementation, for side-by-side runs) and
-# .whl/ (the wheels of the packages the machine lacks); scripts/device_prepare.sh puts them there.
+# no network), .seed/reference_triton.py (the reference implementation, for side-by-side runs),
+# .seed/axolotl-kernel/ (axolotl's fused RMSNorm + RoPE kernel, for the general stage) and .whl/
+# (the wheels of the packages the machine lacks); scripts/device_prepare.sh puts them there.
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 # NVLink multicast stays off in every process started here (NCCL, PyTorch, NVSHMEM): a program
@@ -84,6 +85,15 @@ use_build_tree_python() {
 if has python; then
   start=$SECONDS
   use_build_tree_python
+  # test_transformers_compose.py's GPU tests run Liger-Kernel's kernels: its carried wheel
+  # (scripts/device_prepare.sh) goes into a folder of its own on PYTHONPATH (they skip without).
+  if ! python3 -c 'import liger_kernel' 2>/dev/null && compgen -G ".whl/liger_kernel-*.whl" >/dev/null
+  then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/qkvfuse-liger \
+      .whl/liger_kernel-*.whl >"$LOG/pip_liger.log" 2>&1
+    note "Liger-Kernel for the composition tests: pip rc=$?"
+    export PYTHONPATH=$PYTHONPATH:/tmp/qkvfuse-liger
+  fi
   # One pytest process per file: a crash in one file is reported and the others still run.
   for file in ${QKVFUSE_PYTEST_FILES:-tests/python/test_*.py}; do
     name=$(basename "$file" .py)
@@ -199,15 +209,19 @@ if has ab; then
 fi
 
 if has general; then
-  # bench/bench_general.py alone (the model shapes against torch.compile and Liger-Kernel; the
-  # bench stage runs it too, inside bench_torch.py), on the build stage's op library.
+  # bench/bench_general.py alone (the model shapes against torch.compile, Liger-Kernel and
+  # axolotl's kernel; the bench stage runs it too, inside bench_torch.py), on the build stage's op
+  # library.
   start=$SECONDS
+  axolotl=()
+  [ -d .seed/axolotl-kernel ] && axolotl=(--axolotl-path .seed/axolotl-kernel)
   QKVFUSE_TORCH_LIBRARY=$PWD/$build/bindings/torch/libqkvfuse_torch.so \
     PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH} \
-    python3 bench/bench_general.py --liger-path .whl --commit "$commit" \
+    python3 bench/bench_general.py --liger-path .whl "${axolotl[@]}" --commit "$commit" \
     --out "$LOG/bench_general.csv" >"$LOG/bench_general.txt" 2>&1
   note "bench_general: rc=$? in $((SECONDS - start)) s"
-  grep -E "^check|qkvfuse |^general fwd\+bwd" "$LOG/bench_general.txt" | grep -vE "^check passed" |
+  grep -E "^check|qkvfuse |^general fwd\+bwd|rows left out" "$LOG/bench_general.txt" |
+    grep -vE "^check passed" |
     tee -a "$summary"
 fi
 

@@ -34,6 +34,8 @@ if [ "${QKVFUSE_SKIP_PYTHON:-0}" != 1 ]; then
   python_outside -c 'import torch' 2>/dev/null || python3 -m pip install -q torch
   python3 -m pip install -q pytest scikit-build-core numpy
   python3 -m pip install -q 'transformers==5.17.0'  # the [transformers] extra, as on the H200
+  # What tests/python/test_transformers_compose.py composes qkvfuse with (its tests skip without).
+  python3 -m pip install -q 'peft==0.21.2' 'trl==1.16.0' 'liger-kernel==0.8.5'
   python_outside -c 'import os, torch
 print(f"torch {torch.__version__} at {os.path.dirname(torch.__file__)}")'
   CMAKE_BUILD_PARALLEL_LEVEL=$jobs python3 -m pip install -q --no-build-isolation --no-deps .

@@ -23,8 +23,10 @@ from .ops import (  # noqa: E402
 from .packed import (  # noqa: E402
     PackedFP8QKV,
     PackedFP8QKVFunction,
+    PackedFP8QKVCurrentScalingFunction,
     PackedFP8QKVLayoutFunction,
     packed_fp8_qkv,
+    packed_fp8_qkv_current_scaling,
 )
 from .rotary import (  # noqa: E402
     factor_tables_from_cos_sin,
@@ -36,6 +38,7 @@ from .weights import PackedWeight, PackedWeightCache  # noqa: E402
 
 __all__ = [
     "PackedFP8QKV",
+    "PackedFP8QKVCurrentScalingFunction",
     "PackedFP8QKVFunction",
     "PackedFP8QKVLayoutFunction",
     "PackedWeight",
@@ -44,6 +47,7 @@ __all__ = [
     "factor_tables_from_cos_sin",
     "fp8_gemm",
     "packed_fp8_qkv",
+    "packed_fp8_qkv_current_scaling",
     "qk_norm_rope",
     "qkv_backward_fp8",
     "quantize_dual_layout",

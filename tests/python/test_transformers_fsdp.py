@@ -12,9 +12,9 @@ differ by FP8 rounding, not float rounding). Asserted per configuration:
   equal to the reference within RTOL, and the parameters after the last step as well (gathered
   whole on each rank: identical across ranks, bit for bit);
 - fp8=True: the FP8 weights follow the optimizer (a stale weight would show in the losses of the
-  later steps), and each layer quantized its gathered weights once per forward call (the
-  refresh count), never from a shard: the attention input called outside the forward, while
-  the weights are shards, is refused with an error that names the DTensor weight.
+  later steps; each call quantizes the weights it is given, which FSDP has gathered), never
+  from a shard: the attention input called outside the forward, while the weights are shards,
+  is refused with an error that names the DTensor weight.
 - the bf16 path in float64 against the *unpatched* one-process model, first step: the patched
   model's own tolerance (2e-6, test_transformers_integration.py; HF's norm runs in float32).
 
@@ -22,9 +22,9 @@ RTOL = 1e-6. Measured: 0 (the same bits). Two ranks add each gradient element as
 only, and FSDP's division by the world size (2) is exact, so the gradients are those of the
 accumulation bit for bit; the bound leaves room for a backend or FSDP version that sums or
 divides in another order (float32 rounding, about 6e-8 per addition, a few of them per element).
-Without this module's FSDP handling the FP8 model raised on the first forward (a bank of every
-layer's weights mixed the running layer's gathered weights with the other layers' DTensor shards);
-a cache kept across forwards (a stale FP8 weight) moved the second step's loss by 2.4e-3.
+A cache of the FP8 weights kept across forwards (a stale FP8 weight) moved the second step's loss
+by 2.4e-3; a bank of every layer's weights, as that cache built, mixed the running layer's
+gathered weights with the other layers' DTensor shards and raised on the first forward.
 
 On two GPUs (NCCL) the same runs use eager attention, torch's deterministic algorithms and the
 FP8 GEMM's first heuristic choice (QKVFUSE_FP8_GEMM_AUTOTUNE=0: two processes could otherwise
@@ -49,12 +49,7 @@ if not dist.is_available():  # pragma: no cover - torch builds without torch.dis
 
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
-from qkvfuse.integrations.transformers import (  # noqa: E402
-    apply_qkvfuse,
-    attention_input,
-    fp8_refresh_count,
-    refresh_fp8_weights,
-)
+from qkvfuse.integrations.transformers import apply_qkvfuse, attention_input  # noqa: E402
 
 WORLD = 2
 STEPS = 3
@@ -135,8 +130,6 @@ def train_sharded(rank, config, batches, device):
     out = dict(losses=losses, grads=grads,
                params={n: whole(p) for n, p in model.named_parameters()})
     if fp8:
-        out["refreshes"] = fp8_refresh_count(model)
-        out["refresh_call"] = refresh_fp8_weights(model)  # every layer under FSDP: nothing to do
         # Outside the forward the weights are shards: the FP8 path must refuse them by name.
         attn = model.model.layers[0].self_attn
         hidden = torch.randn(2, 16, 64, device=device)
@@ -169,11 +162,8 @@ def train_reference(config, batches, device):
         losses.append((total / WORLD).item())
         optimizer.step()
         optimizer.zero_grad()
-    out = dict(losses=losses, grads=grads,
-               params={n: whole(p) for n, p in model.named_parameters()})
-    if fp8:
-        out["refreshes"] = fp8_refresh_count(model)
-    return out
+    return dict(losses=losses, grads=grads,
+                params={n: whole(p) for n, p in model.named_parameters()})
 
 
 def worker(rank, device_type, store, out_dir):
@@ -250,10 +240,5 @@ def test_fsdp_equals_one_process(results, name):
         assert rel(ranks[0]["params"][n], want) <= tol, (n, rel(ranks[0]["params"][n], want))
     if fp8:
         for r in ranks:
-            # One quantization per layer and forward call, on every rank; the one-process
-            # model's cache is refreshed once per step (its second micro-batch finds it current).
-            assert r["refreshes"] == LAYERS * steps
-            assert r["refresh_call"] == r["refreshes"]
             error = r["shard_error"] or ""
             assert "q_proj.weight, k_proj.weight, v_proj.weight are DTensors" in error, error
-        assert ref["refreshes"] == steps

@@ -1,21 +1,6 @@
 """qkvfuse.integrations.transformers: Hugging Face models patched with apply_qkvfuse against the
-same models unpatched (issue 21). Tiny models are built from configs with random weights (nothing
-is downloaded); the norm weights are moved off their initial 1 (0 for Gemma's 1 + w) so that a
-misplaced weight or offset shows.
-
-Three precisions, three kinds of bound:
-- float64 on the CPU: the patched model equals the unpatched one to float32 rounding (HF's own
-  per-head RMSNorm computes in float32 even for float64 inputs): logits, loss and every
-  parameter's gradient within 2e-6 relative (L2 per tensor). The configs use rms_norm_eps = 1e-3,
-  so a wrong eps (5e-4 relative) would show.
-- bf16 (SPEC.md section 8: HF rounds between steps, qkvfuse once): both models are compared with
-  the float64 model of the same weights, and the patched model's error must stay within 1.5x the
-  unpatched model's own bf16 error plus half a bf16 step (2^-9), per tensor: logits and every
-  gradient; the loss within one bf16 step (2^-8) relative. Measured: ratios 0.86-1.18.
-- FP8 (fp8=True; see FP8_TOLERANCE): against the float64 model, relative L2 error of the logits
-  <= 0.15, of the loss <= 0.01, of the whole gradient (every parameter's, concatenated) <= 0.2 with
-  cosine >= 0.98, and of each parameter's gradient <= 0.35.
-"""
+same models unpatched (issue 21), in float64, bf16 and FP8 (the bounds: hf_models.py). The
+compositions with other libraries and with torch.compile are in test_transformers_compose.py."""
 import copy
 import csv
 import math
@@ -27,157 +12,35 @@ import pytest
 import torch
 import torch.nn as nn
 
+import qkvfuse
+
 transformers = pytest.importorskip(
     "transformers",
     reason="Hugging Face transformers is not installed (pip install .[transformers])")
 
 from conftest import requires_cuda  # noqa: E402
+from hf_models import (  # noqa: E402
+    BF16,
+    F64,
+    FAMILIES,
+    VOCAB,
+    assert_close_f64,
+    assert_within_bf16,
+    assert_within_fp8,
+    batch,
+    build,
+    cast,
+    make_config,
+    patched,
+    run,
+)
 from qkvfuse.integrations.transformers import (  # noqa: E402
     UnsupportedModelError,
     apply_qkvfuse,
-    fp8_refresh_count,
-    refresh_fp8_weights,
     remove_qkvfuse,
 )
 
-BF16 = torch.bfloat16
-F64 = torch.float64
-VOCAB = 97
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_hf.py"
-
-FAMILIES = ["qwen3", "qwen3_moe", "gemma3", "llama", "mistral"]
-
-# FP8 tolerance, relative L2 errors against the float64 model (measured worst over 6 seeds x 5
-# families in brackets). e4m3 keeps 3 mantissa bits: rounding moves a value by up to 2^-4 =
-# 6.25 % (3.6 % RMS). Each FP8 GEMM multiplies two quantized operands (about 5 % RMS per
-# product), so q, k and v carry about 5 % and the logits, which the attention reaches through the
-# residual stream, [9 %]. The backward quantizes grad q/k/v once more (current scaling: its
-# largest element maps near 448 / 4) and both backward GEMMs again multiply two e4m3 operands: the
-# Q/K/V weights' and norm weights' gradients add that error to the forward's, and grad x passes it
-# on to every earlier parameter: [14 %] for the whole gradient (cosine [0.990]), [24 %] for the
-# worst single tensor (a 32-element norm weight, whose sums cancel the most); the loss [0.4 %].
-# The bounds are about 1.5x the measured worst.
-FP8_TOLERANCE = dict(logits=0.15, loss=0.01, gradient=0.2, cosine=0.98, parameter=0.35)
-
-
-# ---- models --------------------------------------------------------------------------------------
-
-def make_config(family, **overrides):
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                  max_position_embeddings=256, initializer_range=0.1, rms_norm_eps=1e-3,
-                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    common.update(overrides)
-    if family == "qwen3":
-        return transformers.Qwen3Config(**common)
-    if family == "qwen3_moe":
-        # Every expert selected: the routing stays continuous, so rounding differences cannot
-        # flip a token to another expert (the float64 tests also run top-2 routing).
-        common = dict(dict(num_experts=4, num_experts_per_tok=4, moe_intermediate_size=32),
-                      **common)
-        return transformers.Qwen3MoeConfig(**common)
-    if family == "gemma3":
-        # One local (sliding window 8, theta 1e4) and one global layer (theta 1e6).
-        common = dict(dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"],
-                           query_pre_attn_scalar=32), **common)
-        return transformers.Gemma3TextConfig(**common)
-    if family == "llama":
-        return transformers.LlamaConfig(**common)
-    if family == "mistral":
-        return transformers.MistralConfig(**dict(dict(sliding_window=8), **common))
-    raise ValueError(family)
-
-
-def build(family, dtype=F64, attn="sdpa", **overrides):
-    config = make_config(family, **overrides)
-    extra = dict(experts_implementation="eager") if family == "qwen3_moe" else {}
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn,
-                                                          dtype=F64, **extra)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:  # the norm weights
-                p.add_(0.3 * torch.randn_like(p))
-    return cast(model, dtype).train()
-
-
-def cast(model, dtype):
-    """model.to(dtype), but the rotary frequencies stay float32, as from_config and
-    from_pretrained keep them (.to() would round them to bf16)."""
-    frequencies = [(module, name, buffer.float()) for module in model.modules()
-                   for name, buffer in module._buffers.items()
-                   if buffer is not None and name.endswith("inv_freq")]
-    model.to(dtype)
-    for module, name, buffer in frequencies:
-        module._buffers[name] = buffer
-    return model
-
-
-def patched(model, fp8=False, dtype=None):
-    twin = copy.deepcopy(model)
-    if dtype is not None:
-        cast(twin, dtype)
-    return apply_qkvfuse(twin, fp8=fp8)
-
-
-def batch(kind, batch_size=2, seq=24):
-    """(input_ids, position_ids or None): a plain batch or one packed row of three documents."""
-    if kind == "batch":
-        return torch.randint(3, VOCAB, (batch_size, seq)), None
-    lengths = [20, 17, 11]
-    ids = torch.randint(3, VOCAB, (1, sum(lengths)))
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    return ids, positions
-
-
-def run(model, ids, position_ids=None, autocast=False, call=None):
-    """(logits, loss, {name: grad}) in float64, from one forward + backward (through `call`,
-    e.g. a compiled model, if given)."""
-    model.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=BF16, enabled=autocast):
-        out = (model if call is None else call)(input_ids=ids, position_ids=position_ids,
-                                                labels=ids, use_cache=False)
-    out.loss.backward()
-    grads = {name: p.grad.double() for name, p in model.named_parameters()
-             if p.grad is not None}  # (a multimodal model's vision tower gets none from text)
-    return out.logits.detach().double(), out.loss.detach().double(), grads
-
-
-def rel(out, ref):
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-300)).item()
-
-
-def assert_close_f64(mine, theirs, tolerance=2e-6):
-    (logits, loss, grads), (ref_logits, ref_loss, ref_grads) = mine, theirs
-    assert rel(logits, ref_logits) <= tolerance, rel(logits, ref_logits)
-    assert rel(loss, ref_loss) <= tolerance
-    assert grads.keys() == ref_grads.keys()
-    for name in ref_grads:
-        assert rel(grads[name], ref_grads[name]) <= tolerance, (name, rel(grads[name],
-                                                                          ref_grads[name]))
-
-
-def assert_within_bf16(mine, unpatched, exact):
-    """The patched bf16 model's error against float64 <= 1.5x the unpatched bf16 model's + 2^-9."""
-    def check(what, out, ref, want):
-        e_out, e_ref = rel(out, want), rel(ref, want)
-        assert e_out <= 1.5 * e_ref + 2**-9, (f"{what}: patched error {e_out:.3g} against "
-                                             f"unpatched {e_ref:.3g}")
-    check("logits", mine[0], unpatched[0], exact[0])
-    assert abs(mine[1] - exact[1]) <= 2**-8 * abs(exact[1])
-    for name in exact[2]:
-        check(name, mine[2][name], unpatched[2][name], exact[2][name])
-
-
-def assert_within_fp8(mine, exact):
-    tol = FP8_TOLERANCE
-    assert rel(mine[0], exact[0]) <= tol["logits"], rel(mine[0], exact[0])
-    assert abs(mine[1] - exact[1]) <= tol["loss"] * abs(exact[1])
-    for name in exact[2]:
-        assert rel(mine[2][name], exact[2][name]) <= tol["parameter"], (
-            name, rel(mine[2][name], exact[2][name]))
-    flat = [torch.cat([g[n].flatten() for n in sorted(exact[2])]) for g in (mine[2], exact[2])]
-    assert rel(*flat) <= tol["gradient"], rel(*flat)
-    assert torch.nn.functional.cosine_similarity(*flat, dim=0).item() >= tol["cosine"]
 
 
 # ---- float64: the patch computes the library's own math ------------------------------------------
@@ -266,7 +129,8 @@ def test_projections_that_are_not_plain_linear():
         layer.self_attn.q_proj = Wrapped(layer.self_attn.q_proj)
     ids, _ = batch("batch")
     assert_close_f64(run(patched(model), ids), run(model, ids))
-    with pytest.raises(UnsupportedModelError, match="plain nn.Linear, got Wrapped"):
+    with pytest.raises(UnsupportedModelError,
+                       match=r"plain torch.nn.Linear .*: q_proj is .*\.Wrapped\. Use fp8=False"):
         apply_qkvfuse(model, fp8=True)
 
 
@@ -304,7 +168,6 @@ def test_fp8_within_stated_tolerance(family, kind):
     exact = run(model, ids, positions)
     fp8_model = patched(model, fp8=True, dtype=BF16)
     assert_within_fp8(run(fp8_model, ids, positions), exact)
-    assert fp8_refresh_count(fp8_model) == 1
 
 
 @requires_cuda
@@ -330,10 +193,14 @@ def test_cuda_against_float64(family, fp8):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
-def test_fp8_without_autocast_runs_whatever_the_token_count(dtype):
+def test_fp8_without_autocast_runs_whatever_the_token_count(dtype, monkeypatch):
     """fp8=True on a float32 (or float64) model without autocast: every call runs, whether its
     T = batch x sequence is a multiple of 16 (the FP8 op, computing in bf16, its q, k, v cast
     back to the model's dtype) or not (the path of fp8=False, in the model's dtype)."""
+    calls = []
+    op = qkvfuse.packed_fp8_qkv_current_scaling
+    monkeypatch.setattr(qkvfuse, "packed_fp8_qkv_current_scaling",
+                        lambda *args, **kwargs: calls.append(1) or op(*args, **kwargs))
     model = build("qwen3")
     fp8_model = patched(model, fp8=True, dtype=dtype)
     for seq in (24, 23):  # T = 48, a multiple of 16; T = 46, not
@@ -345,7 +212,8 @@ def test_fp8_without_autocast_runs_whatever_the_token_count(dtype):
             assert_within_fp8(mine, exact)
         else:
             assert_close_f64(mine, exact, tolerance=2e-6 if dtype == F64 else 1e-5)
-    assert fp8_refresh_count(fp8_model) == 1  # the FP8 op ran (for T = 48)
+        # The FP8 op ran in every layer for T = 48, in none for T = 46.
+        assert len(calls) == len(model.model.layers)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -365,66 +233,29 @@ def test_autocast_with_float32_master_weights(fp8):
         assert_within_bf16(mine, unpatched, exact)
 
 
-def test_fp8_gradient_checkpointing_gives_the_same_bits():
-    model = build("qwen3", dtype=BF16)
-    ids, _ = batch("batch")
-    plain = run(apply_qkvfuse(copy.deepcopy(model), fp8=True), ids)
-    checkpointed = apply_qkvfuse(copy.deepcopy(model), fp8=True)
-    checkpointed.gradient_checkpointing_enable(
-        gradient_checkpointing_kwargs=dict(use_reentrant=False))
-    again = run(checkpointed, ids)
-    assert torch.equal(plain[0], again[0])
-    for name in plain[2]:
-        assert torch.equal(plain[2][name], again[2][name]), name
+# ---- weights: FP8 follows them, the state dict is untouched ----------------------------------
 
-
-def test_torch_compile_bf16_path_fullgraph():
-    """torch.compile (aot_eager: the traced graph run by eager kernels, no C++ build) traces the
-    patched bf16 path into one graph: the same values as the eager patched model (float32)."""
-    model = apply_qkvfuse(build("qwen3", dtype=torch.float32))
-    ids, _ = batch("batch")
-    eager = run(model, ids)
-    compiled = run(model, ids, call=torch.compile(model, backend="aot_eager", fullgraph=True))
-    assert_close_f64(compiled, eager, tolerance=1e-6)
-
-
-def test_torch_compile_fp8():
-    """The FP8 projection runs eagerly between compiled graphs. The compiled bf16 backward
-    rounds other ops differently (0.8 % on the unpatched model's gradients), which e4m3 then
-    amplifies, so the check is the FP8 tolerance against float64, as for the eager model."""
-    model = build("qwen3")
-    ids, _ = batch("batch")
-    exact = run(model, ids)
-    fp8_model = patched(model, fp8=True, dtype=BF16)
-    compiled = run(fp8_model, ids, call=torch.compile(fp8_model, backend="aot_eager"))
-    assert_within_fp8(compiled, exact)
-    assert fp8_refresh_count(fp8_model) == 1
-
-
-# ---- weights: the FP8 cache follows them, the state dict is untouched --------------------------
-
-def test_fp8_cache_follows_optimizer_steps_and_loaded_weights():
+def test_fp8_follows_optimizer_steps_and_loaded_weights():
+    """The e4m3 weight is quantized from the master weights in every call: after each optimizer
+    step and after load_state_dict the patched model computes what a fresh patch of the current
+    weights computes, bit for bit."""
     model = apply_qkvfuse(build("qwen3", dtype=BF16), fp8=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ids, _ = batch("batch")
-    for step in range(3):
-        run(model, ids)
-        assert fp8_refresh_count(model) == step + 1  # one refresh per step, by the next forward
+    first = run(model, ids)
+    for _ in range(2):
         optimizer.step()
-    # After the steps the cache holds the current weights: the same bits as a fresh patch.
+        after = run(model, ids)
+        fresh = run(apply_qkvfuse(remove_qkvfuse(copy.deepcopy(model)), fp8=True), ids)
+        assert not torch.equal(after[0], first[0])  # the step changed the weights
+        assert torch.equal(after[0], fresh[0]) and torch.equal(after[1], fresh[1])
+        for name in fresh[2]:
+            assert torch.equal(after[2][name], fresh[2][name]), name
     with torch.no_grad():
-        fresh = apply_qkvfuse(remove_qkvfuse(copy.deepcopy(model)), fp8=True)
-        assert torch.equal(model(input_ids=ids).logits, fresh(input_ids=ids).logits)
-        assert fp8_refresh_count(model) == 4
-        # load_state_dict copies into the parameters in place: the next forward re-quantizes.
         other = build("qwen3", dtype=BF16)
         model.load_state_dict(other.state_dict())
         want = apply_qkvfuse(other, fp8=True)(input_ids=ids).logits
         assert torch.equal(model(input_ids=ids).logits, want)
-        assert fp8_refresh_count(model) == 5
-        model(input_ids=ids)  # unchanged weights: no refresh
-    assert fp8_refresh_count(model) == 5
-    assert refresh_fp8_weights(model) == 6
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -477,7 +308,6 @@ def test_generate_bf16_and_fp8(fp8):
     ids = torch.randint(3, VOCAB, (2, 8))
     out = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert out.shape == (2, 14) and torch.equal(out[:, :8], ids)
-    assert not fp8 or fp8_refresh_count(model) == 1
 
 
 # ---- what is patched, and what is refused ------------------------------------------------------

@@ -3,17 +3,20 @@
     from qkvfuse.integrations.transformers import apply_qkvfuse
     model = AutoModelForCausalLM.from_config(config)   # or from_pretrained(...)
     apply_qkvfuse(model)              # q/k norm + rotary: one qkvfuse.qk_norm_rope per layer
-    apply_qkvfuse(model, fp8=True)    # and the q/k/v projections: qkvfuse.packed_fp8_qkv
+    apply_qkvfuse(model, fp8=True)    # and the q/k/v projections in FP8:
+                                      # qkvfuse.packed_fp8_qkv_current_scaling
 
 Supported (the attention modules' classes, matched exactly; SPEC.md section 8 has the math):
 
 | family | attention class | per-head norm | qkvfuse layout |
 | --- | --- | --- | --- |
-| Qwen3 | Qwen3Attention | RMS * w (Qwen3RMSNorm) | NeoX, GQA, q/k weights, eps of the norm |
-| Qwen3-MoE (attention only) | Qwen3MoeAttention | RMS * w (Qwen3MoeRMSNorm) | as Qwen3 |
-| Gemma 3 (text) | Gemma3Attention | RMS * (1 + w) (Gemma3RMSNorm) | as Qwen3, weight_offset 1 |
+| Qwen3 | Qwen3Attention | RMS * w (Qwen3RMSNorm*) | NeoX, GQA, q/k weights, eps of the norm |
+| Qwen3-MoE (attention only) | Qwen3MoeAttention | RMS * w (Qwen3MoeRMSNorm*) | as Qwen3 |
+| Gemma 3 (text) | Gemma3Attention | RMS * (1 + w) (Gemma3RMSNorm*) | as Qwen3, weight_offset 1 |
 | Llama | LlamaAttention | none | NeoX, GQA, normalize=False |
 | Mistral | MistralAttention | none | as Llama |
+
+* or Liger-Kernel's LigerRMSNorm, with the settings it carries (see "What it composes with").
 
 and the families of SPEC.md section 9 (transformers_families.py; docs/families.md):
 
@@ -71,36 +74,43 @@ weight cat + one GEMM 542-784 ms, the one GEMM faster in every round. Projection
 plain nn.Linear (e.g. PEFT's LoRA layers, quantized linears) are always called as modules, with
 the activation cat.
 
-FP8 (fp8=True). Each layer's q/k/v projection runs through qkvfuse.packed_fp8_qkv as
-examples/train_gpt.py runs it:
-- weights: an e4m3 copy of each layer's packed [Wq; Wk; Wv] with its current scale amax/448,
-  quantized for all layers of one shape in one qkvfuse.quantize_weight_bank call. It is refreshed
-  lazily, before the first forward that follows any change of those weights: each layer compares
-  its three weights' autograd version counters (which every in-place update bumps: optimizer
-  steps, load_state_dict, copy_) and data pointers (a .to() or an assigned state dict) with those
-  the cache was built from. So the usual loop needs no extra call: optimizer.step() changes the
-  weights, and the next forward re-quantizes every layer once (refresh_fp8_weights(model) does
-  it eagerly).
-  Under FSDP (fully_shard per decoder layer, or on the whole model) a layer's weights are shards
-  between forwards and full only inside the forward of the module fully_shard wraps, gathered
-  anew each time: such layers keep no cache and quantize their full weights in each call (one
-  quantize_weight_bank per layer and forward; the activation and gradient are as below). The
-  ranks therefore quantize the same full weights, and an optimizer step on the shards is seen
-  by the next forward.
+FP8 (fp8=True). Each layer's q/k/v projection runs through
+qkvfuse.packed_fp8_qkv_current_scaling: one FP8 GEMM, then the norm + rotary, with current
+scaling of everything it quantizes, computed on the device within the call (no host
+synchronization, nothing kept between calls):
+- the weights: the layer's master Wq, Wk, Wv concatenated in bf16 ([F, C]: the copy through which
+  their gradients flow, which the backward also reads) and quantized to e4m3 in both layouts with
+  scale max|W| / 448, in every forward. The e4m3 weight is therefore always the current one:
+  after optimizer steps, load_state_dict, .to(), with no call in the training loop; under FSDP
+  (fully_shard per decoder layer, or on the whole model) the full weights FSDP gathers for the
+  forward are the ones quantized, so every rank quantizes the same full weights and sees the
+  optimizer step on the shards. The cost, two passes over the bf16 weight, is under 1 % of the
+  layer's forward at Qwen3-0.6B and 8B training shapes (the op's docstring has the bytes).
 - the activation: the attention's input x (bf16) is quantized once, to x_f8 [T, C] and its
-  transpose, shared by the Q, K and V columns of the one FP8 GEMM, with current scaling:
-  x_scale = max|x| / 448 (one extra read of x, no host synchronization). HF's input norm
-  multiplies by a learned weight, so the speedrun's fixed bound sqrt(C)/448 does not hold here.
-- the gradient: grad_scale = 4 * max(|grad q|, |grad k|, |grad v|) / 448 of this call, set by
-  one hook on the three gradients before the op's backward reads it (current scaling: a fixed scale
-  lets small gradients round to zero in e4m3, docs/training/README.md).
+  transpose, shared by the Q, K and V columns of the one FP8 GEMM: x_scale = max|x| / 448 (one
+  extra read of x). HF's input norm multiplies by a learned weight, so the speedrun's fixed bound
+  sqrt(C)/448 does not hold here.
+- the gradient: grad_scale = 4 * max(|grad q|, |grad k|, |grad v|) / 448, computed by the op's
+  backward from the gradients that reach it (a fixed scale lets small gradients round to zero in
+  e4m3, docs/training/README.md). Each call has its own: gradient accumulation, activation
+  checkpointing and several forwards before one backward each scale their own gradients.
 - the master weights receive their gradients in their own dtype (fp32 under autocast), and so do
   the q/k norm weights (from the fused backward).
+- the families of section 9 (transformers_families.weight_blocks): the op's weight is the layer's
+  [Q | K | V] rows gathered into the one bf16 copy, and the layout options ride along (a V norm,
+  the token-wide norm, query_only, no angles). A gated query (Qwen3-Next, Qwen3.5) contributes
+  its query rows of q_proj (one strided view); its gate rows are a bf16 GEMM of their own on the
+  same x (the op's columns are Q, K and V only), so the gate, sigmoid(gate) * attention, is not
+  quantized. Gemma 4's attention_k_eq_v passes k_proj's rows once and the copy holds them twice
+  (K and V rows: the FP8 GEMM computes them twice; their gradients are summed into k_proj's);
+  its KV-shared layers project Q alone (query_only).
 FP8 computes in bf16 (its q, k and v are cast back to the activations' dtype: a float32 model
-without autocast runs too, on the CPU), and needs no q/k/v bias and C and the packed width
-(Hq + 2 Hkv) * D multiples of 16 (cuBLASLt FP8), which apply_qkvfuse checks. A call whose token
-count T = batch x sequence is not a multiple of 16 (generate's decode steps, odd batches) runs
-the bf16 path for that call: same weights, no FP8 GEMM.
+without autocast runs too, on the CPU), and needs no q/k/v bias, q/k/v projections that are plain
+nn.Linear, and C and the packed width (Hq + 2 Hkv) * D multiples of 16 (cuBLASLt FP8), which
+apply_qkvfuse checks. A call whose token count T = batch x sequence is not a multiple of 16
+(generate's decode steps, odd batches) runs the bf16 path for that call: same weights, no FP8
+GEMM. A q/k/v weight that is still a DTensor shard in the forward (the attention module called
+alone under FSDP, or a tensor-parallel plan) is refused by name.
 
 Numerics. HF rounds to the activation dtype between steps (the normalized row before the weight,
 each product of the rotary); qkvfuse rounds once, so the patched bf16 model differs from the
@@ -108,31 +118,57 @@ unpatched one by a few bf16 roundings of q and k per layer (SPEC.md section 8), 
 closer of the two to the exact value. On the CPU the patched path also runs float32 and float64
 models (equal to the unpatched model to that precision); on CUDA qkvfuse needs bf16 activations.
 
-torch.compile: the bf16 path traces into one graph (fullgraph=True works); the FP8 projection
-runs eagerly between compiled graphs (torch.compiler.disable: the cache's version checks and the
-per-call gradient hooks are Python), the rest of the layer compiles. Tested with the aot_eager
-backend on the CPU.
+What it composes with (tests/python/test_transformers_compose.py):
+- Liger-Kernel (apply_liger_kernel_to_qwen3, _qwen3_moe, _gemma3_text, _llama, _mistral; of
+  section 9's families _qwen3_next, _olmo3 and _gemma4_text's instance patch, whose class patch
+  swaps in LigerRMSNormForGemma4, a forward qkvfuse does not read: refused by name), in
+  either order, before or after the model is built. Its q_norm / k_norm (LigerRMSNorm, or the
+  family's norm whose forward Liger rebound) are read at every forward: their weight (none with
+  elementwise_affine=False), offset (qkvfuse's weight_offset) and variance_epsilon (eps). Their
+  casting_mode ("llama", "gemma", "none"), in_place and row_mode decide where Liger rounds to
+  the activation dtype and how it schedules its kernel, not what it computes: qkvfuse computes
+  the norm and the rotary in fp32 and rounds q and k once in every mode (as "gemma" does for the
+  norm; closer to the exact value than "llama" and "none"), without emulating their
+  intermediate roundings. Refused with UnsupportedModelError naming the setting: a casting_mode
+  Liger does not define; q_norm and k_norm with different eps or offsets (one of each serves
+  both); a weight that is not [head_dim] ([heads * head_dim] for a token-wide norm); a norm
+  class or instance forward qkvfuse does not know (named). Liger's rope (apply_rotary_pos_emb
+  in the modeling module) is not called by the patched forward, which does its own rotary;
+  Liger's decoder RMSNorms, SwiGLU / GeGLU MLPs and fused linear cross entropy are outside the
+  attention input and run as Liger patched them.
+- PEFT adapters (LoRA on q_proj, k_proj, v_proj, o_proj): the bf16 path calls such projections
+  as modules, so the adapters' output is included; merged adapters too (merge_adapter(), or
+  merge_and_unload(), after which the projections are plain nn.Linear again). fp8=True refuses
+  adapter layers, naming their class, since the packed FP8 op reads the weights and not the
+  modules' forward: merge the adapters first, or use fp8=False.
+- gradient_checkpointing_enable(), with use_reentrant True or False: the same loss and gradients,
+  bit for bit, as without.
+- torch.compile(model): both paths trace into the model's graphs with no graph break the unpatched
+  model does not have (fullgraph=True works, forward and backward; no recompilation on the next
+  call). Tested with the aot_eager and inductor backends on the CPU; for the families of section
+  9 too (Gemma 4, Qwen3-Next, OLMo 3, SmolLM3: tests/python/test_transformers_families.py).
+- TRL's SFTTrainer trains a patched model (bf16 and FP8), tracking the unpatched model's losses.
 
-Tested on the CPU (tests/python/test_transformers_integration.py): every family, GQA/MHA/MQA,
-packed sequences, rope scalings, generate, save/load, gradient checkpointing, compile; DDP and
-FSDP2 (fully_shard per decoder layer, two processes over gloo: tests/python/
-test_transformers_fsdp.py, and examples/train_hf.py under torchrun, tests/python/
-test_train_distributed.py; NCCL on GPUs). Not covered: pickling a patched model object (its
-forward is a bound method: save the state dict, as save_pretrained does), and tensor or pipeline
-parallel plans that shard q_proj/k_proj/v_proj (fp8=True refuses a DTensor weight by name).
+Also tested on the CPU (tests/python/test_transformers_integration.py): every family,
+GQA/MHA/MQA, packed sequences, rope scalings, generate, save/load; DDP and FSDP2 (fully_shard per
+decoder layer, two processes over gloo: tests/python/test_transformers_fsdp.py, and
+examples/train_hf.py under torchrun, tests/python/test_train_distributed.py; NCCL on GPUs). Not
+covered: pickling a patched model object (its forward is a bound method: save the state dict, as
+save_pretrained does), and tensor or pipeline parallel plans that shard q_proj/k_proj/v_proj
+(fp8=True refuses a DTensor weight by name); a q_norm wrapped by PEFT's modules_to_save is
+refused (its class is named).
 """
 import inspect
 import sys
 import types
 import weakref
-from typing import List, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import qkvfuse
-from qkvfuse._layout import DEFAULT_EPS
 
 from . import transformers_families as families
 
@@ -150,16 +186,16 @@ except ImportError as error:  # pragma: no cover - exercised only without the op
     ) from error
 
 __all__ = ["SUPPORTED", "UnsupportedModelError", "apply_qkvfuse", "attention_input",
-           "attention_states", "fp8_refresh_count", "refresh_fp8_weights", "remove_qkvfuse"]
+           "attention_states", "remove_qkvfuse"]
 
-E4M3_MAX = 448.0
-# Headroom of the gradient scale over max |grad q, k, v|: the norm's backward can grow a row's
-# gradient beyond its input's (examples/train_gpt.py uses the same).
-GRAD_HEADROOM = 4.0
-# Never a zero scale: it would saturate every e4m3 code (docs/special_values.md).
-MIN_SCALE = 2.0**-100
 # cuBLASLt FP8 GEMMs need M, N and K multiples of 16 (include/qkvfuse/packed_qkv.hpp).
 FP8_MULTIPLE = 16
+# Liger-Kernel's RMSNorm forward (liger-kernel:liger_kernel/transformers/rms_norm.py), of its class
+# LigerRMSNorm or of a subclass, or bound by its monkey patch onto a family's norm instance.
+LIGER_RMS_NORM = ("liger_kernel.transformers.rms_norm", "LigerRMSNorm.forward")
+# Its casting modes (strings, or the codes its ops also take): where it rounds, not what it
+# computes (module docstring).
+LIGER_CASTING_MODES = ("llama", "gemma", "none", 0, 1, -1)
 
 
 class UnsupportedModelError(ValueError):
@@ -205,118 +241,25 @@ def _looks_like_attention(module: nn.Module) -> bool:
     return name.endswith("Attention") or name.endswith("Attention2")
 
 
-# ---- the per-model state: the FP8 weight cache and the rotary caches of one forward -------------
-
-class _Fp8Weights:
-    """The e4m3 packed [Wq; Wk; Wv] of every patched layer: a qkvfuse.PackedWeightCache over the
-    layers' (Wq, Wk, Wv), rebuilt when the weights move and refreshed when they change (see the
-    module docstring). Layers whose projections FSDP manages are not cached: get() quantizes
-    them in every call, from the full weights FSDP has gathered for the forward (_fsdp_managed)."""
-
-    def __init__(self, modules: List[nn.Module]):
-        self._modules = modules
-        self._layout = None   # per cached layer: its index, then (data pointer, device, dtype,
-        #                       shape) of each weight
-        self._seen = None     # layer index -> the version counters the entry was quantized from
-        self._slot = {}       # layer index -> its position in self._cache
-        self._cache = None
-        self.refreshes = 0    # how many times the cache (or an FSDP layer) was quantized
-
-    def _weights(self, i):
-        """The row blocks of layer i's packed [Q | K | V] weight (q_proj, k_proj, v_proj's
-        weights; their query rows only for a gated query, and so on: weight_blocks)."""
-        m = self._modules[i]
-        qk, v = families.weight_blocks(m, m._qkvfuse.spec, fp8=True)
-        # Detached: the cache copies from them under no_grad, and a model holding row views of
-        # its parameters made there could not be deep-copied (the views share the parameters'
-        # storage and version counters either way).
-        return tuple(w.detach() for w in qk + v)
-
-    @staticmethod
-    def _versions(weights):
-        return tuple(w._version for w in weights) + tuple(w.data_ptr() for w in weights)
-
-    def get(self, i: int) -> qkvfuse.PackedWeight:
-        """Layer i's weight: quantized now if FSDP manages it, else the cached entry, refreshed
-        first if any cached layer's weights changed since."""
-        if _fsdp_managed(self._modules[i]):
-            return self._quantize_layer(i)
-        if self._seen is None or i not in self._seen or (
-                self._versions(self._weights(i)) != self._seen[i]):
-            self.refresh()
-        return self._cache[self._slot[i]]
-
-    @torch.no_grad()
-    def refresh(self) -> None:
-        """Re-quantizes every cached layer (those FSDP does not manage) in one bank per shape."""
-        resident = [i for i in range(len(self._modules))
-                    if not _fsdp_managed(self._modules[i])]
-        if not resident:
-            return  # every layer is quantized per call: nothing is cached between forwards
-        weights = [self._weights(i) for i in resident]
-        layout = [(i,) + tuple((w.data_ptr(), w.device, w.dtype, tuple(w.shape)) for w in ws)
-                  for i, ws in zip(resident, weights)]
-        if layout != self._layout:
-            self._cache = qkvfuse.PackedWeightCache(weights)  # quantizes once
-            self._layout = layout
-            self._slot = {i: slot for slot, i in enumerate(resident)}
-        else:
-            self._cache.refresh()
-        self._seen = {i: self._versions(ws) for i, ws in zip(resident, weights)}
-        self.refreshes += 1
-
-    @torch.no_grad()
-    def _quantize_layer(self, i: int) -> qkvfuse.PackedWeight:
-        """Layer i's packed weight quantized from its weights as they are now: inside the
-        layer's forward under FSDP, the full (all-gathered) weights."""
-        module = self._modules[i]
-        sharded = [f"{name}.weight" for name in ("q_proj", "k_proj", "v_proj")
-                   if _is_dtensor(getattr(getattr(module, name, None), "weight", None))]
-        if sharded:
-            raise RuntimeError(
-                f"qkvfuse: fp8=True: {type(module).__name__} layer {i}: "
-                f"{', '.join(sharded)} {'is a DTensor' if len(sharded) == 1 else 'are DTensors'} "
-                f"(sharded) in this forward; the FP8 weight is quantized from the full weights, "
-                f"which FSDP gathers around the forward of the module fully_shard was applied to "
-                f"(call the model, or that module, not the attention module alone). "
-                f"Tensor-parallel plans that shard q_proj/k_proj/v_proj are not supported with "
-                f"fp8=True")
-        bank = torch.cat([w.to(torch.bfloat16) for w in self._weights(i)])[None]
-        row, t, scale = qkvfuse.quantize_weight_bank(bank)
-        self.refreshes += 1
-        return qkvfuse.PackedWeight(row[0], t[0], scale[0])
-
-
-def _fsdp_managed(attention: nn.Module) -> bool:
-    """Whether FSDP manages the attention module's q/k/v projections. fully_shard (FSDP2; FSDP1
-    as well) marks every module whose parameters it manages with _is_fsdp_managed_module (the
-    flag torch.compile reads). Such a weight is not one tensor over time: between forwards the
-    module holds a DTensor shard, and around the forward of the module fully_shard was applied to
-    FSDP swaps in the full weight, gathered anew into storage it frees again afterwards, and
-    gathers it without bumping its version counter. The cache's key (version counters and data
-    pointers) can therefore not tell an updated weight from a stale one (a caching allocator
-    may hand the freed block back at the same address), and a bank of every layer cannot be built
-    while the other layers hold shards. Such layers are quantized in each call instead: one more
-    read of a weight that FSDP has just gathered, from the full weight, never from a shard."""
-    return any(getattr(getattr(attention, name, None), "_is_fsdp_managed_module", False)
-               for name in ("q_proj", "k_proj", "v_proj"))
-
-
 def _is_dtensor(tensor: torch.Tensor) -> bool:
     return _DTensor is not None and isinstance(tensor, _DTensor)
 
 
+# ---- the per-model state: the rotary caches of one forward ---------------------------------------
+
 class _ModelState:
     """Shared by the patched layers of one model."""
 
-    def __init__(self, modules: List[nn.Module], fp8: bool):
-        self.modules = modules
+    def __init__(self, fp8: bool):
         self.fp8 = fp8
-        self.weights = _Fp8Weights(modules) if fp8 else None
         self._rope = {}   # (id(cos), id(sin), B, S) -> (weakref cos, weakref sin, cos_sin, pos)
         self._ones = {}   # device -> float32 1.0 (packed_fp8_qkv's qkv_scale)
 
     def one(self, device) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # A constant of the graph, instead of a tensor that the trace would store into the
+            # dict (an extra graph output, and a recompilation once the dict has changed).
+            return torch.ones((), dtype=torch.float32, device=device)
         one = self._ones.get(device)
         if one is None:
             one = self._ones[device] = torch.ones((), dtype=torch.float32, device=device)
@@ -367,20 +310,19 @@ def _rope_cache(cos, sin, batch, seq, head_dim, accept):
 class _Layer:
     """What the patched forward of one attention module needs (set by apply_qkvfuse)."""
 
-    def __init__(self, module, family, state, index, fp8):
+    def __init__(self, module, family, state, fp8, where):
         self.family = family
         self.state = state
-        self.index = index
         self.fp8 = fp8
+        self.where = where  # "qkvfuse.apply_qkvfuse: <model>: <path> (<class>)", for errors
         # What the module computes before its attention function (transformers_families.py).
         self.spec = spec = _spec_of(module, family)
         self.q_heads = spec.q_heads
         self.kv_heads = spec.kv_heads
         self.head_dim = spec.head_dim
         self.normalize = spec.normalize
-        self.eps = _norm_eps(spec.q_norm) if self.normalize else DEFAULT_EPS
-        if spec.v_norm is not None and not self.normalize:
-            self.eps = _norm_eps(spec.v_norm)
+        # (q_norm, k_norm, their instance forwards, their kinds): see _qk_norms.
+        self.norms = None
         self.eager = sys.modules[type(module).__module__].eager_attention_forward
         # transformers >= 5.2x names the KV cache `cache` (past_key_values before) and hands the
         # call's keyword arguments to its update: the patched forward does what the class does.
@@ -407,7 +349,100 @@ def _spec_of(module, family):
     return describe(module) if describe is not None else families.legacy_spec(module, family)
 
 
-_norm_eps = families.norm_eps
+# ---- the q/k norms: the family's own or Liger-Kernel's ------------------------------------------
+
+def _qualified(function_or_class) -> str:
+    return f"{function_or_class.__module__}.{function_or_class.__qualname__}"
+
+
+def _norm_kind(norm, name, layer) -> str:
+    """"family" or "liger": whose math the module `norm` (a q_norm or k_norm) runs, by the
+    function that runs as its forward (bound on the instance, as Liger's monkey patch does, or
+    its class's). Raises UnsupportedModelError naming what qkvfuse cannot read. Its weight is
+    [head_dim], or [heads * head_dim] for a token-wide norm (OLMo 2 / 3)."""
+    bound = norm.__dict__.get("forward")
+    function = type(norm).forward if bound is None else getattr(bound, "__func__", bound)
+    key = (getattr(function, "__module__", None), getattr(function, "__qualname__", None))
+    where, family = layer.where, layer.family
+    if key == LIGER_RMS_NORM:
+        kind, what = "liger", f"{where}: {name} (Liger-Kernel's LigerRMSNorm)"
+        mode = getattr(norm, "casting_mode", None)
+        if mode not in LIGER_CASTING_MODES:
+            raise UnsupportedModelError(f"{what}: casting_mode {mode!r} is none of 'llama', "
+                                        f"'gemma', 'none'")
+    elif key == (family.module, f"{family.norm}.forward"):
+        kind, what = "family", f"{where}: {name} ({family.norm})"
+    elif bound is not None:
+        raise UnsupportedModelError(
+            f"{where}: {name} ({type(norm).__name__}) has its forward replaced on the instance "
+            f"by {_qualified(function)}, which qkvfuse cannot read: it takes the family's "
+            f"{family.norm} or Liger-Kernel's LigerRMSNorm")
+    else:
+        raise UnsupportedModelError(
+            f"{where}: {name} is {_qualified(type(norm))}, expected the family's {family.norm} "
+            f"or Liger-Kernel's LigerRMSNorm (another patch applied first?)")
+    weight = norm.weight
+    if layer.spec.norm_scope == "token":
+        heads = layer.q_heads if name == "q_norm" else layer.kv_heads
+        width = heads * layer.head_dim
+        expected = f"[heads * head_dim] = [{heads} * {layer.head_dim}]"
+    else:
+        width, expected = layer.head_dim, f"[head_dim] = [{layer.head_dim}]"
+    if weight is not None and tuple(weight.shape) != (width,):
+        raise UnsupportedModelError(f"{what}: weight of shape {list(weight.shape)}, expected "
+                                    f"{expected}")
+    return kind
+
+
+def _norm_settings(norm, kind, layer):
+    """(weight_offset, eps) of a norm of that kind, read as its forward reads them."""
+    if kind == "liger":
+        return float(norm.offset), float(norm.variance_epsilon)
+    eps = getattr(norm, "variance_epsilon", None)
+    return layer.family.weight_offset, float(norm.eps if eps is None else eps)
+
+
+def _instance_forward(norm):
+    return None if norm is None else norm.__dict__.get("forward")
+
+
+def _qk_norms(module, layer) -> dict:
+    """qk_norm_rope's norm keywords for `module`'s q_norm and k_norm (q_norm alone on a KV-shared
+    layer). Whose math each norm runs is decided again whenever the norm module or its instance
+    forward changes (a Liger patch applied after apply_qkvfuse rebinds it); their offsets and eps
+    are read at every forward, as their own forward reads them, and so is a V norm's eps (Gemma
+    4's weightless v_norm: the op takes one eps for the three)."""
+    q = module.q_norm
+    k = None if layer.spec.kv_shared else module.k_norm
+    seen = layer.norms
+    if (seen is None or seen[0] is not q or seen[1] is not k or
+            seen[2] is not _instance_forward(q) or seen[3] is not _instance_forward(k)):
+        kinds = (_norm_kind(q, "q_norm", layer),
+                 None if k is None else _norm_kind(k, "k_norm", layer))
+        seen = layer.norms = (q, k, _instance_forward(q), _instance_forward(k), kinds)
+    q_offset, q_eps = _norm_settings(q, seen[4][0], layer)
+    q_weight = q.weight
+    if k is None:
+        k_offset, k_eps, k_weight = q_offset, q_eps, None
+    else:
+        (k_offset, k_eps), k_weight = _norm_settings(k, seen[4][1], layer), k.weight
+    # One eps and one weight_offset serve both (an offset matters only with a weight).
+    if q_weight is None:
+        q_offset = k_offset
+    elif k_weight is None:
+        k_offset = q_offset
+    for setting, q_value, k_value in (("eps", q_eps, k_eps), ("offset", q_offset, k_offset)):
+        if q_value != k_value:
+            raise UnsupportedModelError(
+                f"{layer.where}: q_norm and k_norm differ in {setting} ({q_value} and "
+                f"{k_value}): qkvfuse applies one {setting} to both")
+    if layer.spec.v_norm is not None:
+        v_eps = families.norm_eps(module.v_norm)
+        if v_eps != q_eps:
+            raise UnsupportedModelError(
+                f"{layer.where}: q_norm, k_norm and v_norm have different eps ({q_eps} and "
+                f"{v_eps}): qkvfuse takes one eps per call")
+    return dict(q_weight=q_weight, k_weight=k_weight, weight_offset=q_offset, eps=q_eps)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -454,18 +489,17 @@ def attention_states(module: nn.Module, hidden_states: torch.Tensor, position_em
                                                 else ())
     norms = dict(num_kv_heads=layer.kv_heads or None, rotary_style="neox",
                  normalize=layer.normalize, query_only=spec.kv_shared,
-                 norm_scope=spec.norm_scope)
+                 norm_scope=spec.norm_scope, normalize_v=spec.v_norm is not None)
     if spec.rotary:
         cos, sin = position_embeddings
         norms["cos_sin"], norms["positions"] = layer.state.rope(cos, sin, batch, seq,
                                                                 layer.head_dim, accept)
     if layer.normalize:
-        weights = spec.q_norm.weight, None if spec.kv_shared else spec.k_norm.weight
-        norms.update(zip(("q_weight", "k_weight"),
-                         (w if w is None or w.dtype in accept else w.float() for w in weights)),
-                     weight_offset=layer.family.weight_offset, eps=layer.eps)
-    if spec.v_norm is not None:
-        norms.update(normalize_v=True, eps=layer.eps)
+        norms.update(_qk_norms(module, layer))
+        for name in ("q_weight", "k_weight"):
+            weight = norms[name]
+            if weight is not None and weight.dtype not in accept:
+                norms[name] = weight.float()
     x = hidden_states.reshape(tokens, channels)
     if fp8:
         # The FP8 op reads x in bf16 and writes bf16: q, k, v (and a gate) come back in the
@@ -496,22 +530,22 @@ def _bf16_projection(module, layer, x, dtype):
     query rows first, its gate rows last), or the projections called as modules and a cat of q and
     k, whichever copies less (module docstring). attention_k_eq_v: v is a view of qk's key rows;
     a KV-shared layer: qk holds the query heads alone, v is None."""
-    spec = layer.spec
     tokens = x.shape[0]
     d = layer.head_dim
+    spec = layer.spec
     heads = layer.q_heads + layer.kv_heads
     if layer.plain and tokens * layer.qk_features >= layer.features * x.shape[1]:
         qk_rows, v_rows = families.weight_blocks(module, spec, fp8=False)
         gate_rows = families.gate_blocks(module, spec)
-        weight = torch.cat([w.to(dtype) for w in qk_rows + v_rows + gate_rows])
+        weight = _packed_weight(qk_rows + v_rows + gate_rows, dtype)
         bias = None
         if layer.bias:
             qk_bias, v_bias = families.weight_blocks(module, spec, fp8=False, bias=True)
-            bias = torch.cat([b.to(dtype) for b in qk_bias + v_bias +
+            bias = torch.cat([b.reshape(-1).to(dtype) for b in qk_bias + v_bias +
                               families.gate_blocks(module, spec, bias=True)])
         out = F.linear(x, weight, bias)
         qk = out[:, :layer.qk_features].view(tokens, heads, d)
-        v_features = sum(w.shape[0] for w in v_rows)
+        v_features = sum(w.numel() // w.shape[-1] for w in v_rows)
         v = out[:, layer.qk_features:layer.qk_features + v_features].view(tokens, -1, d)
         gate = out[:, layer.qk_features + v_features:] if spec.gated else None
     else:
@@ -531,54 +565,77 @@ def _bf16_projection(module, layer, x, dtype):
     return qk, None if spec.kv_shared else v, gate
 
 
-@torch.compiler.disable
 def _fp8_projection(module, layer, x, norms):
-    """(q, k, v, gate) through packed_fp8_qkv, with current scaling of x and of the gradient.
-    Runs eagerly under torch.compile (a graph break): the cache's version checks and the
-    per-call gradient hooks are Python. A gated query's gate is the module's own projection
-    (its rows of q_proj) in bf16: the packed op's features are Q, K and V."""
+    """(q, k, v, gate) through packed_fp8_qkv_current_scaling: x, the weight and the gradient
+    scaled from this call's own tensors (module docstring). Traceable: no Python state between
+    calls. The op's weight is the layer's packed [Q | K | V] rows (transformers_families.
+    weight_blocks: a gated query's query rows of q_proj, k_proj's rows twice for k_eq_v, Q alone
+    for a KV-shared layer). A gated query's gate is a bf16 GEMM of its own over q_proj's gate
+    rows: the op's columns are Q, K and V only."""
+    spec = layer.spec
+    sharded = [f"{name}.weight" for name in ("q_proj", "k_proj", "v_proj")
+               if _is_dtensor(getattr(getattr(module, name, None), "weight", None))]
+    if sharded:
+        raise RuntimeError(
+            f"qkvfuse: fp8=True: {layer.where}: {', '.join(sharded)} "
+            f"{'is a DTensor' if len(sharded) == 1 else 'are DTensors'} (sharded) in this "
+            f"forward; the FP8 weight is quantized from the full weights, which FSDP gathers "
+            f"around the forward of the module fully_shard was applied to (call the model, or "
+            f"that module, not the attention module alone). Tensor-parallel plans that shard "
+            f"q_proj/k_proj/v_proj are not supported with fp8=True")
     bf16 = torch.bfloat16
     x = x.to(bf16)
-    detached = x.detach()
-    # Outside autocast, whose CUDA policy would reduce linalg_vector_norm in float32 (a cast).
-    with torch.autocast(x.device.type, enabled=False):
-        amax = torch.linalg.vector_norm(detached, float("inf")).float()
-    x_scale = torch.clamp_min(amax, MIN_SCALE) / E4M3_MAX
-    x_f8, x_f8_t = qkvfuse.quantize_dual_layout(detached, x_scale)
-    cached = layer.state.weights.get(layer.index)
-    qk_rows, v_rows = families.weight_blocks(module, layer.spec, fp8=True)
-    qk_weight = torch.cat([w.to(bf16) for w in qk_rows])
-    v_weight = (torch.cat([w.to(bf16) for w in v_rows]) if v_rows
-                else x.new_empty((0, x.shape[1])))
-    # This call's gradient scale, set by the hook below before the op's backward reads it: the
-    # hook runs once the gradients of q, k and v have arrived, and the backward needs them first.
-    grad_scale = torch.empty((), dtype=torch.float32, device=x.device)
-    q, k, v = qkvfuse.packed_fp8_qkv(
-        x, qk_weight, v_weight, cached.weight_f8, cached.weight_f8_t, cached.weight_scale,
-        layer.state.one(x.device), x_scale, grad_scale, None, None, layer.q_heads, False, False,
-        None, x_f8, x_f8_t, **norms)
-    if q.requires_grad:
-        # A per-call (not per-module) scale: correct with gradient accumulation, checkpointing
-        # or several forwards before one backward. One hook for the three gradients: a third of
-        # the Python calls and half the kernel launches of one hook per tensor.
-        torch.autograd.graph.register_multi_grad_hook((q, k, v), _grad_scale_hook(grad_scale))
-    gate = None
-    if layer.spec.gated:
-        gate_bias = families.gate_blocks(module, layer.spec, bias=True) if layer.bias else None
-        gate = F.linear(x, torch.cat([w.to(bf16) for w in families.gate_blocks(
-            module, layer.spec)]), torch.cat([b.to(bf16) for b in gate_bias]) if gate_bias else None)
+    qk_rows, v_rows = families.weight_blocks(module, spec, fp8=True)
+    q, k, v = qkvfuse.packed_fp8_qkv_current_scaling(
+        x, _packed_weight(qk_rows + v_rows, bf16), layer.q_heads, layer.head_dim,
+        qkv_scale=layer.state.one(x.device), **norms)
+    # No bias here: fp8=True refuses q/k/v biases (_check_module).
+    gate = F.linear(x, _packed_weight(families.gate_blocks(module, spec), bf16)) if (
+        spec.gated) else None
     return q, k, v, gate
 
 
-def _grad_scale_hook(grad_scale):
-    """grad_scale = GRAD_HEADROOM * max |grad| / E4M3_MAX over the gradients of q, k and v (those
-    that arrive: an unused output has none), never below MIN_SCALE."""
-    @torch.no_grad()
-    def hook(grads):
-        present = [g.detach() for g in grads if g is not None]
-        amax = torch.stack(torch._foreach_norm(present, float("inf"))).amax().float()
-        torch.clamp_min(amax * (GRAD_HEADROOM / E4M3_MAX), MIN_SCALE, out=grad_scale)
-    return hook
+class _CastCat(torch.autograd.Function):
+    """torch.cat([weights[i].to(dtype) for i in order]) in one pass over the weights: a cast and
+    then a cat would write the copy twice and read it once more (under autocast the master
+    weights are float32: 10 bytes per element instead of 6). Each weight is [rows, C] or
+    [heads, rows, C] (a strided view, e.g. a gated query's query rows of q_proj): its rows in
+    order. A weight may appear in `order` more than once (k_eq_v's key rows, also its V rows): it
+    is passed once, since torch.compile cannot trace an autograd.Function given the same tensor
+    twice, and its gradient is the sum of its parts'."""
+
+    @staticmethod
+    def forward(ctx, dtype, order, *weights):
+        columns = weights[0].shape[-1]
+        rows = [weights[i].numel() // columns for i in order]
+        out = weights[0].new_empty((sum(rows), columns), dtype=dtype)
+        for part, i in zip(out.split(rows), order):
+            part.view(weights[i].shape).copy_(weights[i])
+        ctx.order, ctx.rows = order, rows
+        ctx.shapes = [w.shape for w in weights]
+        ctx.dtypes = [w.dtype for w in weights]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grads = [None] * len(ctx.shapes)
+        for part, i in zip(grad.split(ctx.rows), ctx.order):
+            part = part.view(ctx.shapes[i])
+            grads[i] = part if grads[i] is None else grads[i] + part
+        return (None, None, *(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)))
+
+
+def _packed_weight(blocks, dtype) -> torch.Tensor:
+    """The blocks' rows (e.g. [Wq; Wk; Wv]: transformers_families.weight_blocks) as one [F, C]
+    in `dtype`, differentiable in the weights."""
+    weights, order = [], []
+    for block in blocks:
+        index = next((i for i, w in enumerate(weights) if w is block), None)
+        if index is None:
+            index = len(weights)
+            weights.append(block)
+        order.append(index)
+    return _CastCat.apply(dtype, tuple(order), *weights)
 
 
 def _patched_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
@@ -629,9 +686,11 @@ def apply_qkvfuse(model: nn.Module, fp8: bool = False) -> nn.Module:
     """Patches every attention module of `model` (a transformers model of a supported family,
     e.g. Qwen3ForCausalLM, or any module containing their attention modules) in place, and
     returns it. fp8=False: projections in the model's (or autocast's) dtype, then one
-    qk_norm_rope per layer; fp8=True: one packed_fp8_qkv per layer (module docstring). Calling it
-    again re-patches with the new setting. Raises UnsupportedModelError, naming the model's class,
-    for a model with no supported attention module or with any other attention module."""
+    qk_norm_rope per layer; fp8=True: one packed_fp8_qkv_current_scaling per layer (module
+    docstring). Calling it again re-patches with the new setting. Raises UnsupportedModelError,
+    naming the model's class, for a model with no supported attention module or with any other
+    attention module, and naming the module and the setting for what it cannot match (q/k norms,
+    head widths, FP8's requirements)."""
     if getattr(model, "_qkvfuse_state", None) is not None:
         remove_qkvfuse(model)
     found, unsupported = [], []
@@ -649,12 +708,15 @@ def apply_qkvfuse(model: nn.Module, fp8: bool = False) -> nn.Module:
         raise UnsupportedModelError(
             f"qkvfuse.apply_qkvfuse: {model_name} is not supported: {what}. Supported attention "
             f"classes: {', '.join(SUPPORTED)}")
+    state = _ModelState(fp8)
+    layers = []
     for name, module, family in found:
-        _check_module(model_name, name, module, family, fp8)
-    modules = [module for _, module, _ in found]
-    state = _ModelState(modules, fp8)
-    for index, (_, module, family) in enumerate(found):
-        module._qkvfuse = _Layer(module, family, state, index, fp8)
+        layer = _Layer(module, family, state, fp8,
+                       f"qkvfuse.apply_qkvfuse: {model_name}: {name} ({type(module).__name__})")
+        _check_module(module, layer)
+        layers.append(layer)
+    for (_, module, family), layer in zip(found, layers):
+        module._qkvfuse = layer
         own = getattr(family, "forward", None)  # Gemma 4's (transformers_families.FORWARDS)
         forward = families.FORWARDS[own] if own else _patched_forward
         module.forward = types.MethodType(forward, module)
@@ -672,44 +734,17 @@ def remove_qkvfuse(model: nn.Module) -> nn.Module:
     return model
 
 
-def refresh_fp8_weights(model: nn.Module) -> int:
-    """Re-quantizes the FP8 weight cache of a model patched with fp8=True now (the patched
-    forward does it by itself after any change of the q/k/v weights). Returns how many times the
-    cache has been quantized, this time included. Layers under FSDP keep no cache (their forward
-    quantizes the gathered weights in each call): they are left out, and a model whose every
-    layer is under FSDP has nothing to refresh."""
-    state = _state(model)
-    if state.weights is None:
-        raise ValueError("qkvfuse.refresh_fp8_weights: the model was patched with fp8=False")
-    state.weights.refresh()
-    return state.weights.refreshes
-
-
-def fp8_refresh_count(model: nn.Module) -> int:
-    """How many times the FP8 weight cache of `model` has been quantized (0 before the first
-    forward): e.g. to check that it follows the optimizer steps. A layer under FSDP adds one per
-    forward call (it quantizes its gathered weights in each call)."""
-    state = _state(model)
-    return 0 if state.weights is None else state.weights.refreshes
-
-
-def _state(model):
-    state = getattr(model, "_qkvfuse_state", None)
-    if state is None:
-        raise ValueError(f"qkvfuse: {type(model).__name__} is not patched (apply_qkvfuse)")
-    return state
-
-
-def _check_module(model_name, name, module, family, fp8):
-    where = f"qkvfuse.apply_qkvfuse: {model_name}: {name} ({type(module).__name__})"
-    spec = _spec_of(module, family)
-    q_heads, kv_heads, d = spec.q_heads, spec.kv_heads, spec.head_dim
+def _check_module(module, layer):
+    where = layer.where
+    spec = layer.spec
+    q_heads, kv_heads, d = layer.q_heads, layer.kv_heads, layer.head_dim
     if d % 2 or not 2 <= d <= 512:
         raise UnsupportedModelError(f"{where}: head_dim {d}: qkvfuse needs an even head width "
                                     f"from 2 to 512")
     if kv_heads and q_heads % kv_heads:
         raise UnsupportedModelError(f"{where}: {kv_heads} key/value heads do not divide "
                                     f"{q_heads} query heads")
+    # A gated query's q_proj yields [H, 2D] (query and gate lanes).
     widths = {"q_proj": q_heads * d * (2 if spec.gated else 1), "k_proj": kv_heads * d,
               "v_proj": kv_heads * d}
     for p in families.projections(module, spec):
@@ -718,29 +753,39 @@ def _check_module(model_name, name, module, family, fp8):
         if out is not None and out != widths[proj]:
             raise UnsupportedModelError(f"{where}: {proj} has {out} outputs, expected "
                                         f"{widths[proj] // d} x {d}")
-    if family.norm is not None and not hasattr(family, "describe"):
-        for norm in ("q_norm", "k_norm"):
-            cls = type(getattr(module, norm, None)).__name__
-            if cls != family.norm:
-                raise UnsupportedModelError(f"{where}: {norm} is {cls}, expected the family's "
-                                            f"{family.norm} (another patch applied first?)")
-    families.check_layer(where, module, spec, family, fp8, UnsupportedModelError)
+    if layer.normalize:
+        _qk_norms(module, layer)  # raises, naming the setting, for norms qkvfuse cannot read
+    families.check_layer(where, spec, layer.family, UnsupportedModelError)
     if "forward" in module.__dict__:
         raise UnsupportedModelError(f"{where}: its forward is already replaced on the instance "
                                     f"by something else")
+    fp8 = layer.fp8
     if fp8:
         projections = families.projections(module, spec)
-        if not all(type(p) is nn.Linear for p in projections):
-            kinds = ", ".join(type(p).__name__ for p in projections)
-            raise UnsupportedModelError(f"{where}: fp8=True needs q_proj, k_proj and v_proj to be "
-                                        f"plain nn.Linear, got {kinds}")
+        others = [(name, p) for name, p in zip(("q_proj", "k_proj", "v_proj"), projections)
+                  if type(p) is not nn.Linear]
+        if others:
+            lora = " (a PEFT LoRA adapter layer)"
+            kinds = "; ".join(f"{name} is {_qualified(type(p))}{lora if _is_lora(p) else ''}"
+                              for name, p in others)
+            merge = (", or merge the LoRA adapters into the weights first (merge_and_unload())"
+                     if any(_is_lora(p) for _, p in others) else "")
+            raise UnsupportedModelError(
+                f"{where}: fp8=True needs q_proj, k_proj and v_proj to be plain torch.nn.Linear "
+                f"(the packed FP8 op reads their weights, not their forward): {kinds}. Use "
+                f"fp8=False, which calls them as modules{merge}")
         if any(p.bias is not None for p in projections):
             raise UnsupportedModelError(f"{where}: fp8=True: the packed FP8 op has no q/k/v bias "
                                         f"(attention_bias=True); use fp8=False")
         channels = module.q_proj.in_features
         qk_rows, v_rows = families.weight_blocks(module, spec, fp8=True)
-        packed = sum(w.shape[0] for w in qk_rows + v_rows)
+        packed = sum(w.numel() // w.shape[-1] for w in qk_rows + v_rows)
         if channels % FP8_MULTIPLE or packed % FP8_MULTIPLE:
             raise UnsupportedModelError(
                 f"{where}: fp8=True needs hidden_size ({channels}) and the packed q/k/v width "
                 f"{packed} to be multiples of {FP8_MULTIPLE} (cuBLASLt FP8)")
+
+
+def _is_lora(projection) -> bool:
+    """PEFT's LoRA layers (peft.tuners.lora) carry their adapters as lora_A / lora_B."""
+    return hasattr(projection, "lora_A") and hasattr(projection, "lora_B")

@@ -124,31 +124,32 @@ FAMILIES = (
 )
 
 
-# ---- the projection's rows ------------------------------------------------------------------------
+# ---- the projection's rows -----------------------------------------------------------------------
 
 def _query_rows(weight, spec, gate):
-    """The rows of q_proj's weight (or bias) holding the query (gate: the gate) of each head: the
-    projection is [H, 2D] per token, query lanes [0, D) then gate lanes [D, 2D) (docs/families.md).
-    One view per head: each is a contiguous row range of the parameter, so a cache of them follows
-    the parameter's updates."""
+    """The rows of q_proj's weight (or bias) holding the query (gate: the gate) of each head, as
+    one strided view [H, D, C] (bias: [H, D]): the projection is [H, 2D] per token, query lanes
+    [0, D) then gate lanes [D, 2D) (docs/families.md). One view, not one per head: autograd then
+    scatters its gradient into q_proj's once."""
     d = spec.head_dim
-    first = d if gate else 0
-    return [weight[h * 2 * d + first:h * 2 * d + first + d] for h in range(spec.q_heads)]
+    return weight.view(spec.q_heads, 2, d, *weight.shape[1:])[:, 1 if gate else 0]
 
 
 def weight_blocks(module, spec: LayerSpec, fp8: bool, bias: bool = False):
     """(qk blocks, v blocks): the row blocks of the packed projection's Q/K part ([Hq*D | Hkv*D]
-    rows) and V part (Hkv*D rows), as views of the module's weights (biases with `bias`).
+    rows) and V part (Hkv*D rows), as views of the module's weights (biases with `bias`): each
+    [rows, C] ([rows] for a bias), or a gated query's [Hq, D, C] ([Hq, D]), whose rows in order
+    are the query's.
 
     The V part is empty for a KV-shared layer and, on the bf16 path, for attention_k_eq_v (V is
     then a view of the key rows of the one GEMM's output); fp8=True repeats the key rows there,
-    since the packed op's V has rows of its own (the GEMM computes them twice; autograd adds the
-    two gradients of k_proj)."""
+    since the packed op's V has rows of its own (the GEMM computes them twice; both rows'
+    gradients are summed into k_proj's)."""
     def rows(projection):
         return getattr(projection, "bias" if bias else "weight")
 
     q = rows(module.q_proj)
-    qk = _query_rows(q, spec, gate=False) if spec.gated else [q]
+    qk = [_query_rows(q, spec, gate=False) if spec.gated else q]
     if spec.kv_shared:
         return qk, []
     qk.append(rows(module.k_proj))
@@ -158,10 +159,11 @@ def weight_blocks(module, spec: LayerSpec, fp8: bool, bias: bool = False):
 
 
 def gate_blocks(module, spec: LayerSpec, bias: bool = False):
-    """The gate's row blocks of q_proj (gated queries), else []."""
+    """The gate's row blocks of q_proj (gated queries: one [Hq, D, C] view, [Hq, D] for the
+    bias), else []."""
     if not spec.gated:
         return []
-    return _query_rows(getattr(module.q_proj, "bias" if bias else "weight"), spec, gate=True)
+    return [_query_rows(getattr(module.q_proj, "bias" if bias else "weight"), spec, gate=True)]
 
 
 def projections(module, spec: LayerSpec):
@@ -173,22 +175,18 @@ def projections(module, spec: LayerSpec):
     return (module.q_proj, module.k_proj, module.v_proj)
 
 
-def check_layer(where: str, module, spec: LayerSpec, family, fp8: bool, error):
-    """Refuses, naming the reason, what the layer has that qkvfuse would compute differently:
-    norms of another class (another patch applied first), different eps for Q, K and V (the op
-    takes one)."""
-    for name, norm in (("q_norm", spec.q_norm), ("k_norm", spec.k_norm), ("v_norm", spec.v_norm)):
-        if norm is None:
-            continue
-        cls = type(norm).__name__
-        if family.norm is not None and cls != family.norm:
-            raise error(f"{where}: {name} is {cls}, expected the family's {family.norm} "
-                        f"(another patch applied first?)")
-    eps = {norm_eps(n) for n in (spec.q_norm, spec.k_norm, spec.v_norm) if n is not None}
-    if len(eps) > 1:
-        raise error(f"{where}: q_norm, k_norm and v_norm have different eps {sorted(eps)}; "
-                    f"qkvfuse takes one eps per call")
-    if spec.v_norm is not None and getattr(spec.v_norm, "with_scale", False):
+def check_layer(where: str, spec: LayerSpec, family, error):
+    """Refuses, naming the reason, a V norm qkvfuse would compute differently: of another class
+    (another patch applied first) or with a weight (qkvfuse's V norm is weightless). The q/k norms
+    (the family's or Liger-Kernel's) and the one eps of all three: transformers.py's _qk_norms."""
+    norm = spec.v_norm
+    if norm is None:
+        return
+    cls = type(norm).__name__
+    if cls != family.norm:
+        raise error(f"{where}: v_norm is {cls}, expected the family's {family.norm} "
+                    f"(another patch applied first?)")
+    if getattr(norm, "with_scale", False):
         raise error(f"{where}: v_norm has a weight; qkvfuse's V norm is weightless (SPEC.md 9)")
 
 
