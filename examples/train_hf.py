@@ -2,6 +2,21 @@
 through qkvfuse in bf16 (apply_qkvfuse(model)) and through qkvfuse in FP8
 (apply_qkvfuse(model, fp8=True)); compare the loss curves and the step times.
 
+--family picks the architecture (the same width, depth and heads): qwen3 (the default, below),
+gemma4 (Gemma4ForCausalLM: 5 sliding layers to 1 global of twice the head width with one KV head
+per two and V from the key projection, the last quarter of the layers sharing K and V), qwen3-next
+(Qwen3NextForCausalLM: three linear-attention layers to one gated attention layer, partial rotary
+on a quarter of the head, MoE MLPs) or olmo3 (Olmo3ForCausalLM: the token-wide QK norm, 3 sliding
+layers to 1 full). One run per new family, on a GPU:
+
+    python3 examples/train_hf.py --family gemma4 --steps 1000 --out runs/hf_gemma4
+    python3 examples/train_hf.py --family qwen3-next --steps 1000 --out runs/hf_qwen3_next
+    python3 examples/train_hf.py --family olmo3 --steps 1000 --out runs/hf_olmo3
+
+(On CUDA the Gemma 4 and OLMo 3 layouts wait for the kernels of SPEC.md section 9: their qkvfuse
+variants stop at the first forward with an error naming the pending option; on the CPU, --tiny,
+every family runs.)
+
 The model is transformers' own Qwen3ForCausalLM built from a config (random weights, nothing
 downloaded): width 768, 12 layers, 12 query heads and 4 key/value heads (GQA) of width 128,
 MLP 2048, vocabulary 256 (bytes): 95 M parameters. The data is examples/train_gpt.py's: the Python
@@ -78,14 +93,42 @@ VARIANTS = ("unpatched-bf16", "qkvfuse-bf16", "qkvfuse-fp8")
 
 # ---- the model -------------------------------------------------------------------------------
 
-def qwen3_config(args) -> transformers.Qwen3Config:
-    return transformers.Qwen3Config(
-        vocab_size=256, hidden_size=args.dim, intermediate_size=args.mlp,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
-        max_position_embeddings=max(2048, args.seq_len), rms_norm_eps=1e-6,
-        tie_word_embeddings=False, use_cache=False, attention_dropout=0.0,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+FAMILIES = ("qwen3", "gemma4", "qwen3-next", "olmo3")
+
+
+def model_config(args):
+    """The --family's config at the run's width, depth and heads (module docstring)."""
+    common = dict(vocab_size=256, hidden_size=args.dim, intermediate_size=args.mlp,
+                  num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                  num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
+                  max_position_embeddings=max(2048, args.seq_len), rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, use_cache=False, attention_dropout=0.0,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    layers = args.layers
+    if args.family == "qwen3":
+        return transformers.Qwen3Config(**common)
+    if args.family == "gemma4":
+        # HF's 5:1 sliding / global pattern; a small model alternates so that both kinds precede
+        # the KV-shared last quarter (a shared layer reads the last earlier layer of its kind).
+        kinds = (None if layers >= 6 else
+                 ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)])
+        return transformers.Gemma4TextConfig(
+            **common, layer_types=kinds, sliding_window=max(8, args.seq_len // 2),
+            global_head_dim=2 * args.head_dim,
+            num_global_key_value_heads=max(1, args.kv_heads // 2), attention_k_eq_v=True,
+            num_kv_shared_layers=layers // 4 if layers >= 4 else 0, hidden_size_per_layer_input=0,
+            vocab_size_per_layer_input=256)
+    if args.family == "qwen3-next":
+        kinds = ["full_attention" if (i + 1) % 4 == 0 or (layers < 4 and i == layers - 1)
+                 else "linear_attention" for i in range(layers)]
+        return transformers.Qwen3NextConfig(
+            **common, layer_types=kinds, linear_num_key_heads=args.kv_heads,
+            linear_num_value_heads=args.heads, linear_key_head_dim=args.head_dim,
+            linear_value_head_dim=args.head_dim, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=args.mlp // 2, shared_expert_intermediate_size=args.mlp // 2)
+    if args.family == "olmo3":
+        return transformers.Olmo3Config(**common, sliding_window=max(8, args.seq_len // 2))
+    raise ValueError(args.family)
 
 
 def build_model(variant, config, initial_state, args, device):
@@ -252,6 +295,8 @@ def profile_variant(variant, module, step, args, device):
     (out / f"profile_{variant}.txt").write_text(
         prof.key_averages().table(sort_by=sort, row_limit=40))
 
+    if args.family != "qwen3":
+        return step_ms, None  # the unpatched part below is written as Qwen3Attention computes it
     # 2. The patched part alone: layer 0's attention input (x -> q, k, v), forward + backward
     # at the training shape, as the step runs it (autocast, float32 input from the layer norm).
     attn = module.model.layers[0].self_attn
@@ -290,7 +335,9 @@ def summarize(results, args, world):
     for variant, (final_val, median_ms, notes, profile) in results.items():
         line = (f"{variant:>15}: final validation loss {final_val:.4f}, median step "
                 f"{median_ms:.2f} ms")
-        if profile:
+        if profile and profile[1] is None:
+            line += f"; profiler: step {profile[0]:.2f} ms of device time"
+        elif profile:
             step_ms, part_ms = profile
             line += (f"; profiler: step {step_ms:.2f} ms of device time, patched part "
                      f"(q/k/v projections + q/k norm + rotary, {args.layers} layers, forward + "
@@ -305,12 +352,12 @@ def summarize(results, args, world):
                      f"{final_val / base[0]:.4f} ({100 * abs(final_val / base[0] - 1):.2f} % "
                      f"apart); step time ratio {median_ms / base[1]:.3f}"
                      + (f"; patched part ratio {profile[1] / base[3][1]:.3f}"
-                        if profile and base[3] else ""))
+                        if profile and base[3] and profile[1] and base[3][1] else ""))
     if "qkvfuse-bf16" in results and "qkvfuse-fp8" in results:
         bf16, fp8 = results["qkvfuse-bf16"], results["qkvfuse-fp8"]
         lines.append(f"qkvfuse-fp8 / qkvfuse-bf16: step time ratio {fp8[1] / bf16[1]:.3f}"
                      + (f"; patched part ratio {fp8[3][1] / bf16[3][1]:.3f}"
-                        if fp8[3] and bf16[3] else ""))
+                        if fp8[3] and bf16[3] and fp8[3][1] and bf16[3][1] else ""))
     lines.append(f"{world} rank(s){f' ({args.parallel})' if world > 1 else ''}, "
                  f"{args.accum} x {args.batch} x {args.seq_len} tokens per rank and step, "
                  f"{args.steps} steps")
@@ -319,6 +366,8 @@ def summarize(results, args, world):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", default="qwen3", choices=FAMILIES,
+                        help="the model architecture (module docstring)")
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--batch", type=int, default=16,
                         help="sequences per micro-batch per rank")
@@ -367,6 +416,8 @@ def main():
         args.batch, args.seq_len, args.dim, args.layers, args.mlp = 2, 32, 64, 2, 128
         args.heads, args.kv_heads, args.head_dim = 4, 2, 32
         args.log_every, args.val_every, args.val_batches, args.profile_steps = 1, 2, 1, 2
+        if args.family == "gemma4":
+            args.layers = 4  # a sliding and a global layer, then one KV-shared layer of each
     variants = args.variants.split(",")
     unknown = set(variants) - set(VARIANTS)
     if unknown:
@@ -375,14 +426,15 @@ def main():
     rank, world, device = init_distributed(args.device)
     transformers.logging.set_verbosity_error()
     data = stdlib_bytes(64 << 20)
-    config = qwen3_config(args)
+    config = model_config(args)
     torch.manual_seed(args.seed)  # the same initial weights for every variant and rank
     initial = transformers.AutoModelForCausalLM.from_config(config)
     initial_state = {k: v.clone() for k, v in initial.state_dict().items()}
     parameters = sum(p.numel() for p in initial.parameters())
     del initial
     if rank == 0:
-        print(f"data: {len(data) / 1e6:.1f} MB of Python stdlib source; Qwen3ForCausalLM "
+        print(f"data: {len(data) / 1e6:.1f} MB of Python stdlib source; "
+              f"{transformers.AutoModelForCausalLM._model_mapping[type(config)].__name__} "
               f"{parameters / 1e6:.1f} M parameters; {world} rank(s)"
               f"{f' ({args.parallel})' if world > 1 else ''}; "
               f"{args.batch * args.seq_len * args.accum * world} tokens per step; transformers "

@@ -187,13 +187,15 @@ struct ForwardPlan {
 
 ForwardPlan plan_forward(const PackedQkvForwardParams& p) {
   const Checker check("packed_qkv_forward");
+  check.not_pending_on_cuda(p.layout, p.qk);
   const std::vector<Arg> inputs = validate::concat({{p.x_f8, "x_f8"},
                                                     {p.weight_f8, "weight_f8"},
                                                     {p.x_scale, "x_scale"},
                                                     {p.weight_scale, "weight_scale"},
                                                     {p.qkv_scale, "qkv_scale"}},
                                                    validate::rope_tensor_args(p.layout));
-  const std::vector<Arg> outputs = {{p.qk, "qk"}, {p.v, "v"}, {p.q, "q"}, {p.k, "k"}};
+  const std::vector<Arg> outputs = {
+      {p.qk, "qk"}, {p.v, "v"}, {p.q, "q"}, {p.k, "k"}, {p.v_out, "v_out", true}};
   const Device device = check.same_device(validate::concat(inputs, outputs));
   const PackedDims dims = check_forward_args(check, p, device);
   check.no_overlap(outputs, inputs);
@@ -212,12 +214,26 @@ ForwardPlan plan_forward(const PackedQkvForwardParams& p) {
   qkv_matrix.sizes[1] = dims.qkv_dim;
 
   ForwardPlan plan;
-  plan.gemms = split_gemm(whole, /*slice_a=*/false, dims.qk_features, qk_matrix, v_matrix,
-                          adjacent_columns(qk_matrix, v_matrix), qkv_matrix);
+  if (dims.kv_heads * dims.v_dim == 0) {
+    // query_only: the weight has the Q rows alone, and one GEMM writes qk.
+    Fp8GemmParams gemm = whole;
+    gemm.d = qk_matrix;
+    plan.gemms = {gemm};
+  } else {
+    plan.gemms = split_gemm(whole, /*slice_a=*/false, dims.qk_features, qk_matrix, v_matrix,
+                            adjacent_columns(qk_matrix, v_matrix), qkv_matrix);
+  }
   for (const Fp8GemmParams& gemm : plan.gemms) {
     validate::validate_fp8_gemm(gemm, check.op() + ": QKV GEMM x_f8 @ weight_f8^T");
   }
-  plan.rope = {.qk = p.qk, .q = p.q, .k = p.k, .layout = p.layout, .stream = p.stream};
+  // With the V norm, the GEMM's raw V (kept for the backward) is normalized into v_out.
+  plan.rope = {.qk = p.qk,
+               .q = p.q,
+               .k = p.k,
+               .layout = p.layout,
+               .stream = p.stream,
+               .v = p.layout.normalize_v ? p.v : TensorView{},
+               .v_out = p.v_out};
   validate::validate_qk_norm_rope(plan.rope, check.op() + ": qk_norm_rope");
   return plan;
 }
@@ -264,6 +280,11 @@ PackedDims check_backward_args(const Checker& check, const PackedQkvBackwardPara
   check_weight(p.grad_qk_weight, "grad_qk_weight", dims.qk_features, "([(Hq+Hkv)*D, C])");
   check_weight(p.v_weight, "v_weight", dims.kv_heads * dims.v_dim, "([Hkv*Dv, C])");
   check_weight(p.grad_v_weight, "grad_v_weight", dims.kv_heads * dims.v_dim, "([Hkv*Dv, C])");
+  // The V norm's saved input is checked with the qkv_backward_fp8 step, under that step's name;
+  // its presence is the packed op's own rule.
+  QKVF_CHECK(p.layout.normalize_v == !is_absent(p.v), check.op(), ": v: ",
+             p.layout.normalize_v ? "missing (layout.normalize_v: the forward's raw V)"
+                                  : "given, but layout.normalize_v is false");
 
   check_scalars(check,
                 {{p.x_scale, "x_scale"},
@@ -303,7 +324,8 @@ QkvBackwardFp8Params fp8_step(const PackedQkvBackwardParams& p) {
           .grad_k_weight = p.grad_k_weight,
           .workspace = p.rope_workspace,
           .layout = p.layout,
-          .stream = p.stream};
+          .stream = p.stream,
+          .v = p.v};
 }
 
 struct BackwardPlan {
@@ -316,13 +338,15 @@ struct BackwardPlan {
 
 BackwardPlan plan_backward(const PackedQkvBackwardParams& p) {
   const Checker check("packed_qkv_backward");
+  check.not_pending_on_cuda(p.layout, p.qk);
   const std::vector<Arg> inputs =
       validate::concat({{p.grad_q, "grad_q"},       {p.grad_k, "grad_k"},
                         {p.grad_v, "grad_v"},       {p.qk, "qk"},
                         {p.x_f8_t, "x_f8_t"},       {p.weight_f8_t, "weight_f8_t"},
                         {p.qk_weight, "qk_weight"}, {p.v_weight, "v_weight"},
                         {p.x_scale, "x_scale"},     {p.weight_scale, "weight_scale"},
-                        {p.qkv_scale, "qkv_scale"}, {p.grad_scale, "grad_scale"}},
+                        {p.qkv_scale, "qkv_scale"}, {p.grad_scale, "grad_scale"},
+                        {p.v, "v", true}},
                        validate::rope_tensor_args(p.layout));
   const std::vector<Arg> outputs = {{p.grad_row, "grad_row"},
                                     {p.grad_t, "grad_t"},
@@ -352,9 +376,15 @@ BackwardPlan plan_backward(const PackedQkvBackwardParams& p) {
   wgrad.stream = p.stream;
   TensorView grad_weight = p.grad_qk_weight;
   grad_weight.sizes[0] = dims.qkv_dim;
-  plan.wgrad =
-      split_gemm(wgrad, /*slice_a=*/true, dims.qk_features, p.grad_qk_weight, p.grad_v_weight,
-                 adjacent_rows(p.grad_qk_weight, p.grad_v_weight), grad_weight);
+  if (dims.kv_heads * dims.v_dim == 0) {
+    // query_only: no V rows, one GEMM into grad_qk_weight.
+    wgrad.d = p.grad_qk_weight;
+    plan.wgrad = {wgrad};
+  } else {
+    plan.wgrad =
+        split_gemm(wgrad, /*slice_a=*/true, dims.qk_features, p.grad_qk_weight, p.grad_v_weight,
+                   adjacent_rows(p.grad_qk_weight, p.grad_v_weight), grad_weight);
+  }
   // Its K is T: cuBLASLt takes no K = 0, and at T = 0 the op runs nothing (no-op), so the wgrad
   // is validated only when it will run.
   if (dims.tokens > 0) {

@@ -15,11 +15,15 @@ namespace validate {
 
 Device validate_qk_norm_rope(const QkNormRopeParams& p, const std::string& op) {
   const Checker check(op);
-  const std::vector<Arg> inputs = concat({{p.qk, "qk"}}, rope_tensor_args(p.layout));
-  const std::vector<Arg> outputs = {{p.q, "q"}, {p.k, "k"}};
+  check.not_pending_on_cuda(p.layout, p.qk);
+  const std::vector<Arg> inputs =
+      concat({{p.qk, "qk"}, {p.v, "v", true}}, rope_tensor_args(p.layout));
+  const std::vector<Arg> outputs = {{p.q, "q"}, {p.k, "k"}, {p.v_out, "v_out", true}};
   const Device device = check.same_device(concat(inputs, outputs));
   const RopeShape shape = rope_inputs(check, p.qk, p.layout, device, /*wide_qk_on_cpu=*/true);
   rope_output_pair(check, outputs[0], outputs[1], shape, p.qk.dtype, /*contiguous=*/true);
+  const int64_t v_dim = rope_v_input(check, p.layout, inputs[1], shape, p.qk.dtype);
+  rope_v_output(check, p.layout, outputs[2], shape, v_dim, p.qk.dtype, /*contiguous=*/true);
   check.no_overlap(outputs, inputs);
   return device;
 }
@@ -28,16 +32,25 @@ namespace {
 
 Device validate_qk_norm_rope_backward(const QkNormRopeBackwardParams& p) {
   const Checker check("qk_norm_rope_backward");
+  check.not_pending_on_cuda(p.layout, p.qk);
   const std::vector<Arg> inputs =
-      concat({{p.grad_q, "grad_q"}, {p.grad_k, "grad_k"}, {p.qk, "qk"}},
+      concat({{p.grad_q, "grad_q"},
+              {p.grad_k, "grad_k"},
+              {p.qk, "qk"},
+              {p.grad_v_out, "grad_v_out", true},
+              {p.v, "v", true}},
              rope_tensor_args(p.layout));
   const std::vector<Arg> outputs = {{p.grad_qk, "grad_qk"},
                                     {p.grad_q_weight, "grad_q_weight", true},
                                     {p.grad_k_weight, "grad_k_weight", true},
-                                    {p.workspace, "workspace", true}};
+                                    {p.workspace, "workspace", true},
+                                    {p.grad_v, "grad_v", true}};
   const Device device = check.same_device(concat(inputs, outputs));
   const RopeShape shape = rope_inputs(check, p.qk, p.layout, device, /*wide_qk_on_cpu=*/true);
   rope_output_pair(check, inputs[0], inputs[1], shape, p.qk.dtype, /*contiguous=*/false);
+  const int64_t v_dim = rope_v_input(check, p.layout, inputs[4], shape, p.qk.dtype);
+  rope_v_output(check, p.layout, inputs[3], shape, v_dim, p.qk.dtype, /*contiguous=*/false);
+  rope_v_output(check, p.layout, outputs[4], shape, v_dim, p.qk.dtype, /*contiguous=*/true);
   check.dtype(p.grad_qk, "grad_qk", p.qk.dtype);
   check.shape(p.grad_qk, "grad_qk", {shape.tokens, shape.q_heads + shape.kv_heads, shape.head_dim},
               "(qk's shape)");
@@ -76,6 +89,8 @@ void qk_norm_rope_backward(const QkNormRopeBackwardParams& params) {
 int64_t backward_workspace_size(const QkNormRopeBackwardParams& params) {
   const bool weighted = !is_absent(params.layout.q_weight) || !is_absent(params.layout.k_weight);
   if (!weighted || params.qk.device.type != DeviceType::kCUDA || params.qk.ndim != 3) return 0;
+  // A layout the CUDA kernels do not take yet has no workspace: its call is refused.
+  if (!validate::cuda_pending_option(params.layout, params.qk.sizes[2]).empty()) return 0;
   return cuda::backward_workspace_size(params);
 }
 

@@ -14,11 +14,13 @@ namespace validate {
 
 Device validate_qkv_backward_fp8(const QkvBackwardFp8Params& p, const std::string& op) {
   const Checker check(op);
+  check.not_pending_on_cuda(p.layout, p.qk);
   const std::vector<Arg> inputs = concat({{p.grad_q, "grad_q"},
                                           {p.grad_k, "grad_k"},
                                           {p.grad_v, "grad_v"},
                                           {p.qk, "qk"},
-                                          {p.grad_scale, "grad_scale"}},
+                                          {p.grad_scale, "grad_scale"},
+                                          {p.v, "v", true}},
                                          rope_tensor_args(p.layout));
   const std::vector<Arg> outputs = {{p.grad_row, "grad_row"},
                                     {p.grad_t, "grad_t"},
@@ -41,6 +43,11 @@ Device validate_qkv_backward_fp8(const QkvBackwardFp8Params& p, const std::strin
              ", got ", p.grad_v.describe());
   check.last_dim_contiguous(p.grad_v, "grad_v");
   check.element_aligned(p.grad_v, "grad_v");
+  // The V norm's saved input: grad_v's shape (rope_v_input checks presence and the layout).
+  const int64_t v_dim = rope_v_input(check, p.layout, inputs[5], shape, DType::kBFloat16);
+  QKVF_CHECK(!p.layout.normalize_v || v_dim == p.grad_v.sizes[2], op,
+             ": v: expected grad_v's V head width Dv = ", p.grad_v.sizes[2], ", got ",
+             p.v.describe());
   check.scalar_f32(p.grad_scale, "grad_scale");
   check.aligned(p.grad_scale, "grad_scale", device);
 
@@ -76,6 +83,7 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
 int64_t backward_workspace_size(const QkvBackwardFp8Params& params) {
   const bool weighted = !is_absent(params.layout.q_weight) || !is_absent(params.layout.k_weight);
   if (!weighted || params.qk.device.type != DeviceType::kCUDA || params.qk.ndim != 3) return 0;
+  if (!validate::cuda_pending_option(params.layout, params.qk.sizes[2]).empty()) return 0;
   return cuda::backward_workspace_size(params);
 }
 

@@ -62,10 +62,18 @@ QKVF_HOST_DEVICE int frequency(int d, int r, bool neox) {
   return neox ? (d < r / 2 ? d : d - r / 2) : d / 2;
 }
 
+/// True when the layout has an angle source (factor tables or a cos/sin cache); without one
+/// nothing rotates (r = 0, SPEC.md section 9).
+inline bool has_angles(const RopeLayout& layout) {
+  return !is_absent(layout.factor1) || !is_absent(layout.factor2) || !is_absent(layout.cos_sin) ||
+         !is_absent(layout.positions);
+}
+
 /// r of a layout whose rotary_dim may be the default -1: D with factor tables, cos_sin's width
-/// with a cos/sin cache.
+/// with a cos/sin cache, 0 without angles.
 inline int64_t resolved_rotary_dim(const RopeLayout& layout, int64_t head_dim) {
   if (layout.rotary_dim >= 0) return layout.rotary_dim;
+  if (!has_angles(layout)) return 0;
   return is_absent(layout.cos_sin) ? head_dim : layout.cos_sin.sizes[1];
 }
 

@@ -190,39 +190,71 @@ void Checker::no_overlap(const std::vector<Arg>& outputs, const std::vector<Arg>
   }
 }
 
+std::string cuda_pending_option(const RopeLayout& layout, int64_t head_dim) {
+  // Past kMaxHeadDim no backend takes it: rope_options refuses it as unsupported.
+  if (head_dim > kMaxCudaHeadDim && head_dim <= kMaxHeadDim) {
+    return "qk: head width D = " + std::to_string(head_dim) + " (above " +
+           std::to_string(kMaxCudaHeadDim) + ")";
+  }
+  if (layout.normalize_v) return "layout.normalize_v";
+  if (layout.norm_scope != NormScope::kHead) {
+    return "layout.norm_scope: NormScope::kToken (one RMS over the token)";
+  }
+  if (layout.query_only) return "layout.query_only";
+  if (!rope::has_angles(layout)) {
+    return "layout.factor1, layout.cos_sin: none (a call without rotary)";
+  }
+  return {};
+}
+
+void Checker::not_pending_on_cuda(const RopeLayout& layout, const TensorView& qk) const {
+  if (qk.device.type != DeviceType::kCUDA || qk.ndim != 3) return;
+  const std::string option = cuda_pending_option(layout, qk.sizes[2]);
+  QKVF_CHECK(option.empty(), op_, ": ", option,
+             ": not yet on the CUDA backend (the CPU backend runs it; SPEC.md section 9)");
+}
+
 void Checker::rope_options(const RopeLayout& layout, int64_t head_dim) const {
   const int64_t q_heads = layout.num_heads;
   const int64_t kv = kv_heads(layout);
   QKVF_CHECK(q_heads >= 1, op_, ": layout.num_heads: expected >= 1, got ", q_heads);
-  QKVF_CHECK(layout.num_kv_heads >= 0 && q_heads % kv == 0, op_,
-             ": layout.num_kv_heads: expected a divisor of layout.num_heads = ", q_heads, ", got ",
-             layout.num_kv_heads);
-  // Rotary pairs need an even D; 256 bounds the kernels' registers per row.
-  QKVF_CHECK(head_dim % 2 == 0 && head_dim >= 2 && head_dim <= 256, op_, ": qk: head width D = ",
-             head_dim, " is not supported: expected an even D in [2, 256]");
+  if (layout.query_only) {
+    QKVF_CHECK(layout.num_kv_heads == 0, op_,
+               ": layout.num_kv_heads: expected 0 with layout.query_only (no key heads), got ",
+               layout.num_kv_heads);
+  } else {
+    QKVF_CHECK(layout.num_kv_heads >= 0 && q_heads % kv == 0, op_,
+               ": layout.num_kv_heads: expected a divisor of layout.num_heads = ", q_heads,
+               ", got ", layout.num_kv_heads);
+  }
+  // Rotary pairs need an even D; 512 bounds the backends' per-row buffers (Gemma 4's global
+  // layers are the widest heads trained).
+  QKVF_CHECK(head_dim % 2 == 0 && head_dim >= 2 && head_dim <= kMaxHeadDim, op_,
+             ": qk: head width D = ", head_dim, " is not supported: expected an even D in [2, ",
+             kMaxHeadDim, "]");
   QKVF_CHECK(layout.rotary_style == RotaryStyle::kInterleaved ||
                  layout.rotary_style == RotaryStyle::kNeox,
              op_,
              ": layout.rotary_style: expected RotaryStyle::kInterleaved or RotaryStyle::kNeox, "
              "got ",
              int(layout.rotary_style));
+  QKVF_CHECK(layout.norm_scope == NormScope::kHead || layout.norm_scope == NormScope::kToken,
+             op_, ": layout.norm_scope: expected NormScope::kHead or NormScope::kToken, got ",
+             int(layout.norm_scope));
 
   const bool tables = !is_absent(layout.factor1) || !is_absent(layout.factor2);
   const bool cache = !is_absent(layout.cos_sin) || !is_absent(layout.positions);
-  QKVF_CHECK(tables != cache, op_,
-             tables ? ": layout.factor1, layout.cos_sin: expected one angle source, got both the "
-                      "factor tables (layout.factor1, layout.factor2) and a cos/sin cache "
-                      "(layout.cos_sin, layout.positions)"
-                    : ": layout.factor1, layout.cos_sin: expected an angle source, got none: the "
-                      "factor tables (layout.factor1 and layout.factor2) or a cos/sin cache "
-                      "(layout.cos_sin and layout.positions)");
+  QKVF_CHECK(!(tables && cache), op_,
+             ": layout.factor1, layout.cos_sin: expected at most one angle source, got both the "
+             "factor tables (layout.factor1, layout.factor2) and a cos/sin cache "
+             "(layout.cos_sin, layout.positions)");
   if (tables) {
     const bool first = is_absent(layout.factor1);
     QKVF_CHECK(!is_absent(layout.factor1) && !is_absent(layout.factor2), op_, ": ",
                first ? "layout.factor1" : "layout.factor2",
                ": missing: layout.factor1 and layout.factor2 go together, got only ",
                first ? "layout.factor2" : "layout.factor1");
-  } else {
+  } else if (cache) {
     const bool first = is_absent(layout.cos_sin);
     QKVF_CHECK(!is_absent(layout.cos_sin) && !is_absent(layout.positions), op_, ": ",
                first ? "layout.cos_sin" : "layout.positions",
@@ -230,6 +262,11 @@ void Checker::rope_options(const RopeLayout& layout, int64_t head_dim) const {
                first ? "layout.positions" : "layout.cos_sin");
     QKVF_CHECK(layout.cos_sin.ndim == 2, op_, ": layout.cos_sin: expected 2 dims [P, r], got ",
                layout.cos_sin.describe());
+  } else {
+    QKVF_CHECK(layout.rotary_dim == -1 || layout.rotary_dim == 0, op_,
+               ": layout.rotary_dim: expected -1 (the default) or 0 without an angle source (no "
+               "factor tables, no cos/sin cache: nothing rotates), got ",
+               layout.rotary_dim);
   }
 
   const int64_t rotary = rope::resolved_rotary_dim(layout, head_dim);
@@ -245,6 +282,18 @@ void Checker::rope_options(const RopeLayout& layout, int64_t head_dim) const {
                rotary, " (layout.rotary_dim), got ", layout.cos_sin.describe());
   }
 
+  // query_only first: its own name says why paired and key_offset cannot apply.
+  QKVF_CHECK(!layout.query_only || !(layout.paired || layout.key_offset), op_,
+             ": layout.query_only: has no key heads, so neither layout.paired nor "
+             "layout.key_offset (both need layout.num_kv_heads = layout.num_heads)");
+  QKVF_CHECK(!layout.query_only || is_absent(layout.k_weight), op_,
+             ": layout.k_weight: given, but layout.query_only has no key rows");
+  QKVF_CHECK(!layout.query_only || !layout.normalize_v, op_,
+             ": layout.normalize_v: expected false with layout.query_only (no V heads to "
+             "normalize), got true");
+  QKVF_CHECK(!layout.normalize_v || layout.norm_scope == NormScope::kHead, op_,
+             ": layout.normalize_v: defined with layout.norm_scope = NormScope::kHead only (the V "
+             "norm is per head; no family normalizes V over the token)");
   const bool same_heads = kv == q_heads;
   QKVF_CHECK(!(layout.paired && layout.key_offset), op_,
              ": layout.paired, layout.key_offset: cannot both be set");
@@ -253,7 +302,9 @@ void Checker::rope_options(const RopeLayout& layout, int64_t head_dim) const {
              "layout.num_heads, got ",
              q_heads, " and ", kv);
   QKVF_CHECK(!layout.paired || tables, op_,
-             ": layout.paired: defined with factor tables [T, 2D] only, got a cos/sin cache");
+             cache ? ": layout.paired: defined with factor tables [T, 2D] only, got a cos/sin cache"
+                   : ": layout.paired: defined with factor tables [T, 2D] only, got no angle "
+                     "source");
   QKVF_CHECK(!layout.key_offset || same_heads, op_,
              ": layout.key_offset: needs layout.num_kv_heads = layout.num_heads, got ", q_heads,
              " and ", kv);
@@ -262,8 +313,9 @@ void Checker::rope_options(const RopeLayout& layout, int64_t head_dim) const {
   QKVF_CHECK(!weighted || layout.normalize, op_, ": ",
              is_absent(layout.q_weight) ? "layout.k_weight" : "layout.q_weight",
              ": norm weights need layout.normalize = true, got false");
-  QKVF_CHECK(!layout.normalize || (layout.eps > 0.0f && layout.eps <= 3.4e38f), op_,
-             ": layout.eps: expected a positive finite value, got ", layout.eps);
+  QKVF_CHECK(!(layout.normalize || layout.normalize_v) ||
+                 (layout.eps > 0.0f && layout.eps <= 3.4e38f),
+             op_, ": layout.eps: expected a positive finite value, got ", layout.eps);
   QKVF_CHECK(layout.weight_offset == layout.weight_offset &&
                  layout.weight_offset >= -3.4e38f && layout.weight_offset <= 3.4e38f,
              op_, ": layout.weight_offset: expected a finite value, got ", layout.weight_offset);
@@ -293,7 +345,9 @@ RopeShape rope_inputs(const Checker& check, const TensorView& qk, const RopeLayo
   const int64_t q_heads = layout.num_heads;
   const int64_t kv = kv_heads(layout);
   check.shape(qk, "qk", {Dim::any("T"), q_heads + kv, head_dim},
-              "(num_heads + num_kv_heads = " + std::to_string(q_heads + kv) + " heads)");
+              layout.query_only
+                  ? "(layout.query_only: layout.num_heads = " + std::to_string(q_heads) + " heads)"
+                  : "(num_heads + num_kv_heads = " + std::to_string(q_heads + kv) + " heads)");
   check.last_dim_contiguous(qk, "qk");
   check.element_aligned(qk, "qk");
 
@@ -325,7 +379,7 @@ RopeShape rope_inputs(const Checker& check, const TensorView& qk, const RopeLayo
       check.last_dim_contiguous(factor.view, factor.name);
       check.element_aligned(factor.view, factor.name);
     }
-  } else {
+  } else if (!is_absent(layout.cos_sin)) {
     float_dtypes(layout.cos_sin, "layout.cos_sin");
     // The CUDA kernels address a cache row with a 32-bit index.
     QKVF_CHECK(layout.cos_sin.sizes[0] >= 1 && layout.cos_sin.sizes[0] <= INT32_MAX, check.op(),
@@ -340,12 +394,68 @@ RopeShape rope_inputs(const Checker& check, const TensorView& qk, const RopeLayo
   for (const Arg& weight : {Arg{layout.q_weight, "layout.q_weight", true},
                             Arg{layout.k_weight, "layout.k_weight", true}}) {
     if (is_absent(weight.view)) continue;
+    const bool key = &weight.view == &layout.k_weight;
     float_dtypes(weight.view, weight.name);
-    check.shape(weight.view, weight.name, {head_dim}, "([D])");
+    check.shape(weight.view, weight.name, {weight_width(layout, shape, key)},
+                weight_shape_why(layout, key));
     check.last_dim_contiguous(weight.view, weight.name);
     check.element_aligned(weight.view, weight.name);
   }
   return shape;
+}
+
+int64_t weight_width(const RopeLayout& layout, const RopeShape& shape, bool key) {
+  if (layout.norm_scope == NormScope::kHead) return shape.head_dim;
+  return (key ? shape.kv_heads : shape.q_heads) * shape.head_dim;
+}
+
+std::string weight_shape_why(const RopeLayout& layout, bool key, const char* also) {
+  std::string why = "(";
+  if (layout.norm_scope == NormScope::kHead) {
+    why += "[D]";
+  } else {
+    why += key ? "layout.norm_scope = NormScope::kToken: [layout.num_kv_heads * D]"
+               : "layout.norm_scope = NormScope::kToken: [layout.num_heads * D]";
+  }
+  return why + also + ")";
+}
+
+int64_t rope_v_input(const Checker& check, const RopeLayout& layout, Arg v,
+                     const RopeShape& shape, DType dtype) {
+  if (!layout.normalize_v) {
+    QKVF_CHECK(is_absent(v.view), check.op(), ": ", v.name,
+               ": given, but layout.normalize_v is false (the V tensors go with the V norm)");
+    return 0;
+  }
+  QKVF_CHECK(!is_absent(v.view), check.op(), ": ", v.name,
+             ": missing (layout.normalize_v reads the V heads)");
+  check.dtype(v.view, v.name, dtype);
+  check.shape(v.view, v.name, {shape.tokens, shape.kv_heads, Dim::any("Dv")},
+              "(T from qk, num_kv_heads)");
+  QKVF_CHECK(v.view.sizes[2] >= 1, check.op(), ": ", v.name,
+             ": expected a V head width Dv >= 1, got ", v.view.describe());
+  check.last_dim_contiguous(v.view, v.name);
+  check.element_aligned(v.view, v.name);
+  return v.view.sizes[2];
+}
+
+void rope_v_output(const Checker& check, const RopeLayout& layout, Arg out, const RopeShape& shape,
+                   int64_t v_dim, DType dtype, bool contiguous) {
+  if (!layout.normalize_v) {
+    QKVF_CHECK(is_absent(out.view), check.op(), ": ", out.name,
+               ": given, but layout.normalize_v is false (the V tensors go with the V norm)");
+    return;
+  }
+  QKVF_CHECK(!is_absent(out.view), check.op(), ": ", out.name,
+             ": missing (layout.normalize_v writes or reads it)");
+  check.dtype(out.view, out.name, dtype);
+  check.shape(out.view, out.name, {shape.tokens, shape.kv_heads, v_dim}, "(v's shape)");
+  if (contiguous) {
+    check.contiguous(out.view, out.name);
+  } else {
+    check.last_dim_contiguous(out.view, out.name);
+  }
+  check.element_aligned(out.view, out.name);
 }
 
 std::vector<Arg> rope_tensor_args(const RopeLayout& layout) {
@@ -387,7 +497,9 @@ void rope_weight_grads(const Checker& check, const RopeLayout& layout, const Rop
     QKVF_CHECK(!is_absent(grad.view), check.op(), ": ", grad.name,
                ": missing (the layout has its weight, whose gradient it receives)");
     check.dtype(grad.view, grad.name, weight->dtype);
-    check.shape(grad.view, grad.name, {shape.head_dim}, "([D], as its weight)");
+    const bool key = weight == &layout.k_weight;
+    check.shape(grad.view, grad.name, {weight_width(layout, shape, key)},
+                weight_shape_why(layout, key, ", as its weight"));
     check.contiguous(grad.view, grad.name);
     check.element_aligned(grad.view, grad.name);
   }

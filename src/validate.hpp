@@ -62,6 +62,16 @@ struct RopeShape {
   int64_t k_out_heads;  ///< Hkv, or Hkv/2 when paired
 };
 
+/// The widest head the rope ops take (D), and the widest the CUDA kernels take so far.
+inline constexpr int64_t kMaxHeadDim = 512;
+inline constexpr int64_t kMaxCudaHeadDim = 256;
+
+/// The first layout option (SPEC.md section 9) the CUDA backend does not take yet, as the error
+/// names it: the argument, then what of it where that is not the argument itself
+/// ("layout.normalize_v", "layout.norm_scope: NormScope::kToken (...)"); empty when there is none.
+/// A head width past kMaxHeadDim is no pending option: no backend takes it.
+std::string cuda_pending_option(const RopeLayout& layout, int64_t head_dim);
+
 /// The checks of one op; every message starts with the op's name.
 class Checker {
  public:
@@ -96,10 +106,17 @@ class Checker {
   void no_overlap(const std::vector<Arg>& outputs, const std::vector<Arg>& inputs) const;
 
   /// The layout's scalar options against D (qk's last dim), on every device: Hq >= 1,
-  /// Hq % Hkv == 0, D even in [2, 256], r even in [0, D], paired / key_offset only with
-  /// Hq = Hkv (paired: Hq even, factor tables; not both), a known rotary style, eps > 0 and
-  /// finite, a finite weight offset, weights only with normalize, exactly one angle source.
+  /// Hq % Hkv == 0, D even in [2, kMaxHeadDim], r even in [0, D], paired / key_offset only with
+  /// Hq = Hkv (paired: Hq even, factor tables; not both), a known rotary style and norm scope,
+  /// eps > 0 and finite, a finite weight offset, weights only with normalize, at most one angle
+  /// source (none: rotary_dim -1 or 0), and the refusals of SPEC.md section 9 (query_only with
+  /// paired, key_offset, k_weight, normalize_v or num_kv_heads; normalize_v with kToken).
   void rope_options(const RopeLayout& layout, int64_t head_dim) const;
+
+  /// On CUDA tensors (qk's device), refuses an option the CUDA kernels do not take yet, naming
+  /// it (cuda_pending_option). Reads only qk's device and shape, no memory: every rope op runs it
+  /// first, so the refusal is the same in a build without CUDA.
+  void not_pending_on_cuda(const RopeLayout& layout, const TensorView& qk) const;
 
  private:
   std::string op_;
@@ -113,6 +130,22 @@ class Checker {
 /// them (src/cuda/rope_paths.hpp). Returns the shapes.
 RopeShape rope_inputs(const Checker& check, const TensorView& qk, const RopeLayout& layout,
                       Device device, bool wide_qk_on_cpu);
+
+/// Elements of the query (key: false) or key weight: D, or H*D of the kind under kToken.
+int64_t weight_width(const RopeLayout& layout, const RopeShape& shape, bool key);
+/// The weight's shape for messages, in parentheses with `also` after it: "([D])" or
+/// "(layout.norm_scope = NormScope::kToken: [layout.num_heads * D])".
+std::string weight_shape_why(const RopeLayout& layout, bool key, const char* also = "");
+
+/// A V input of the V norm (v, or the backward's grad_v_out): present exactly when
+/// layout.normalize_v; `dtype`, [T, Hkv, Dv] with Dv >= 1, last dim contiguous. Returns Dv
+/// (0 without the V norm).
+int64_t rope_v_input(const Checker& check, const RopeLayout& layout, Arg v,
+                     const RopeShape& shape, DType dtype);
+/// A V tensor of v's shape [T, Hkv, v_dim] present exactly when layout.normalize_v: the
+/// outputs v_out, grad_v (`contiguous`) or the backward's grad_v_out (last dim contiguous).
+void rope_v_output(const Checker& check, const RopeLayout& layout, Arg out, const RopeShape& shape,
+                   int64_t v_dim, DType dtype, bool contiguous);
 
 /// The layout's tensors as optional arguments, for same_device and no_overlap.
 std::vector<Arg> rope_tensor_args(const RopeLayout& layout);

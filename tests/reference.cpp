@@ -111,23 +111,45 @@ std::vector<double> effective_weight(const Rope& rope, const RopeTensors& tensor
   return w;
 }
 
-/// The normalized row n (unweighted) of x; returns rstd (1 without the norm).
-double normalize(const Rope& rope, const double* x, std::vector<double>& n) {
-  const int64_t width = rope.head_dim;
-  n.assign(x, x + width);
+/// The rows of qk [T][Hq + Hkv][D] one RMS of row (t, h2) spans: the row itself, or with
+/// token_norm every row of its kind at token t. Returns (first row, count).
+std::pair<int64_t, int64_t> norm_rows(const Rope& rope, int64_t h2) {
+  if (!rope.token_norm) return {h2, 1};
+  const bool key = h2 >= rope.heads;
+  return key ? std::pair<int64_t, int64_t>{rope.heads, rope.k_heads()}
+             : std::pair<int64_t, int64_t>{0, rope.heads};
+}
+
+/// The normalized row n (unweighted) of row (t, h2) of qk; returns rstd (1 without the norm).
+double normalize(const Rope& rope, const std::vector<double>& qk, int64_t t, int64_t h2,
+                 std::vector<double>& n) {
+  const int64_t D = rope.head_dim;
+  const int64_t rows = rope.input_heads();
+  const double* x = &qk[at(t * rows + h2, 0, D)];
+  n.assign(x, x + D);
   if (!rope.normalize) return 1.0;
+  const auto [first, count] = norm_rows(rope, h2);
   double squares = 0;
-  for (int64_t d = 0; d < width; ++d) squares += x[d] * x[d];
-  const double rstd = 1.0 / std::sqrt(squares / double(width) + rope.eps);
+  for (int64_t h = first; h < first + count; ++h) {
+    for (int64_t d = 0; d < D; ++d) squares += std::pow(qk[at(t * rows + h, d, D)], 2);
+  }
+  const double rstd = 1.0 / std::sqrt(squares / double(count * D) + rope.eps);
   for (double& value : n) value *= rstd;
   return rstd;
 }
 
-/// nw = n * (w + offset), or n without a weight.
-std::vector<double> weighted(const std::vector<double>& n, const std::vector<double>& w) {
+/// Where row h2's weight lanes start in its kind's weight: 0, or h * D with token_norm.
+int64_t weight_lane(const Rope& rope, int64_t h2) {
+  if (!rope.token_norm) return 0;
+  return (h2 >= rope.heads ? h2 - rope.heads : h2) * rope.head_dim;
+}
+
+/// nw = n * (w[first + d] + offset), or n without a weight.
+std::vector<double> weighted(const std::vector<double>& n, const std::vector<double>& w,
+                             int64_t first) {
   std::vector<double> nw = n;
   if (!w.empty()) {
-    for (size_t d = 0; d < nw.size(); ++d) nw[d] *= w[d];
+    for (size_t d = 0; d < nw.size(); ++d) nw[d] *= w[size_t(first) + d];
   }
   return nw;
 }
@@ -214,12 +236,12 @@ QkPair rope_forward(const Rope& rope, const std::vector<double>& qk, const RopeT
     for (int64_t h2 = 0; h2 < rows; ++h2) {
       const Target target = target_of(rope, t, h2);
       const std::vector<double> w = effective_weight(rope, tensors, target.key);
-      normalize(rope, &qk[at(t * rows + h2, 0, D)], n);
-      const std::vector<double> nw = weighted(n, w);
+      normalize(rope, qk, t, h2, n);
+      const std::vector<double> nw = weighted(n, w, weight_lane(rope, h2));
       std::vector<double> nw_prev;
       if (t > 0) {
-        normalize(rope, &qk[at((t - 1) * rows + h2, 0, D)], n_prev);
-        nw_prev = weighted(n_prev, w);
+        normalize(rope, qk, t - 1, h2, n_prev);
+        nw_prev = weighted(n_prev, w, weight_lane(rope, h2));
       }
       std::vector<double> y = nw;  // lanes >= r pass through
       for (const Pair& pair : pairs) {
@@ -284,48 +306,65 @@ RopeGradients rope_gradients(const Rope& rope, const std::vector<double>& grad_q
 
   RopeGradients out;
   out.grad_qk.assign(grad_nw.size(), 0.0);
-  out.grad_q_weight.assign(size_t(D), 0.0);
-  out.grad_k_weight.assign(size_t(D), 0.0);
-  out.q_weight_magnitude.assign(size_t(D), 0.0);
-  out.k_weight_magnitude.assign(size_t(D), 0.0);
-  out.q_weight_terms = rope.tokens * rope.heads;
-  out.k_weight_terms = rope.tokens * rope.k_heads();
+  out.grad_q_weight.assign(size_t(rope.weight_width(false)), 0.0);
+  out.grad_k_weight.assign(size_t(rope.weight_width(true)), 0.0);
+  out.q_weight_magnitude.assign(size_t(rope.weight_width(false)), 0.0);
+  out.k_weight_magnitude.assign(size_t(rope.weight_width(true)), 0.0);
+  // Each weight lane sums over the tokens, and (one weight per head row) over the kind's heads.
+  out.q_weight_terms = rope.tokens * (rope.token_norm ? 1 : rope.heads);
+  out.k_weight_terms = rope.tokens * (rope.token_norm ? 1 : rope.k_heads());
   out.term_scale.assign(size_t(rope.tokens * rows), 0.0);
+  // Per token: every row's n and dn first (through the weight), then each row's dx through the
+  // norm, whose mean runs over the row or, with token_norm, over the token's rows of its kind.
   std::vector<double> n;
-  std::vector<double> dn(static_cast<size_t>(D)), dn_size(static_cast<size_t>(D));
-  for (int64_t row = 0; row < rope.tokens * rows; ++row) {
-    const bool key = row % rows >= rope.heads;
-    const double rstd = normalize(rope, &qk[at(row, 0, D)], n);
-    const std::vector<double> w = effective_weight(rope, tensors, key);
-    const size_t base = at(row, 0, D);
-    // Through the weight: d(nw)/dw = n, d(nw)/dn = w + offset.
-    for (int64_t d = 0; d < D; ++d) {
-      dn[size_t(d)] = grad_nw[base + size_t(d)];
-      dn_size[size_t(d)] = magnitude[base + size_t(d)];
-      if (w.empty()) continue;
-      (key ? out.grad_k_weight : out.grad_q_weight)[size_t(d)] +=
-          grad_nw[base + size_t(d)] * n[size_t(d)];
-      (key ? out.k_weight_magnitude : out.q_weight_magnitude)[size_t(d)] +=
-          magnitude[base + size_t(d)] * std::fabs(n[size_t(d)]);
-      dn[size_t(d)] *= w[size_t(d)];
-      dn_size[size_t(d)] *= std::fabs(w[size_t(d)]);
+  std::vector<double> all_n(size_t(rows * D)), all_dn(size_t(rows * D)),
+      all_size(size_t(rows * D));
+  std::vector<double> rstds(static_cast<size_t>(rows));
+  for (int64_t t = 0; t < rope.tokens; ++t) {
+    for (int64_t h2 = 0; h2 < rows; ++h2) {
+      const bool key = h2 >= rope.heads;
+      rstds[size_t(h2)] = normalize(rope, qk, t, h2, n);
+      const std::vector<double> w = effective_weight(rope, tensors, key);
+      const int64_t lane = weight_lane(rope, h2);
+      const size_t base = at(t * rows + h2, 0, D);
+      // Through the weight: d(nw)/dw = n, d(nw)/dn = w + offset.
+      for (int64_t d = 0; d < D; ++d) {
+        const size_t i = size_t(h2 * D + d), wi = size_t(lane + d);
+        all_n[i] = n[size_t(d)];
+        all_dn[i] = grad_nw[base + size_t(d)];
+        all_size[i] = magnitude[base + size_t(d)];
+        if (w.empty()) continue;
+        (key ? out.grad_k_weight : out.grad_q_weight)[wi] += grad_nw[base + size_t(d)] * n[size_t(d)];
+        (key ? out.k_weight_magnitude : out.q_weight_magnitude)[wi] +=
+            magnitude[base + size_t(d)] * std::fabs(n[size_t(d)]);
+        all_dn[i] *= w[wi];
+        all_size[i] *= std::fabs(w[wi]);
+      }
     }
-    // Through the norm: n = x * rstd gives dx = rstd * (dn - n * mean(dn * n)).
-    double dot = 0, dot_size = 0;
-    for (int64_t d = 0; d < D; ++d) {
-      dot += dn[size_t(d)] * n[size_t(d)];
-      dot_size += dn_size[size_t(d)] * std::fabs(n[size_t(d)]);
+    // Through the norm: n = x * rstd gives dx = rstd * (dn - n * mean(dn * n)), the mean over the
+    // values the RMS spans.
+    for (int64_t h2 = 0; h2 < rows; ++h2) {
+      const auto [first, count] = norm_rows(rope, h2);
+      double dot = 0, dot_size = 0;
+      for (int64_t i = first * D; i < (first + count) * D; ++i) {
+        dot += all_dn[size_t(i)] * all_n[size_t(i)];
+        dot_size += all_size[size_t(i)] * std::fabs(all_n[size_t(i)]);
+      }
+      const double values = double(count * D);
+      const double rstd = rstds[size_t(h2)];
+      const size_t base = at(t * rows + h2, 0, D);
+      double largest = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        const size_t i = size_t(h2 * D + d);
+        const double correction = rope.normalize ? all_n[i] * dot / values : 0.0;
+        out.grad_qk[base + size_t(d)] = rstd * (all_dn[i] - correction);
+        const double size_correction =
+            rope.normalize ? std::fabs(all_n[i]) * dot_size / values : 0.0;
+        largest = std::max(largest, all_size[i] + size_correction);
+      }
+      const double scale = rstd * largest;
+      out.term_scale[size_t(t * rows + h2)] = std::isfinite(scale) ? scale : 0.0;
     }
-    double largest = 0;
-    for (int64_t d = 0; d < D; ++d) {
-      const double correction = rope.normalize ? n[size_t(d)] * dot / double(D) : 0.0;
-      out.grad_qk[base + size_t(d)] = rstd * (dn[size_t(d)] - correction);
-      const double size_correction =
-          rope.normalize ? std::fabs(n[size_t(d)]) * dot_size / double(D) : 0.0;
-      largest = std::max(largest, dn_size[size_t(d)] + size_correction);
-    }
-    const double scale = rstd * largest;
-    out.term_scale[size_t(row)] = std::isfinite(scale) ? scale : 0.0;
   }
   return out;
 }
@@ -346,12 +385,54 @@ int64_t qkv_dim(const Rope& rope, int64_t v_dim) {
   return rope.input_heads() * rope.head_dim + rope.k_heads() * v_dim;
 }
 
+std::vector<double> v_norm_forward(int64_t rows, int64_t v_dim, double eps,
+                                   const std::vector<double>& v) {
+  std::vector<double> out(v.size());
+  for (int64_t row = 0; row < rows; ++row) {
+    double squares = 0;
+    for (int64_t d = 0; d < v_dim; ++d) squares += std::pow(v[at(row, d, v_dim)], 2);
+    const double rstd = 1.0 / std::sqrt(squares / double(v_dim) + eps);
+    for (int64_t d = 0; d < v_dim; ++d) out[at(row, d, v_dim)] = v[at(row, d, v_dim)] * rstd;
+  }
+  return out;
+}
+
+VNormGradients v_norm_gradients(int64_t rows, int64_t v_dim, double eps,
+                                const std::vector<double>& v, const std::vector<double>& grad_v_out) {
+  VNormGradients out{std::vector<double>(v.size()), std::vector<double>(size_t(rows))};
+  for (int64_t row = 0; row < rows; ++row) {
+    double squares = 0;
+    for (int64_t d = 0; d < v_dim; ++d) squares += std::pow(v[at(row, d, v_dim)], 2);
+    const double rstd = 1.0 / std::sqrt(squares / double(v_dim) + eps);
+    double dot = 0, dot_size = 0;
+    for (int64_t d = 0; d < v_dim; ++d) {
+      const double n = v[at(row, d, v_dim)] * rstd, g = grad_v_out[at(row, d, v_dim)];
+      dot += g * n;
+      dot_size += std::fabs(g * n);
+    }
+    double largest = 0;
+    for (int64_t d = 0; d < v_dim; ++d) {
+      const double n = v[at(row, d, v_dim)] * rstd, g = grad_v_out[at(row, d, v_dim)];
+      out.grad_v[at(row, d, v_dim)] = rstd * (g - n * dot / double(v_dim));
+      largest = std::max(largest, std::fabs(g) + std::fabs(n) * dot_size / double(v_dim));
+    }
+    const double scale = rstd * largest;
+    out.term_scale[size_t(row)] = std::isfinite(scale) ? scale : 0.0;
+  }
+  return out;
+}
+
 std::vector<double> qkv_backward_values(const Rope& rope, int64_t v_dim,
                                         const std::vector<double>& grad_q,
                                         const std::vector<double>& grad_k,
-                                        const std::vector<double>& grad_v,
-                                        const std::vector<double>& qk, const RopeTensors& tensors) {
+                                        const std::vector<double>& grad_v_in,
+                                        const std::vector<double>& qk, const RopeTensors& tensors,
+                                        const std::vector<double>& v) {
   const std::vector<double> grad_qk = rope_gradients(rope, grad_q, grad_k, qk, tensors).grad_qk;
+  const std::vector<double> grad_v =
+      rope.normalize_v
+          ? v_norm_gradients(rope.tokens * rope.k_heads(), v_dim, rope.eps, v, grad_v_in).grad_v
+          : grad_v_in;
   const int64_t qk_features = rope.input_heads() * rope.head_dim;
   const int64_t v_features = rope.k_heads() * v_dim;
   const int64_t features = qkv_dim(rope, v_dim);
@@ -759,7 +840,8 @@ std::vector<double> row_noise(const std::vector<double>& ref, int64_t row_length
 
 std::vector<double> qkv_feature_noise(const ref::Rope& rope, int64_t v_dim,
                                       const std::vector<double>& values, double relative,
-                                      const std::vector<double>& term_scale) {
+                                      const std::vector<double>& term_scale,
+                                      const std::vector<double>& v_term_scale) {
   const int64_t rows = rope.input_heads();
   const int64_t qkv_dim = ref::qkv_dim(rope, v_dim);
   std::vector<double> noise(values.size(), 0.0);
@@ -773,6 +855,19 @@ std::vector<double> qkv_feature_noise(const ref::Rope& rope, int64_t v_dim,
       }
       if (!term_scale.empty()) largest = std::max(largest, term_scale[size_t(t * rows + h2)]);
       for (int64_t d = 0; d < rope.head_dim; ++d) noise[base + size_t(d)] = relative * largest;
+    }
+    if (!rope.normalize_v) continue;
+    for (int64_t h = 0; h < rope.k_heads(); ++h) {
+      const size_t base = size_t(t * qkv_dim + rows * rope.head_dim + h * v_dim);
+      double largest = 0;
+      for (int64_t d = 0; d < v_dim; ++d) {
+        const double v = values[base + size_t(d)];
+        if (std::isfinite(v)) largest = std::max(largest, std::fabs(v));
+      }
+      if (!v_term_scale.empty()) {
+        largest = std::max(largest, v_term_scale[size_t(t * rope.k_heads() + h)]);
+      }
+      for (int64_t d = 0; d < v_dim; ++d) noise[base + size_t(d)] = relative * largest;
     }
   }
   return noise;
@@ -1026,6 +1121,10 @@ std::string describe(const ref::Rope& rope) {
       << (rope.normalize ? " rms eps=" : " no-norm");
   if (rope.normalize) out << rope.eps;
   if (rope.weight_offset != 0) out << " weight_offset=" << rope.weight_offset;
+  if (rope.token_norm) out << " token-norm";
+  if (rope.query_only) out << " query-only";
+  if (!rope.angles) out << " no-angles";
+  if (rope.normalize_v) out << " v-norm";
   return out.str();
 }
 
@@ -1051,8 +1150,10 @@ RopeData::RopeData(const ref::Rope& r, const RopeSpec& s, std::mt19937_64& rng)
   qk = random_values(rng, rope.qk_count(), spec.qk_dtype, spec.qk_scale);
   qk_tensor.emplace(spec.qk_dtype, std::vector<int64_t>{T, rows, D},
                     std::vector<int64_t>{rows * D + spec.qk_row_pad, D, 1});
-  tensors.cache = spec.cache;
-  if (spec.cache) {
+  tensors.cache = spec.cache && rope.angles;
+  if (!rope.angles) {
+    // No angle source: nothing rotates (SPEC.md section 9).
+  } else if (spec.cache) {
     if (spec.cache_rows <= 0) spec.cache_rows = T + 5;
     const int64_t P = spec.cache_rows, rotary = rope.rotary();
     tensors.cache_rows = P;
@@ -1074,7 +1175,7 @@ RopeData::RopeData(const ref::Rope& r, const RopeSpec& s, std::mt19937_64& rng)
   }
   for (int kind = 0; kind < 2; ++kind) {
     if (!(kind == 0 ? spec.q_weight : spec.k_weight)) continue;
-    std::vector<double> w = random_values(rng, size_t(D), DType::kFloat64, 0.5);
+    std::vector<double> w = random_values(rng, size_t(rope.weight_width(kind == 1)), DType::kFloat64, 0.5);
     for (double& value : w) {
       value += spec.weight_mean;
       value = spec.weight_dtype == DType::kBFloat16  ? ref::round_bf16(value)
@@ -1082,7 +1183,15 @@ RopeData::RopeData(const ref::Rope& r, const RopeSpec& s, std::mt19937_64& rng)
                                                      : value;
     }
     (kind == 0 ? tensors.q_weight : tensors.k_weight) = w;
-    (kind == 0 ? q_weight : k_weight).emplace(spec.weight_dtype, std::vector<int64_t>{D});
+    (kind == 0 ? q_weight : k_weight)
+        .emplace(spec.weight_dtype, std::vector<int64_t>{rope.weight_width(kind == 1)});
+  }
+  if (rope.normalize_v) {
+    const int64_t Dv = spec.v_dim > 0 ? spec.v_dim : D, H = rope.k_heads();
+    spec.v_dim = Dv;
+    v = random_values(rng, size_t(T * H * Dv), spec.qk_dtype, spec.qk_scale);
+    v_tensor.emplace(spec.qk_dtype, std::vector<int64_t>{T, H, Dv},
+                     std::vector<int64_t>{H * Dv + spec.v_row_pad, Dv, 1});
   }
   refresh();
 }
@@ -1095,6 +1204,7 @@ void RopeData::refresh() {
   if (positions) positions->set_ints(tensors.positions);
   if (q_weight) q_weight->set(tensors.q_weight);
   if (k_weight) k_weight->set(tensors.k_weight);
+  if (v_tensor) v_tensor->set(v);
 }
 
 RopeLayout tables_layout(int64_t heads, int64_t rotary_dim, bool paired, bool key_offset,
@@ -1120,6 +1230,9 @@ RopeLayout RopeData::layout() {
   layout.weight_offset = float(rope.weight_offset);
   layout.paired = rope.paired;
   layout.key_offset = rope.key_offset;
+  layout.normalize_v = rope.normalize_v;
+  layout.norm_scope = rope.token_norm ? NormScope::kToken : NormScope::kHead;
+  layout.query_only = rope.query_only;
   if (factor1) layout.factor1 = factor1->view();
   if (factor2) layout.factor2 = factor2->view();
   if (cos_sin) layout.cos_sin = cos_sin->view();

@@ -67,10 +67,19 @@ struct Rope {
   bool normalize = true;    ///< false: n = x
   double eps = 1.0 / 8388608.0;  ///< the float32 eps of the layout, as a double
   double weight_offset = 0.0;    ///< the weights read as w + weight_offset
+  // SPEC.md section 9
+  bool token_norm = false;   ///< norm_scope kToken: one RMS per token over its heads of a kind
+  bool query_only = false;   ///< qk holds the query heads only (Hkv = 0)
+  bool angles = true;        ///< false: no angle source, nothing rotates (r = 0)
+  bool normalize_v = false;  ///< the V norm (qkv_backward_values then reads v)
 
-  int64_t k_heads() const { return kv_heads > 0 ? kv_heads : heads; }
+  int64_t k_heads() const { return query_only ? 0 : kv_heads > 0 ? kv_heads : heads; }
   int64_t input_heads() const { return heads + k_heads(); }  ///< Hq + Hkv: qk's rows per token
-  int64_t rotary() const { return rotary_dim < 0 ? head_dim : rotary_dim; }
+  int64_t rotary() const { return !angles ? 0 : rotary_dim < 0 ? head_dim : rotary_dim; }
+  /// Elements of the query (key: false) or key weight: D, or H*D of the kind with token_norm.
+  int64_t weight_width(bool key) const {
+    return token_norm ? (key ? k_heads() : heads) * head_dim : head_dim;
+  }
   int64_t out_tokens() const { return paired ? 2 * tokens : tokens; }
   int64_t q_out_heads() const { return paired ? heads / 2 : heads; }
   int64_t k_out_heads() const { return paired ? k_heads() / 2 : k_heads(); }
@@ -90,8 +99,8 @@ struct RopeTensors {
   int64_t cache_rows = 0;                ///< P
   std::vector<double> cos_sin;           ///< [P][r]: cos of frequency i at i, sin at r/2 + i
   std::vector<int64_t> positions;        ///< [T]; outside [0, P): NaN rotary lanes
-  std::vector<double> q_weight;          ///< [D], or empty: no query weight
-  std::vector<double> k_weight;          ///< [D], or empty: no key weight
+  std::vector<double> q_weight;          ///< [D] ([Hq*D] token_norm), or empty: no query weight
+  std::vector<double> k_weight;          ///< [D] ([Hkv*D] token_norm), or empty: no key weight
 };
 
 /// q [out_tokens][Hq'][D], k [out_tokens][Hkv'][D], unrounded.
@@ -110,14 +119,14 @@ QkPair rope_forward(const Rope& rope, const std::vector<double>& qk,
 /// against.
 struct RopeGradients {
   std::vector<double> grad_qk;        ///< [T][Hq + Hkv][D]
-  std::vector<double> grad_q_weight;  ///< [D]: sum over query rows of dL/d(nw)[d] * n[d]
-  std::vector<double> grad_k_weight;  ///< [D]: the same over key rows (zeros without a weight)
+  std::vector<double> grad_q_weight;  ///< [Wq]: sum over query rows of dL/d(nw)[d] * n[d]
+  std::vector<double> grad_k_weight;  ///< [Wk]: the same over key rows (zeros without a weight)
   /// Per lane, the sum over that weight's rows of |n[d]| times the magnitudes of every term of
   /// dL/d(nw)[d]: the scale of a float32 sum's rounding error (fp32_sum_tolerance).
   std::vector<double> q_weight_magnitude;
   std::vector<double> k_weight_magnitude;
-  int64_t q_weight_terms = 0;  ///< rows summed into grad_q_weight (T * Hq)
-  int64_t k_weight_terms = 0;  ///< T * Hkv
+  int64_t q_weight_terms = 0;  ///< rows summed into grad_q_weight (T * Hq; token_norm: T)
+  int64_t k_weight_terms = 0;  ///< T * Hkv (token_norm: T)
   /// Per input row [T][Hq + Hkv]: rstd * max_d (|dn[d]| + |n[d] * sum(dn * n) / D|) with dn's
   /// terms taken by magnitude: dx is a difference of such terms, so its float32 rounding error
   /// scales with this, not with dx (0 where not finite).
@@ -141,14 +150,31 @@ std::vector<double> rope_backward(const Rope& rope, const std::vector<double>& g
 /// qkv_dim = (Hq + Hkv) * D + Hkv * Dv.
 int64_t qkv_dim(const Rope& rope, int64_t v_dim);
 
+// ---- the V norm (SPEC.md section 9) -------------------------------------------------------------
+
+/// v [rows][Dv] -> v * rstd per row, rstd = 1 / sqrt(sum v^2 / Dv + eps), unrounded.
+std::vector<double> v_norm_forward(int64_t rows, int64_t v_dim, double eps,
+                                   const std::vector<double>& v);
+
+/// The exact gradient of v_norm_forward, and per row the magnitude its float32 computation
+/// rounds against (rstd * max_d (|g| + |n| * sum |g n| / Dv)), as RopeGradients::term_scale.
+struct VNormGradients {
+  std::vector<double> grad_v;      ///< [rows][Dv]
+  std::vector<double> term_scale;  ///< [rows]
+};
+VNormGradients v_norm_gradients(int64_t rows, int64_t v_dim, double eps,
+                                const std::vector<double>& v, const std::vector<double>& grad_v_out);
+
 /// The value each feature of grad_row [T][qkv_dim] holds before its e4m3 cast: dqk (unrounded)
-/// for the Q/K features, grad_v for the V features (grad_v [T][Hkv][Dv]). The code of each is
+/// for the Q/K features, grad_v for the V features (grad_v [T][Hkv][Dv]), or with
+/// rope.normalize_v the V norm's gradient of the pre-norm `v` (unrounded). The code of each is
 /// quantize_code(round_bf16(value), grad_scale).
 std::vector<double> qkv_backward_values(const Rope& rope, int64_t v_dim,
                                         const std::vector<double>& grad_q,
                                         const std::vector<double>& grad_k,
                                         const std::vector<double>& grad_v,
-                                        const std::vector<double>& qk, const RopeTensors& tensors);
+                                        const std::vector<double>& qk, const RopeTensors& tensors,
+                                        const std::vector<double>& v = {});
 /// The same with factor tables and no weights.
 std::vector<double> qkv_backward_values(const Rope& rope, int64_t v_dim,
                                         const std::vector<double>& grad_q,
@@ -303,10 +329,12 @@ std::vector<double> row_noise(const std::vector<double>& ref, int64_t row_length
 /// The noise bounds of the grad_row [T][qkv_dim] values of qkv_backward_values: `relative` times
 /// the largest |value| of each Q/K head row (D features), raised to `relative` times the row's
 /// term scale when one is given (ref::RopeGradients::term_scale); 0 for the V features, whose
-/// bf16 input involves no arithmetic.
+/// bf16 input involves no arithmetic, unless the V norm computes them (rope.normalize_v): then
+/// as the Q/K rows, with v_term_scale (ref::VNormGradients::term_scale).
 std::vector<double> qkv_feature_noise(const ref::Rope& rope, int64_t v_dim,
                                       const std::vector<double>& values, double relative,
-                                      const std::vector<double>& term_scale = {});
+                                      const std::vector<double>& term_scale = {},
+                                      const std::vector<double>& v_term_scale = {});
 
 /// Raises each row's noise (rows of `row_length`) to `relative` times the row's term scale.
 void widen_by_terms(std::vector<double>& noise, const std::vector<double>& term_scale,
@@ -389,6 +417,8 @@ struct RopeSpec {
   double weight_mean = 1.0;                  ///< weights ~ normal(mean, 0.5), rounded to dtype
   int64_t qk_row_pad = 0;                    ///< qk a column slice: rows padded by this much
   double qk_scale = 1.0;                     ///< qk ~ normal(0, qk_scale)
+  int64_t v_dim = 0;                         ///< Dv of the V norm's v (rope.normalize_v); 0: D
+  int64_t v_row_pad = 0;                     ///< v a column slice: rows padded by this much
 
   std::string describe() const;
 };
@@ -400,6 +430,8 @@ struct RopeData {
   std::vector<double> qk;
   ref::RopeTensors tensors;
   std::optional<HostTensor> qk_tensor, factor1, factor2, cos_sin, positions, q_weight, k_weight;
+  std::vector<double> v;           ///< the V norm's input [T][Hkv][Dv] (rope.normalize_v)
+  std::optional<HostTensor> v_tensor;
 
   RopeData(const ref::Rope& rope, const RopeSpec& spec, std::mt19937_64& rng);
   /// Stores changed values of qk / tensors into the host tensors.

@@ -44,13 +44,21 @@ struct PackedCase {
   bool normalize = true;
   double eps = 1.0 / 8388608.0;
   double weight_offset = 0.0;
+  // SPEC.md section 9
+  bool token_norm = false;
+  bool query_only = false;   ///< the weight's Q rows only: no K, no V
+  bool normalize_v = false;  ///< the forward returns v_out; the backward reads the raw V
+  bool angles = true;
   RopeSpec spec;
 
-  int64_t k_heads() const { return kv_heads ? kv_heads : heads; }
+  int64_t k_heads() const { return query_only ? 0 : kv_heads ? kv_heads : heads; }
   int64_t qk_features() const { return (heads + k_heads()) * head_dim; }
   int64_t v_features() const { return k_heads() * v_dim; }
   int64_t qkv_dim() const { return qk_features() + v_features(); }
-  int64_t rotary() const { return key_offset ? rotary_dim : rotary_dim > 0 ? rotary_dim : head_dim; }
+  int64_t rotary() const {
+    if (!angles) return 0;
+    return key_offset ? rotary_dim : rotary_dim > 0 ? rotary_dim : head_dim;
+  }
   ref::Rope rope() const {
     ref::Rope rope{tokens, heads, head_dim, rotary(), paired, key_offset};
     rope.kv_heads = kv_heads;
@@ -58,6 +66,10 @@ struct PackedCase {
     rope.normalize = normalize;
     rope.eps = eps;
     rope.weight_offset = weight_offset;
+    rope.token_norm = token_norm;
+    rope.query_only = query_only;
+    rope.normalize_v = normalize_v;
+    rope.angles = angles;
     return rope;
   }
   std::string describe() const {
@@ -67,7 +79,9 @@ struct PackedCase {
         << (normalize ? "" : " no-norm") << " eps=" << eps << " offset=" << weight_offset << " "
         << spec.describe() << (paired ? " paired" : "") << (key_offset ? " key_offset" : "")
         << (joined_qkv ? " one QKV GEMM" : " two QKV GEMMs")
-        << (joined_weight_grads ? " one wgrad GEMM" : " two wgrad GEMMs");
+        << (joined_weight_grads ? " one wgrad GEMM" : " two wgrad GEMMs")
+        << (token_norm ? " token-norm" : "") << (query_only ? " query-only" : "")
+        << (normalize_v ? " v-norm" : "") << (angles ? "" : " no-angles");
     return out.str();
   }
 };
@@ -144,6 +158,7 @@ PackedResult run_and_check(const PackedCase& c) {
                                          : v_alone.view();
   HostTensor q(DType::kBFloat16, {rope.out_tokens(), rope.q_out_heads(), D});
   HostTensor k(DType::kBFloat16, {rope.out_tokens(), rope.k_out_heads(), D});
+  HostTensor v_out(DType::kBFloat16, {T, Hkv, c.v_dim});
   packed_qkv_forward({.x_f8 = x_t.view(),
                       .weight_f8 = weight_t.view(),
                       .x_scale = x_scale.view(),
@@ -153,7 +168,8 @@ PackedResult run_and_check(const PackedCase& c) {
                       .v = v_view,
                       .q = q.view(),
                       .k = k.view(),
-                      .layout = layout});
+                      .layout = layout,
+                      .v_out = c.normalize_v ? v_out.view() : TensorView{}});
 
   std::vector<double> qkv_values;
   if (c.joined_qkv) {
@@ -183,6 +199,16 @@ PackedResult run_and_check(const PackedCase& c) {
                                   row_noise(expected_qk.q, c.head_dim, kFp32Noise))));
   EXPECT_TRUE(passes(compare_bf16("k", result.k, expected_qk.k,
                                   row_noise(expected_qk.k, c.head_dim, kFp32Noise))));
+  // The V norm: v_out from the op's own raw V, which v keeps for the backward.
+  const std::vector<double> v_values = columns(qkv_values, T, qkv_dim, qk_features, v_features);
+  if (c.normalize_v) {
+    const std::vector<double> expected_v =
+        ref::v_norm_forward(T * Hkv, c.v_dim, c.eps, v_values);
+    EXPECT_TRUE(passes(compare_bf16("v_out", v_out.get_bf16_bits(), expected_v,
+                                    row_noise(expected_v, c.v_dim, kFp32Noise))));
+  } else {
+    EXPECT_EQ(v_out.elements_touched(), 0) << "v_out written without the V norm";
+  }
 
   // ---- backward
   const std::vector<double> grad_q = random_values(rng, rope.q_count(), DType::kBFloat16, 0.02);
@@ -197,6 +223,8 @@ PackedResult run_and_check(const PackedCase& c) {
   HostTensor grad_k_t(DType::kBFloat16, {rope.out_tokens(), rope.k_out_heads(), D});
   HostTensor grad_v_t(DType::kBFloat16, {T, Hkv, c.v_dim});
   HostTensor qk_saved(DType::kBFloat16, {T, Hq + Hkv, D});
+  HostTensor v_saved(DType::kBFloat16, {T, Hkv, c.v_dim});
+  v_saved.set(v_values);
   HostTensor x_f8_t(DType::kFloat8E4M3, {C, T}), weight_f8_t(DType::kFloat8E4M3, {C, qkv_dim});
   HostTensor qk_weight_t(DType::kBFloat16, {qk_features, C}),
       v_weight_t(DType::kBFloat16, {v_features, C});
@@ -220,8 +248,12 @@ PackedResult run_and_check(const PackedCase& c) {
   HostTensor grad_qkv_scale(DType::kFloat32, {});
   // The norm weights' gradients: present exactly when the weights are, poisoned.
   std::optional<HostTensor> grad_q_norm, grad_k_norm;
-  if (angles.q_weight) grad_q_norm.emplace(c.spec.weight_dtype, std::vector<int64_t>{D});
-  if (angles.k_weight) grad_k_norm.emplace(c.spec.weight_dtype, std::vector<int64_t>{D});
+  if (angles.q_weight) {
+    grad_q_norm.emplace(c.spec.weight_dtype, std::vector<int64_t>{rope.weight_width(false)});
+  }
+  if (angles.k_weight) {
+    grad_k_norm.emplace(c.spec.weight_dtype, std::vector<int64_t>{rope.weight_width(true)});
+  }
   const TensorView grad_qk_view =
       c.joined_weight_grads
           ? sub_view(grad_weight.view().data, 0, DType::kBFloat16, {qk_features, C}, {C, 1})
@@ -249,19 +281,23 @@ PackedResult run_and_check(const PackedCase& c) {
                        .grad_qk_weight = grad_qk_view,
                        .grad_v_weight = grad_v_view,
                        .grad_qkv_scale = grad_qkv_scale.view(),
-                       .layout = layout};
+                       .layout = layout,
+                       .v = c.normalize_v ? v_saved.view() : TensorView{}};
   backward.grad_q_weight = grad_q_norm ? grad_q_norm->view() : TensorView{};
   backward.grad_k_weight = grad_k_norm ? grad_k_norm->view() : TensorView{};
   EXPECT_EQ(backward_workspace_size(backward), 0) << "the CPU backend needs no rope workspace";
   packed_qkv_backward(backward);
 
   // Fused FP8 gradient.
-  const std::vector<double> values = ref::qkv_backward_values(rope, c.v_dim, grad_q, grad_k,
-                                                              grad_v, qk_values, angles.tensors);
+  const std::vector<double> values = ref::qkv_backward_values(
+      rope, c.v_dim, grad_q, grad_k, grad_v, qk_values, angles.tensors, v_values);
   const ref::RopeGradients rope_grads =
       ref::rope_gradients(rope, grad_q, grad_k, qk_values, angles.tensors);
+  const std::vector<double> v_terms =
+      c.normalize_v ? ref::v_norm_gradients(T * Hkv, c.v_dim, c.eps, v_values, grad_v).term_scale
+                    : std::vector<double>{};
   const std::vector<double> noise =
-      qkv_feature_noise(rope, c.v_dim, values, kFp32Noise, rope_grads.term_scale);
+      qkv_feature_noise(rope, c.v_dim, values, kFp32Noise, rope_grads.term_scale, v_terms);
   result.grad_row = grad_row.get_codes();
   result.grad_t = grad_t.get_codes();
   EXPECT_TRUE(passes(compare_e4m3("grad_row", result.grad_row, values, kGradScale, noise)));
@@ -460,6 +496,68 @@ TEST(CpuPackedQkv, MqaGemmaAndPartialRotaryLayouts) {
   llama.normalize = false;
   llama.spec.cache = true;
   run_and_check(llama);
+}
+
+// ---- the families' options (SPEC.md section 9) ------------------------------------------------
+
+TEST(CpuPackedQkv, VNormTokenNormQueryOnlyAndNoAngles) {
+  // Gemma 4: (q, k) norm weights and the V norm, D = 256 heads in small number; one and two
+  // GEMMs for qkv and for the weight gradients.
+  for (int variant = 0; variant < 3; ++variant) {
+    PackedCase gemma;
+    gemma.tokens = 5;
+    gemma.channels = 32;
+    gemma.heads = 2;
+    gemma.kv_heads = 1;
+    gemma.head_dim = 256;
+    gemma.v_dim = 256;
+    gemma.neox = true;
+    gemma.eps = double(1e-6f);
+    gemma.normalize_v = true;
+    gemma.spec.cache = true;
+    gemma.spec.packed = true;
+    gemma.spec.q_weight = gemma.spec.k_weight = true;
+    gemma.joined_qkv = variant != 1;
+    gemma.joined_weight_grads = variant != 2;
+    run_and_check(gemma);
+  }
+  // Gemma 4's KV-shared layers: the Q rows of the weight alone, D = 512.
+  PackedCase shared;
+  shared.tokens = 3;
+  shared.channels = 24;
+  shared.heads = 2;
+  shared.head_dim = 512;
+  shared.v_dim = 8;
+  shared.query_only = true;
+  shared.neox = true;
+  shared.spec.cache = true;
+  shared.spec.q_weight = true;
+  run_and_check(shared);
+  shared.joined_qkv = shared.joined_weight_grads = false;
+  run_and_check(shared);
+  // OLMo: the token-wide norm, weights [H*D].
+  PackedCase olmo;
+  olmo.tokens = 7;
+  olmo.channels = 40;
+  olmo.heads = 4;
+  olmo.head_dim = 32;
+  olmo.v_dim = 32;
+  olmo.neox = true;
+  olmo.token_norm = true;
+  olmo.spec.cache = true;
+  olmo.spec.q_weight = olmo.spec.k_weight = true;
+  run_and_check(olmo);
+  // SmolLM3's NoPE layers: no norm, no angles (q and k are the GEMM's rows, rounded once).
+  PackedCase nope;
+  nope.tokens = 4;
+  nope.channels = 16;
+  nope.heads = 4;
+  nope.kv_heads = 2;
+  nope.head_dim = 16;
+  nope.v_dim = 16;
+  nope.normalize = false;
+  nope.angles = false;
+  run_and_check(nope);
 }
 
 TEST(CpuPackedQkv, EmptyBackwardWritesZeroNormWeightGradients) {

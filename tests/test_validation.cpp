@@ -16,6 +16,7 @@
 #include "qkvfuse/qkvfuse.hpp"
 #include "reference.hpp"
 #include "test_util.hpp"
+#include "validate.hpp"
 
 namespace qkvfuse::test {
 namespace {
@@ -174,21 +175,21 @@ TEST(Validation, QkNormRopeWrongHeadCountAndShapes) {
 }
 
 TEST(Validation, QkNormRopeHeadWidth) {
-  // Every backend takes any even D in [2, 256] (the CUDA tests check the same refusals there).
+  // Every backend takes any even D in [2, 512] (CUDA so far [2, 256]: ValidationPending).
   RopeArgs args;
-  for (int64_t bad : {0, 1, 33, 255, 258}) {
+  for (int64_t bad : {0, 1, 33, 255, 511, 514}) {
     const std::string what = "qk: head width D = " + std::to_string(bad);
     auto p = args.forward();
     p.qk.sizes[2] = bad;
-    EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"qk_norm_rope: " + what, "[2, 256]"}));
+    EXPECT_TRUE(throws_error([&] { qk_norm_rope(p); }, {"qk_norm_rope: " + what, "[2, 512]"}));
     auto b = args.backward();
     b.qk.sizes[2] = bad;
     EXPECT_TRUE(throws_error([&] { qk_norm_rope_backward(b); },
-                             {"qk_norm_rope_backward: " + what, "[2, 256]"}));
+                             {"qk_norm_rope_backward: " + what, "[2, 512]"}));
     auto f = args.fp8();
     f.qk.sizes[2] = bad;
     EXPECT_TRUE(
-        throws_error([&] { qkv_backward_fp8(f); }, {"qkv_backward_fp8: " + what, "[2, 256]"}));
+        throws_error([&] { qkv_backward_fp8(f); }, {"qkv_backward_fp8: " + what, "[2, 512]"}));
   }
 }
 
@@ -697,7 +698,7 @@ TEST(ValidationLayout, UnknownRotaryStyle) {
                         {"layout.rotary_style: expected RotaryStyle::kInterleaved or RotaryStyle::kNeox, got 7"});
 }
 
-TEST(ValidationLayout, ExactlyOneAngleSource) {
+TEST(ValidationLayout, AtMostOneAngleSource) {
   LayoutArgs tensors;  // views to add
   const TensorView f1 = tensors.factor1.view(), f2 = tensors.factor2.view();
   const TensorView cos_sin = tensors.cos_sin.view(), positions = tensors.positions.view();
@@ -706,17 +707,18 @@ TEST(ValidationLayout, ExactlyOneAngleSource) {
         l.factor1 = f1;
         l.factor2 = f2;
       },
-      {"layout.factor1, layout.cos_sin: expected one angle source, got both the factor tables "
-       "(layout.factor1, layout.factor2) and a cos/sin cache (layout.cos_sin, layout.positions)"});
-  expect_layout_refused([&](RopeLayout& l) { l.factor1 = f1; }, {"expected one angle source"});
+      {"layout.factor1, layout.cos_sin: expected at most one angle source, got both the factor "
+       "tables (layout.factor1, layout.factor2) and a cos/sin cache (layout.cos_sin, "
+       "layout.positions)"});
+  expect_layout_refused([&](RopeLayout& l) { l.factor1 = f1; },
+                        {"expected at most one angle source"});
+  // No angle source is a call without rotary (SPEC.md section 9): a rotary width is then refused.
   expect_layout_refused(
       [](RopeLayout& l) {
         l.cos_sin = TensorView{};
         l.positions = TensorView{};
       },
-      {"layout.factor1, layout.cos_sin: expected an angle source, got none: the factor tables "
-       "(layout.factor1 and layout.factor2) or a cos/sin cache (layout.cos_sin and "
-       "layout.positions)"});
+      {"layout.rotary_dim: expected -1 (the default) or 0 without an angle source"});
   expect_layout_refused([](RopeLayout& l) { l.factor2 = TensorView{}; },
                         {"layout.factor2: missing: layout.factor1 and layout.factor2 go together, got "
                          "only layout.factor1"}, true);
@@ -1766,6 +1768,194 @@ TEST(Validation, QuantizeAndGemmScalesOnAnotherDeviceAreRefused) {
   p.scale_b = on_device(p.scale_b, kCuda0);
   EXPECT_TRUE(throws_error([&] { fp8_gemm(p); },
                            {"fp8_gemm: scale_b: is on cuda:0, but a is on cpu"}));
+}
+
+// ---- SPEC.md section 9: the families' options ----------------------------------------------------
+
+TEST(ValidationFamilies, QueryOnlyRefusals) {
+  const auto query_only = [](RopeLayout& l) {
+    l.query_only = true;
+    l.num_kv_heads = 0;
+    l.k_weight = TensorView{};
+  };
+  expect_layout_refused([](RopeLayout& l) { l.query_only = true; },
+                        {"layout.num_kv_heads: expected 0 with layout.query_only (no key heads), got 2"});
+  expect_layout_refused(
+      [&](RopeLayout& l) {
+        query_only(l);
+        l.key_offset = true;
+      },
+      {"layout.query_only: has no key heads, so neither layout.paired nor layout.key_offset"});
+  expect_layout_refused(
+      [&](RopeLayout& l) {
+        query_only(l);
+        l.paired = true;
+      },
+      {"layout.query_only: has no key heads, so neither layout.paired nor layout.key_offset"}, true);
+  LayoutArgs tensors;
+  const TensorView k_weight = tensors.k_weight.view();
+  expect_layout_refused(
+      [&](RopeLayout& l) {
+        query_only(l);
+        l.k_weight = k_weight;
+      },
+      {"layout.k_weight: given, but layout.query_only has no key rows"});
+  expect_layout_refused(
+      [&](RopeLayout& l) {
+        query_only(l);
+        l.normalize_v = true;
+      },
+      {"layout.normalize_v: expected false with layout.query_only (no V heads to normalize), got "
+       "true"});
+  // A valid query-only layout on these [T, Hq + Hkv, D] arguments: qk's shape is then wrong.
+  expect_layout_refused(query_only,
+                        {"qk: expected shape [T, 4, 32] (layout.query_only: layout.num_heads = 4 heads)"});
+}
+
+TEST(ValidationFamilies, NormScopeAndVNormRefusals) {
+  expect_layout_refused([](RopeLayout& l) { l.norm_scope = static_cast<NormScope>(5); },
+                        {"layout.norm_scope: expected NormScope::kHead or NormScope::kToken, got 5"});
+  expect_layout_refused(
+      [](RopeLayout& l) {
+        l.norm_scope = NormScope::kToken;
+        l.normalize_v = true;
+      },
+      {"layout.normalize_v: defined with layout.norm_scope = NormScope::kHead only"});
+  // Token scope: the weights are [Hq*D] and [Hkv*D], not [D].
+  expect_layout_refused([](RopeLayout& l) { l.norm_scope = NormScope::kToken; },
+                        {"layout.q_weight: expected shape [128] (layout.norm_scope = "
+                         "NormScope::kToken: [layout.num_heads * D]), got [32]"});
+  // The V norm reads v: the rope ops' V tensors go with it (named per op below).
+  LayoutArgs args;
+  auto f = args.forward();
+  f.layout.normalize_v = true;
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(f); },
+                           {"qk_norm_rope: v: missing (layout.normalize_v reads the V heads)"}));
+  auto p = args.fp8();
+  p.layout.normalize_v = true;
+  EXPECT_TRUE(throws_error([&] { qkv_backward_fp8(p); },
+                           {"qkv_backward_fp8: v: missing (layout.normalize_v reads the V heads)"}));
+  f = args.forward();
+  f.v = args.grad_v.view();
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(f); },
+                           {"qk_norm_rope: v: given, but layout.normalize_v is false"}));
+  f = args.forward();
+  f.layout.normalize_v = true;
+  f.v = args.grad_v.view();
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(f); }, {"qk_norm_rope: v_out: missing"}));
+  HostTensor v_out(DType::kBFloat16, {LayoutArgs::T, LayoutArgs::Hkv, LayoutArgs::Dv + 1});
+  f.v_out = v_out.view();
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(f); },
+                           {"qk_norm_rope: v_out: expected shape [4, 2, 16] (v's shape)"}));
+  auto b = args.backward();
+  b.layout.normalize_v = true;
+  b.v = args.grad_v.view();
+  b.grad_v_out = args.grad_v.view();
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope_backward(b); },
+                           {"qk_norm_rope_backward: grad_v: missing"}));
+  EXPECT_TRUE(args.nothing_written());
+}
+
+TEST(ValidationFamilies, NoAngleSourceRefusals) {
+  const auto no_angles = [](RopeLayout& l) {
+    l.cos_sin = TensorView{};
+    l.positions = TensorView{};
+    l.rotary_dim = -1;
+  };
+  expect_layout_refused(
+      [&](RopeLayout& l) {
+        no_angles(l);
+        l.rotary_dim = 2;
+      },
+      {"layout.rotary_dim: expected -1 (the default) or 0 without an angle source"});
+  expect_layout_refused(
+      [&](RopeLayout& l) {
+        no_angles(l);
+        l.num_kv_heads = 0;
+        l.paired = true;
+      },
+      {"layout.paired: defined with factor tables [T, 2D] only, got no angle source"});
+  // Valid without angles: nothing rotates.
+  LayoutArgs args;
+  auto f = args.forward();
+  no_angles(f.layout);
+  EXPECT_NO_THROW(qk_norm_rope(f));
+}
+
+TEST(ValidationFamilies, HeadWidthUpTo512) {
+  // D = 512 is valid (the shapes of these arguments are not, past the head width).
+  LayoutArgs args;
+  auto f = args.forward();
+  f.qk.sizes[2] = 512;
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(f); },
+                           {"qk_norm_rope: layout.q_weight: expected shape [512] ([D])"}));
+  // Past 512 no backend takes it: refused as unsupported, and on CUDA not as a pending option.
+  f.qk.sizes[2] = 514;
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(f); },
+                           {"qk_norm_rope: qk: head width D = 514 is not supported: expected an "
+                            "even D in [2, 512]"}));
+  EXPECT_EQ(validate::cuda_pending_option(args.layout(), 514), "");
+  EXPECT_EQ(validate::cuda_pending_option(args.layout(), 512), "qk: head width D = 512 (above 256)");
+}
+
+/// `view` as if it lived on cuda:0 (the pointer is never read: the pending-option check reads
+/// only the device and the shape, and runs first).
+TensorView on_cuda(TensorView view) {
+  view.device = Device{DeviceType::kCUDA, 0};
+  return view;
+}
+
+TEST(ValidationFamilies, CudaRefusesEachPendingOptionByName) {
+  // Checked on the host before any CUDA call, so a build without CUDA (CI) gives the message too.
+  struct Pending {
+    std::function<void(RopeLayout&, TensorView&)> set;
+    std::string name;
+  };
+  const std::vector<Pending> pending = {
+      {[](RopeLayout&, TensorView& qk) { qk.sizes[2] = 512; }, "qk: head width D = 512 (above 256)"},
+      {[](RopeLayout& l, TensorView&) { l.normalize_v = true; }, "layout.normalize_v"},
+      {[](RopeLayout& l, TensorView&) { l.norm_scope = NormScope::kToken; },
+       "layout.norm_scope: NormScope::kToken (one RMS over the token)"},
+      {[](RopeLayout& l, TensorView&) { l.query_only = true; }, "layout.query_only"},
+      {[](RopeLayout& l, TensorView&) {
+         l.cos_sin = TensorView{};
+         l.positions = TensorView{};
+       },
+       "layout.factor1, layout.cos_sin: none (a call without rotary)"},
+  };
+  for (const Pending& option : pending) {
+    SCOPED_TRACE(option.name);
+    const std::string refused = ": " + option.name + ": not yet on the CUDA backend";
+    LayoutArgs args;
+    auto f = args.forward();
+    f.qk = on_cuda(f.qk);
+    option.set(f.layout, f.qk);
+    EXPECT_TRUE(throws_error([&] { qk_norm_rope(f); }, {"qk_norm_rope" + refused}));
+    auto b = args.backward();
+    b.qk = on_cuda(b.qk);
+    option.set(b.layout, b.qk);
+    EXPECT_TRUE(throws_error([&] { qk_norm_rope_backward(b); }, {"qk_norm_rope_backward" + refused}));
+    auto p = args.fp8();
+    p.qk = on_cuda(p.qk);
+    option.set(p.layout, p.qk);
+    EXPECT_TRUE(throws_error([&] { qkv_backward_fp8(p); }, {"qkv_backward_fp8" + refused}));
+    PackedQkvForwardParams forward;
+    forward.qk = on_cuda(args.qk.view());
+    option.set(forward.layout = args.layout(), forward.qk);
+    EXPECT_TRUE(throws_error([&] { packed_qkv_forward(forward); }, {"packed_qkv_forward" + refused}));
+    PackedQkvBackwardParams backward;
+    backward.qk = on_cuda(args.qk.view());
+    option.set(backward.layout = args.layout(), backward.qk);
+    EXPECT_TRUE(
+        throws_error([&] { packed_qkv_backward(backward); }, {"packed_qkv_backward" + refused}));
+    EXPECT_TRUE(args.nothing_written());
+  }
+  // The section 8 layout itself is not refused by this check (it goes on to the device checks).
+  RopeLayout plain;
+  EXPECT_EQ(validate::cuda_pending_option(plain, 256),
+            "layout.factor1, layout.cos_sin: none (a call without rotary)");
+  LayoutArgs args;
+  EXPECT_EQ(validate::cuda_pending_option(args.layout(), 256), "");
 }
 
 }  // namespace

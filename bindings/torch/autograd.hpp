@@ -11,8 +11,8 @@ namespace qkvfuse::torch_binding {
 /// fallback's grad_fn that fails only when a backward reaches it.
 void run_without_gradient(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 
-/// The Autograd kernel of qkvfuse::qk_norm_rope (boxed): records the backward when qk or a norm
-/// weight requires grad, else runs as run_without_gradient.
-void qk_norm_rope_autograd(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+/// The Autograd kernel of qkvfuse::qk_norm_rope and qkvfuse::qkv_norm_rope (boxed): records the
+/// backward when qk, v or a norm weight requires grad, else runs as run_without_gradient.
+void rope_autograd(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 
 }  // namespace qkvfuse::torch_binding

@@ -17,6 +17,8 @@ constexpr std::string_view kDtypes[] = {"bfloat16",      "float16",     "float32
 constexpr Rename kEnumValues[] = {
     {"RotaryStyle::kInterleaved", "\"interleaved\""},
     {"RotaryStyle::kNeox", "\"neox\""},
+    {"NormScope::kHead", "\"head\""},
+    {"NormScope::kToken", "\"token\""},
     {"true", "True"},
     {"false", "False"},
 };

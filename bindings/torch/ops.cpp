@@ -4,9 +4,13 @@
 // TensorViews and calls the public C++ entry point, which validates the arguments and runs on the
 // device the tensors live on. So CPU and CUDA register the same functions.
 //
-// The rope ops (qk_norm_rope, its backward, qkv_backward_fp8 and the packed op's forward and
-// backward) share one description of the layout: the schema fragment kRopeLayoutSchema, appended
-// to each of their schemas, read back into a qkvfuse::RopeLayout by rope_layout(). They are boxed
+// The rope ops (qk_norm_rope, qkv_norm_rope, their backwards, qkv_backward_fp8 and the packed op's
+// forward and backward) share one description of the layout: the schema fragment
+// kRopeLayoutSchema, appended to each of their schemas, read back into a qkvfuse::RopeLayout by
+// rope_layout(). Its last three fields (SPEC.md section 9) have defaults, so calls written
+// before them keep working; for the same reason the V norm's saved input `v` of the FP8 and packed
+// backwards is a trailing optional argument after the fragment, and the V norm's forward and bf16
+// backward, which return one tensor more, are ops of their own (qkv_norm_rope[_backward]). They are boxed
 // kernels, reading their arguments by name (BoxedCall, convert.hpp), so the fragment is read in one
 // place. python/qkvfuse/_layout.py's RopeLayout holds the same fields in the same order.
 //
@@ -46,11 +50,14 @@ using torch::jit::Stack;
 constexpr const char* kRopeLayoutSchema =
     "int num_heads, int? num_kv_heads, int? rotary_dim, str rotary_style, bool normalize, "
     "float eps, float weight_offset, bool paired, bool key_offset, Tensor? factor1, "
-    "Tensor? factor2, Tensor? cos_sin, Tensor? positions, Tensor? q_weight, Tensor? k_weight";
+    "Tensor? factor2, Tensor? cos_sin, Tensor? positions, Tensor? q_weight, Tensor? k_weight, "
+    "bool normalize_v=False, str norm_scope=\"head\", bool query_only=False";
 
-/// The schema "name(args, <layout>) -> returns" of a rope op.
-std::string rope_schema(const char* name, const char* args, const char* returns) {
-  return std::string(name) + "(" + args + ", " + kRopeLayoutSchema + ") -> " + returns;
+/// The schema "name(args, <layout>[, trailing]) -> returns" of a rope op.
+std::string rope_schema(const char* name, const char* args, const char* returns,
+                        const char* trailing = nullptr) {
+  return std::string(name) + "(" + args + ", " + kRopeLayoutSchema +
+         (trailing ? std::string(", ") + trailing : std::string()) + ") -> " + returns;
 }
 
 /// The layout fragment of a rope op's call. The library validates every field; checked here is
@@ -65,21 +72,30 @@ RopeLayout rope_layout(const BoxedCall& call, const OpArgs& args) {
   const std::string style = call.text("rotary_style");
   QKVF_CHECK(style == "interleaved" || style == "neox", args.op(),
              ": layout.rotary_style: expected \"interleaved\" or \"neox\", got \"", style, "\"");
-  return {.num_heads = num_heads,
-          .num_kv_heads = num_kv_heads.value_or(0),
-          .rotary_dim = rotary_dim.value_or(-1),
-          .rotary_style = style == "neox" ? RotaryStyle::kNeox : RotaryStyle::kInterleaved,
-          .normalize = call.flag("normalize"),
-          .eps = float(call.real("eps")),
-          .weight_offset = float(call.real("weight_offset")),
-          .paired = call.flag("paired"),
-          .key_offset = call.flag("key_offset"),
-          .factor1 = args.optional_view(call.optional_tensor("factor1"), "layout.factor1"),
-          .factor2 = args.optional_view(call.optional_tensor("factor2"), "layout.factor2"),
-          .cos_sin = args.optional_view(call.optional_tensor("cos_sin"), "layout.cos_sin"),
-          .positions = args.optional_view(call.optional_tensor("positions"), "layout.positions"),
-          .q_weight = args.optional_view(call.optional_tensor("q_weight"), "layout.q_weight"),
-          .k_weight = args.optional_view(call.optional_tensor("k_weight"), "layout.k_weight")};
+  RopeLayout layout{
+      .num_heads = num_heads,
+      .num_kv_heads = num_kv_heads.value_or(0),
+      .rotary_dim = rotary_dim.value_or(-1),
+      .rotary_style = style == "neox" ? RotaryStyle::kNeox : RotaryStyle::kInterleaved,
+      .normalize = call.flag("normalize"),
+      .eps = float(call.real("eps")),
+      .weight_offset = float(call.real("weight_offset")),
+      .paired = call.flag("paired"),
+      .key_offset = call.flag("key_offset"),
+      .factor1 = args.optional_view(call.optional_tensor("factor1"), "layout.factor1"),
+      .factor2 = args.optional_view(call.optional_tensor("factor2"), "layout.factor2"),
+      .cos_sin = args.optional_view(call.optional_tensor("cos_sin"), "layout.cos_sin"),
+      .positions = args.optional_view(call.optional_tensor("positions"), "layout.positions"),
+      .q_weight = args.optional_view(call.optional_tensor("q_weight"), "layout.q_weight"),
+      .k_weight = args.optional_view(call.optional_tensor("k_weight"), "layout.k_weight")};
+  // SPEC.md section 9's fields, read in the schema's order (they come last there).
+  layout.normalize_v = call.flag("normalize_v");
+  const std::string scope = call.text("norm_scope");
+  QKVF_CHECK(scope == "head" || scope == "token", args.op(),
+             ": layout.norm_scope: expected \"head\" or \"token\", got \"", scope, "\"");
+  layout.norm_scope = scope == "token" ? NormScope::kToken : NormScope::kHead;
+  layout.query_only = call.flag("query_only");
+  return layout;
 }
 
 /// The view of the call's tensor argument `name`, named as the argument in messages.
@@ -145,32 +161,68 @@ at::TensorOptions e4m3_like(const Tensor& tensor) {
 
 // ---- the rope ops (boxed) -----------------------------------------------------------------------
 
-// qk_norm_rope(Tensor qk, <layout>) -> (Tensor q, Tensor k)
-void qk_norm_rope(const c10::OperatorHandle& op, Stack* stack) {
+/// The forward of qk_norm_rope and qkv_norm_rope (`with_v`: the V norm's v in, v_out out).
+void rope_forward(const c10::OperatorHandle& op, Stack* stack, const char* name, bool with_v) {
   BoxedCall call(op, stack);
-  const OpArgs args("qk_norm_rope");
+  const OpArgs args(name);
   const Tensor& qk = call.tensor("qk");
   const c10::DeviceGuard guard(qk.device());
+  Tensor v;
+  if (with_v) {
+    v = call.tensor("v");
+    args.expect_dims(v, 3, "v", "[T, Hkv, Dv]");
+  }
   const RopeLayout layout = rope_layout(call, args);
   const RopeOutputShapes shapes = rope_output_shapes(args, qk, layout);
   Tensor q = at::empty(shapes.q, qk.options());
   Tensor k = at::empty(shapes.k, qk.options());
-  qkvfuse::qk_norm_rope({.qk = args.view(qk, "qk"),
-                         .q = args.view(q, "q"),
-                         .k = args.view(k, "k"),
-                         .layout = layout,
-                         .stream = current_stream(qk)});
-  call.finish(std::move(q), std::move(k));
+  QkNormRopeParams params{.qk = args.view(qk, "qk"),
+                          .q = args.view(q, "q"),
+                          .k = args.view(k, "k"),
+                          .layout = layout,
+                          .stream = current_stream(qk),
+                          .v = {},       // the V norm's, set below
+                          .v_out = {}};
+  Tensor v_out;
+  if (with_v) {
+    v_out = at::empty(v.sizes(), qk.options());
+    params.v = args.view(v, "v");
+    params.v_out = args.view(v_out, "v_out");
+  }
+  qkvfuse::qk_norm_rope(params);
+  if (with_v) {
+    call.finish(std::move(q), std::move(k), std::move(v_out));
+  } else {
+    call.finish(std::move(q), std::move(k));
+  }
 }
 
-// qk_norm_rope_backward(Tensor grad_q, Tensor grad_k, Tensor qk, <layout>)
-//   -> (Tensor grad_qk, Tensor grad_q_weight, Tensor grad_k_weight)
-void qk_norm_rope_backward(const c10::OperatorHandle& op, Stack* stack) {
+// qk_norm_rope(Tensor qk, <layout>) -> (Tensor q, Tensor k)
+void qk_norm_rope(const c10::OperatorHandle& op, Stack* stack) {
+  rope_forward(op, stack, "qk_norm_rope", /*with_v=*/false);
+}
+
+// qkv_norm_rope(Tensor qk, Tensor v, <layout>) -> (Tensor q, Tensor k, Tensor v_out): the same
+// with the V norm (layout.normalize_v; SPEC.md section 9).
+void qkv_norm_rope(const c10::OperatorHandle& op, Stack* stack) {
+  rope_forward(op, stack, "qkv_norm_rope", /*with_v=*/true);
+}
+
+/// The bf16 backward of qk_norm_rope and qkv_norm_rope (`with_v`: grad_v_out and v in, grad_v
+/// out).
+void rope_backward(const c10::OperatorHandle& op, Stack* stack, const char* name, bool with_v) {
   BoxedCall call(op, stack);
-  const OpArgs args("qk_norm_rope_backward");
+  const OpArgs args(name);
   const Tensor& qk = call.tensor("qk");
   const c10::DeviceGuard guard(qk.device());
   args.expect_dims(qk, 3, "qk", "[T, Hq + Hkv, D]");
+  TensorView grad_v_out;
+  Tensor v;
+  if (with_v) {
+    grad_v_out = input_view(call, args, "grad_v_out");
+    v = call.tensor("v");
+    args.expect_dims(v, 3, "v", "[T, Hkv, Dv]");
+  }
   const RopeLayout layout = rope_layout(call, args);
   Tensor grad_qk = at::empty(qk.sizes(), qk.options());
   WeightGrads weights(call, qk);
@@ -182,15 +234,43 @@ void qk_norm_rope_backward(const c10::OperatorHandle& op, Stack* stack) {
                                   .grad_k_weight = weights.k_view(args, layout),
                                   .workspace = {},  // sized from these params, below
                                   .layout = layout,
-                                  .stream = current_stream(qk)};
+                                  .stream = current_stream(qk),
+                                  .grad_v_out = {},  // the V norm's, set below
+                                  .v = {},
+                                  .grad_v = {}};
+  Tensor grad_v;
+  if (with_v) {
+    grad_v = at::empty(v.sizes(), qk.options());
+    params.grad_v_out = grad_v_out;
+    params.v = args.view(v, "v");
+    params.grad_v = args.view(grad_v, "grad_v");
+  }
   params.workspace = weights.workspace_for(args, params, qk);
   qkvfuse::qk_norm_rope_backward(params);
-  call.finish(std::move(grad_qk), std::move(weights.q), std::move(weights.k));
+  if (with_v) {
+    call.finish(std::move(grad_qk), std::move(grad_v), std::move(weights.q), std::move(weights.k));
+  } else {
+    call.finish(std::move(grad_qk), std::move(weights.q), std::move(weights.k));
+  }
+}
+
+// qk_norm_rope_backward(Tensor grad_q, Tensor grad_k, Tensor qk, <layout>)
+//   -> (Tensor grad_qk, Tensor grad_q_weight, Tensor grad_k_weight)
+void qk_norm_rope_backward(const c10::OperatorHandle& op, Stack* stack) {
+  rope_backward(op, stack, "qk_norm_rope_backward", /*with_v=*/false);
+}
+
+// qkv_norm_rope_backward(Tensor grad_q, Tensor grad_k, Tensor grad_v_out, Tensor qk, Tensor v,
+//                        <layout>) -> (Tensor grad_qk, Tensor grad_v, Tensor grad_q_weight,
+//                                      Tensor grad_k_weight)
+void qkv_norm_rope_backward(const c10::OperatorHandle& op, Stack* stack) {
+  rope_backward(op, stack, "qkv_norm_rope_backward", /*with_v=*/true);
 }
 
 // qkv_backward_fp8(Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor qk, Tensor grad_scale,
-//                  <layout>) -> (Tensor grad_row, Tensor grad_t, Tensor grad_q_weight,
-//                                Tensor grad_k_weight)
+//                  <layout>, Tensor? v=None) -> (Tensor grad_row, Tensor grad_t,
+//                                                Tensor grad_q_weight, Tensor grad_k_weight)
+// v: the V norm's saved input (layout.normalize_v).
 void qkv_backward_fp8(const c10::OperatorHandle& op, Stack* stack) {
   BoxedCall call(op, stack);
   const OpArgs args("qkv_backward_fp8");
@@ -216,7 +296,8 @@ void qkv_backward_fp8(const c10::OperatorHandle& op, Stack* stack) {
                               .grad_k_weight = weights.k_view(args, layout),
                               .workspace = {},  // sized from these params, below
                               .layout = layout,
-                              .stream = current_stream(qk)};
+                              .stream = current_stream(qk),
+                              .v = args.optional_view(call.optional_tensor("v"), "v")};
   params.workspace = weights.workspace_for(args, params, qk);
   qkvfuse::qkv_backward_fp8(params);
   call.finish(std::move(grad_row), std::move(grad_t), std::move(weights.q),
@@ -229,7 +310,9 @@ void qkv_backward_fp8(const c10::OperatorHandle& op, Stack* stack) {
 // qkv is one flat bf16 buffer of T * qkv_dim holding the GEMM's Q/K columns (saved for the
 // backward) and V. Plain layers store it as row-major [T, qkv_dim] so that one GEMM writes both
 // column slices; paired layers store [T, (Hq+Hkv)*D] then [T, Hkv*Dv] so that V is dense (two
-// GEMMs). python/qkvfuse/_layout.py's qkv_views cuts the same views from the returned buffer.
+// GEMMs). With the V norm (layout.normalize_v) T * Hkv * Dv more elements follow: v_out, dense
+// [T, Hkv, Dv] (the GEMM's V stays raw, for the backward). python/qkvfuse/_layout.py's
+// qkv_views cuts the same views from the returned buffer.
 void packed_qkv_forward(const c10::OperatorHandle& op, Stack* stack) {
   BoxedCall call(op, stack);
   const OpArgs args("packed_qkv_forward");
@@ -246,13 +329,15 @@ void packed_qkv_forward(const c10::OperatorHandle& op, Stack* stack) {
   const int64_t qk_features = qk_heads * qk_dim;
   const int64_t v_features = kv_heads(layout) * v_dim;
   const auto bf16 = x_f8.options().dtype(at::kBFloat16);
-  Tensor qkv = at::empty({tokens * (qk_features + v_features)}, bf16);
+  const int64_t v_out_elements = layout.normalize_v ? tokens * v_features : 0;
+  Tensor qkv = at::empty({tokens * (qk_features + v_features) + v_out_elements}, bf16);
   Tensor qk_flat, v_flat;
   if (layout.paired) {
     qk_flat = qkv.narrow(0, 0, tokens * qk_features).view({tokens, qk_features});
     v_flat = qkv.narrow(0, tokens * qk_features, tokens * v_features).view({tokens, v_features});
   } else {
-    const Tensor rows = qkv.view({tokens, qk_features + v_features});
+    const Tensor rows =
+        qkv.narrow(0, 0, tokens * (qk_features + v_features)).view({tokens, qk_features + v_features});
     qk_flat = rows.narrow(1, 0, qk_features);
     v_flat = rows.narrow(1, qk_features, v_features);
   }
@@ -272,15 +357,22 @@ void packed_qkv_forward(const c10::OperatorHandle& op, Stack* stack) {
        .q = args.view(q, "q"),
        .k = args.view(k, "k"),
        .layout = layout,
-       .stream = current_stream(x_f8)});
+       .stream = current_stream(x_f8),
+       .v_out = layout.normalize_v
+                    ? args.view(qkv.narrow(0, tokens * (qk_features + v_features), v_out_elements)
+                                    .view({tokens, kv_heads(layout), v_dim}),
+                                "v_out")
+                    : TensorView{}});
   call.finish(std::move(q), std::move(k), std::move(qkv));
 }
 
 // packed_qkv_backward(Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor qk, Tensor x_f8_t,
 //                     Tensor weight_f8_t, Tensor qk_weight, Tensor v_weight, Tensor x_scale,
-//                     Tensor weight_scale, Tensor qkv_scale, Tensor grad_scale, <layout>)
+//                     Tensor weight_scale, Tensor qkv_scale, Tensor grad_scale, <layout>,
+//                     Tensor? v=None)
 //   -> (Tensor grad_x, Tensor grad_weight, Tensor grad_qkv_scale, Tensor grad_q_weight,
 //       Tensor grad_k_weight)
+// v: the forward's raw V with the V norm (layout.normalize_v), grad_v then v_out's gradient.
 // grad_weight is [qkv_dim, C]: the gradients of qk_weight (its first (Hq+Hkv)*D rows) and
 // v_weight (the rest), written by one wgrad GEMM.
 void packed_qkv_backward(const c10::OperatorHandle& op, Stack* stack) {
@@ -339,7 +431,8 @@ void packed_qkv_backward(const c10::OperatorHandle& op, Stack* stack) {
       .grad_v_weight = args.view(grad_weight.narrow(0, qk_features, v_features), "grad_v_weight"),
       .grad_qkv_scale = args.view(grad_qkv_scale, "grad_qkv_scale"),
       .layout = layout,
-      .stream = current_stream(qk)};
+      .stream = current_stream(qk),
+      .v = args.optional_view(call.optional_tensor("v"), "v")};
   params.rope_workspace = weights.workspace_for(args, params, qk);
   qkvfuse::packed_qkv_backward(params);
   if (tokens == 0) {
@@ -460,9 +553,9 @@ Tensor fp8_gemm(const Tensor& a, const Tensor& b, const Tensor& scale_a, const T
 
 // The ops whose Autograd kernel is run_without_gradient (autograd.hpp): the FP8 producers, the
 // backward ops, the packed forward (whose gradient python/qkvfuse/packed.py defines around it) and
-// check_positions. (qk_norm_rope's Autograd kernel is qk_norm_rope_autograd.)
+// check_positions. (qk_norm_rope's and qkv_norm_rope's Autograd kernel is rope_autograd.)
 constexpr const char* kOpsWithoutGradient[] = {
-    "qk_norm_rope_backward", "qkv_backward_fp8",     "quantize_dual_layout",
+    "qk_norm_rope_backward", "qkv_norm_rope_backward", "qkv_backward_fp8", "quantize_dual_layout",
     "quantize_dual_layout_amax", "quantize_weight_bank", "fp8_gemm",
     "packed_qkv_forward",    "packed_qkv_backward",  "check_positions",
 };
@@ -481,6 +574,8 @@ torch::CppFunction boxed() {
 void register_kernels(torch::Library& m) {
   m.impl("qk_norm_rope", boxed<&qk_norm_rope>());
   m.impl("qk_norm_rope_backward", boxed<&qk_norm_rope_backward>());
+  m.impl("qkv_norm_rope", boxed<&qkv_norm_rope>());
+  m.impl("qkv_norm_rope_backward", boxed<&qkv_norm_rope_backward>());
   m.impl("qkv_backward_fp8", boxed<&qkv_backward_fp8>());
   m.impl("packed_qkv_forward", boxed<&packed_qkv_forward>());
   m.impl("packed_qkv_backward", boxed<&packed_qkv_backward>());
@@ -502,9 +597,14 @@ void define_ops(torch::Library& m) {
       rope_schema("qk_norm_rope", "Tensor qk", "(Tensor q, Tensor k)"),
       rope_schema("qk_norm_rope_backward", "Tensor grad_q, Tensor grad_k, Tensor qk",
                   "(Tensor grad_qk, Tensor grad_q_weight, Tensor grad_k_weight)"),
+      rope_schema("qkv_norm_rope", "Tensor qk, Tensor v", "(Tensor q, Tensor k, Tensor v_out)"),
+      rope_schema("qkv_norm_rope_backward",
+                  "Tensor grad_q, Tensor grad_k, Tensor grad_v_out, Tensor qk, Tensor v",
+                  "(Tensor grad_qk, Tensor grad_v, Tensor grad_q_weight, Tensor grad_k_weight)"),
       rope_schema("qkv_backward_fp8",
                   "Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor qk, Tensor grad_scale",
-                  "(Tensor grad_row, Tensor grad_t, Tensor grad_q_weight, Tensor grad_k_weight)"),
+                  "(Tensor grad_row, Tensor grad_t, Tensor grad_q_weight, Tensor grad_k_weight)",
+                  "Tensor? v=None"),
       rope_schema("packed_qkv_forward",
                   "Tensor x_f8, Tensor weight_f8, Tensor x_scale, Tensor weight_scale, "
                   "Tensor qkv_scale, int qk_dim, int v_dim",
@@ -514,7 +614,8 @@ void define_ops(torch::Library& m) {
                   "Tensor weight_f8_t, Tensor qk_weight, Tensor v_weight, Tensor x_scale, "
                   "Tensor weight_scale, Tensor qkv_scale, Tensor grad_scale",
                   "(Tensor grad_x, Tensor grad_weight, Tensor grad_qkv_scale, "
-                  "Tensor grad_q_weight, Tensor grad_k_weight)"),
+                  "Tensor grad_q_weight, Tensor grad_k_weight)",
+                  "Tensor? v=None"),
   };
   for (const std::string& schema : rope_ops) m.def(schema.c_str(), tags);
   m.def("check_positions(Tensor positions, int num_positions) -> ()", tags);
@@ -534,8 +635,10 @@ TORCH_LIBRARY(qkvfuse, m) { qkvfuse::torch_binding::define_ops(m); }
 TORCH_LIBRARY_IMPL(qkvfuse, CPU, m) { qkvfuse::torch_binding::register_kernels(m); }
 TORCH_LIBRARY_IMPL(qkvfuse, CUDA, m) { qkvfuse::torch_binding::register_kernels(m); }
 TORCH_LIBRARY_IMPL(qkvfuse, Autograd, m) {
-  m.impl("qk_norm_rope",
-         torch::CppFunction::makeFromBoxedFunction<&qkvfuse::torch_binding::qk_norm_rope_autograd>());
+  for (const char* name : {"qk_norm_rope", "qkv_norm_rope"}) {
+    m.impl(name,
+           torch::CppFunction::makeFromBoxedFunction<&qkvfuse::torch_binding::rope_autograd>());
+  }
   for (const char* name : qkvfuse::torch_binding::kOpsWithoutGradient) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<
                      &qkvfuse::torch_binding::run_without_gradient>());

@@ -20,6 +20,8 @@ namespace qkvfuse {
 ///   qk          output bf16 [T, Hq + Hkv, D]: the GEMM's Q/K columns, saved for the backward
 ///   v           output bf16 [T, Hkv, Dv]
 ///   q, k        outputs as qk_norm_rope; layout as qk_norm_rope (its tables and weights too)
+///   v_out       with layout.normalize_v only: output bf16 [T, Hkv, Dv] contiguous, v normalized
+///               (qk_norm_rope's v_out); v then keeps the GEMM's raw V for the backward
 /// When qk and v are the two column slices of one row-major [T, qkv_dim] buffer (v starts at
 /// column QK of qk's rows), one GEMM writes both. Otherwise (paired layers, where attention
 /// needs v dense) two GEMMs over the Q/K rows and the V rows of the weight write them apart.
@@ -39,6 +41,9 @@ struct PackedQkvForwardParams {
   TensorView k;
   RopeLayout layout;
   Stream stream = nullptr;
+  // SPEC.md section 9, after stream so that aggregate initializations of the fields above keep
+  // their meaning.
+  TensorView v_out;
 };
 
 /// Number of float32 partial sums the backward's grad_qkv_scale reduction uses. A fixed count
@@ -68,6 +73,9 @@ inline constexpr int64_t kGradScalePartials = 264;
 ///                   (one wgrad GEMM when grad_v_weight directly follows grad_qk_weight in
 ///                   memory, as two row slices of one [qkv_dim, C] buffer; two otherwise)
 ///   grad_qkv_scale  output float32 scalar
+///   v               with layout.normalize_v only: the forward's raw V (its v), bf16
+///                   [T, Hkv, Dv]; grad_v is then the gradient of v_out
+/// layout.query_only: v_weight [0, C], grad_v [T, 0, Dv], qkv_dim = Hq * D.
 /// On CUDA the GEMM requirements above apply to grad_row, grad_t, x_f8_t, weight_f8_t, grad_x and
 /// the weight gradients; the master weights and their gradients must be row-major contiguous
 /// and partials 16-byte aligned. T = 0 is a no-op for the projection: nothing is written, the
@@ -98,6 +106,9 @@ struct PackedQkvBackwardParams {
   TensorView grad_qkv_scale;
   RopeLayout layout;
   Stream stream = nullptr;
+  // SPEC.md section 9, after stream so that aggregate initializations of the fields above keep
+  // their meaning.
+  TensorView v;
 };
 
 void packed_qkv_forward(const PackedQkvForwardParams& params);

@@ -15,6 +15,13 @@ enum class RotaryStyle : int8_t {
   kNeox,         ///< half split: d and d + r/2 for d < r/2 (Llama, Qwen, Gemma, GLM)
 };
 
+/// What one RMS norm of Q and K spans (SPEC.md section 9).
+enum class NormScope : int8_t {
+  kHead,   ///< one RMS per head row of D values; weights [D] (Qwen3, Gemma, GLM)
+  kToken,  ///< one RMS over a token's Hq*D query values and one over its Hkv*D key values;
+           ///< weights [Hq*D] and [Hkv*D] (OLMo 2, OLMo 3)
+};
+
 /// The one description of a QK-norm + rotary layout, from the public API to the kernels: the
 /// heads, the norm, the rotary and the tensors they read. Every field's default is the speedrun's
 /// layout of SPEC.md sections 1-7 (equal Q and K heads, weightless RMS-norm, interleaved rotary
@@ -23,7 +30,7 @@ enum class RotaryStyle : int8_t {
 /// Heads: `qk` holds Hq + Hkv input heads of width D, queries first; q is [T, Hq, D] and k is
 /// [T, Hkv, D] (paired: [2T, Hq/2, D] each).
 ///
-/// Angles, exactly one of:
+/// Angles, at most one of (none: no rotary, r = 0; SPEC.md section 9):
 ///   factor tables  factor1, factor2 [T, D] ([T, 2D] when paired), bf16 or float32 (or qk's
 ///                  dtype on the CPU), last dim contiguous: y[d] = f1[d] * n[d] + f2[d] * n[p(d)]
 ///                  for the rotary lanes d < r, p the partner of the style; the tables carry the
@@ -37,12 +44,21 @@ enum class RotaryStyle : int8_t {
 /// Lanes d >= r pass through unrotated (y[d] = n[d]; under key_offset, keys' lanes d >= r come
 /// from the previous token).
 ///
-/// Norm: normalize = false leaves n = x; otherwise n = x / sqrt(mean(x^2) + eps), times
-/// (w + weight_offset) when the row's weight (q_weight for query rows, k_weight for key rows,
-/// [D], bf16 or float32) is given. Each weight may be given or not on its own.
+/// Norm: normalize = false leaves n = x; otherwise n = x / sqrt(mean(x^2) + eps), the mean over
+/// the row's D values (norm_scope kHead) or over all of its token's values of its kind (kToken:
+/// Hq*D for query rows, Hkv*D for key rows), times (w + weight_offset) when the row's weight
+/// (q_weight for query rows, k_weight for key rows; [D], or [H*D] of the kind under kToken,
+/// bf16 or float32) is given. Each weight may be given or not on its own.
+///
+/// V: normalize_v adds a weightless RMS norm of each V head row (width Dv, the same eps) to the
+/// op: the params' v is normalized into v_out (SPEC.md section 9). query_only: qk holds the
+/// query heads only (Hkv = 0, k is [T, 0, D]), for layers whose keys come from another layer.
+///
+/// On CUDA, D > 256, normalize_v, norm_scope kToken, query_only and a call without angles are
+/// refused ("not yet on the CUDA backend") until its kernels take them.
 struct RopeLayout {
   int64_t num_heads = 0;     ///< Hq >= 1: query heads
-  int64_t num_kv_heads = 0;  ///< Hkv: key heads, Hq % Hkv == 0; 0 means Hq
+  int64_t num_kv_heads = 0;  ///< Hkv: key heads, Hq % Hkv == 0; 0 means Hq (none: query_only)
   /// r: rotary lanes [0, r), even, in [0, D]; -1 means the whole head (D) with factor tables
   /// and cos_sin's width with a cos/sin cache (which r must then equal).
   int64_t rotary_dim = -1;
@@ -55,17 +71,21 @@ struct RopeLayout {
   float weight_offset = 0.0f;   ///< 1 for Gemma's (1 + w); read when a weight is given
   bool paired = false;      ///< outputs [2T, Hq/2, D], factor tables [T, 2D]; Hq = Hkv, even
   bool key_offset = false;  ///< keys' lanes >= r come from token t-1; Hq = Hkv; not with paired
+  bool normalize_v = false;  ///< also v_out = v * rstd(v) per V head row; not with query_only
+  NormScope norm_scope = NormScope::kHead;  ///< what one RMS of Q and K spans
+  bool query_only = false;   ///< qk [T, Hq, D], no key heads; num_kv_heads must be 0
 
   TensorView factor1;    ///< factor tables (absent with a cos/sin cache)
   TensorView factor2;
   TensorView cos_sin;    ///< cos/sin cache [P, r] (absent with factor tables)
   TensorView positions;  ///< [T] int32 or int64, with cos_sin
-  TensorView q_weight;   ///< [D] bf16 or float32, optional
-  TensorView k_weight;   ///< [D] bf16 or float32, optional
+  TensorView q_weight;   ///< [D] ([Hq*D] under kToken) bf16 or float32, optional
+  TensorView k_weight;   ///< [D] ([Hkv*D] under kToken) bf16 or float32, optional
 };
 
-/// Hkv of the layout (num_kv_heads, or num_heads when that is 0).
+/// Hkv of the layout: num_kv_heads, or num_heads when that is 0; 0 when query_only.
 inline int64_t kv_heads(const RopeLayout& layout) {
+  if (layout.query_only) return 0;
   return layout.num_kv_heads > 0 ? layout.num_kv_heads : layout.num_heads;
 }
 
@@ -74,14 +94,17 @@ inline int64_t qkv_dim(const RopeLayout& layout, int64_t head_dim, int64_t v_dim
   return (layout.num_heads + kv_heads(layout)) * head_dim + kv_heads(layout) * v_dim;
 }
 
-/// Forward: q, k = rotary(norm(qk)).
+/// Forward: q, k = rotary(norm(qk)); with normalize_v also v_out = v * rstd(v).
 ///
 ///   qk      bf16 [T, Hq + Hkv, D], last dim contiguous, token and head strides arbitrary (a
 ///           column slice of the QKV GEMM output). On the CPU float32 and float64 too.
 ///   q, k    outputs, qk's dtype, [T, Hq, D] and [T, Hkv, D] ([2T, Hq/2, D] when paired), each
 ///           row-major contiguous, separate allocations that overlap nothing.
-/// D is any even width from 2 to 256 on both backends; pointers need only their elements'
-/// alignment. On CUDA the fast kernels (16-byte vectors) serve D a multiple of 8 in [32, 256]
+///   v       with normalize_v only: qk's dtype, [T, Hkv, Dv] (Dv >= 1), last dim contiguous,
+///           other strides free (a column slice of the GEMM output, or qk's key rows)
+///   v_out   with normalize_v only: output, qk's dtype, [T, Hkv, Dv], row-major contiguous
+/// D is any even width from 2 to 256 on both backends (to 512 on the CPU); pointers need only
+/// their elements' alignment. On CUDA the fast kernels (16-byte vectors) serve D a multiple of 8 in [32, 256]
 /// with 16-byte aligned rows (and, for NeoX, r a multiple of 16; with a cos/sin cache and
 /// interleaved lanes, of 8); every other call runs on the same kernels with 4- or 2-byte
 /// accesses. Results agree with the CPU backend's within 1 bf16 ulp (the row sums add in
@@ -92,6 +115,10 @@ struct QkNormRopeParams {
   TensorView k;
   RopeLayout layout;
   Stream stream = nullptr;  ///< CUDA stream for the launch; ignored on the CPU
+  // SPEC.md section 9, after stream so that aggregate initializations of the fields above keep
+  // their meaning.
+  TensorView v;
+  TensorView v_out;
 };
 
 /// Backward: grad_qk from grad_q, grad_k (rstd recomputed from the saved pre-norm qk), and the
@@ -105,6 +132,9 @@ struct QkNormRopeParams {
 ///   grad_k_weight   output [D] of k_weight's dtype, exactly when k_weight is given
 ///   workspace       float32 [>= backward_workspace_size(params)], contiguous: per-block partial
 ///                   sums of the weight gradients on CUDA; may be absent when that size is 0
+///   grad_v_out, v   with normalize_v only: the gradient of v_out (v's shape, qk's dtype, last
+///                   dim contiguous) and the forward's v
+///   grad_v          with normalize_v only: output, the gradient of v, [T, Hkv, Dv] contiguous
 struct QkNormRopeBackwardParams {
   TensorView grad_q;
   TensorView grad_k;
@@ -115,6 +145,11 @@ struct QkNormRopeBackwardParams {
   TensorView workspace;
   RopeLayout layout;
   Stream stream = nullptr;
+  // SPEC.md section 9, after stream so that aggregate initializations of the fields above keep
+  // their meaning.
+  TensorView grad_v_out;
+  TensorView v;
+  TensorView grad_v;
 };
 
 /// Validates every argument (throws qkvfuse::Error naming the argument and what was expected)

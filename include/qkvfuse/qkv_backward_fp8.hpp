@@ -14,7 +14,8 @@ namespace qkvfuse {
 ///   grad_q, grad_k  bf16, q's and k's shapes (qk_norm_rope.hpp), last dim contiguous
 ///   grad_v          bf16 [T, Hkv, Dv], last dim contiguous, token and head strides arbitrary;
 ///                   Dv >= 1 on the CPU, in [1, 512] on CUDA (16-byte vectors for Dv a multiple
-///                   of 8 up to 256)
+///                   of 8 up to 256): the gradient of the V the forward returned (v_out under
+///                   layout.normalize_v)
 ///   qk              bf16 [T, Hq + Hkv, D], the saved pre-norm projection (as the forward)
 ///   grad_scale      float32 scalar, shape [] or [1], on the same device
 ///   grad_row        output e4m3 [T, qkv_dim] row-major contiguous, qkv_dim(layout, D, Dv):
@@ -22,6 +23,9 @@ namespace qkvfuse {
 ///   grad_t          output e4m3 [qkv_dim, T] row-major contiguous (grad_row transposed)
 ///   grad_q_weight, grad_k_weight, workspace: as qk_norm_rope_backward
 ///                   (workspace size: backward_workspace_size of these params)
+///   v               with layout.normalize_v only: bf16 [T, Hkv, Dv], the forward's pre-norm V
+///                   (last dim contiguous); the V features are then the V norm's gradient,
+///                   rounded to bf16 first as the Q/K features are (SPEC.md section 9)
 struct QkvBackwardFp8Params {
   TensorView grad_q;
   TensorView grad_k;
@@ -35,6 +39,9 @@ struct QkvBackwardFp8Params {
   TensorView workspace;
   RopeLayout layout;
   Stream stream = nullptr;
+  // SPEC.md section 9, after stream so that aggregate initializations of the fields above keep
+  // their meaning.
+  TensorView v;
 };
 
 void qkv_backward_fp8(const QkvBackwardFp8Params& params);

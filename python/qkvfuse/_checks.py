@@ -137,13 +137,16 @@ def packed_arguments(op: str, args: dict, layout) -> tuple:
             ("v_weight", layout.kv_heads, "num_kv_heads", "Dv")):
         weight = args[name]
         rows = weight.shape[0] if weight.dim() == 2 else 0
-        if not (weight.dim() == 2 and heads >= 1 and rows >= heads and rows % heads == 0
+        # query_only has no V heads (heads = 0): v_weight is [0, C].
+        if not (weight.dim() == 2 and (rows >= heads >= 1 and rows % heads == 0
+                                       or rows == heads == 0)
                 and weight.shape[1] == channels and weight.dtype == torch.bfloat16
                 and weight.is_contiguous()):
             _refuse(op, name, weight, f"a contiguous torch.bfloat16 tensor of shape "
                                       f"[heads * {width}, C] with heads = {count} = {heads} and "
                                       f"C = {channels} (from x_f8)")
-        dims.append(rows // heads)
+        # Without V heads any V width serves the empty V: D's.
+        dims.append(rows // heads if heads else dims[0])
     weight_f8_t = args["weight_f8_t"]
     qkv_dim = args["qk_weight"].shape[0] + args["v_weight"].shape[0]
     if not (weight_f8_t.dtype == E4M3 and weight_f8_t.shape == (channels, qkv_dim)

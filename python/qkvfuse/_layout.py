@@ -17,9 +17,11 @@ class RopeLayout(NamedTuple):
     The same names as qk_norm_rope's arguments.
 
     None means the C++ default: num_kv_heads = num_heads; rotary_dim = D with factor tables,
-    cos_sin's width with a cos/sin cache. The norm weights are separate tensor arguments of the
-    ops so that autograd can return their gradients. rotary_style is always named here (the
-    public functions require it with a cos/sin cache: ops.rope_layout).
+    cos_sin's width with a cos/sin cache (0 without angles). The norm weights are separate tensor
+    arguments of the ops so that autograd can return their gradients. rotary_style is always named
+    here (the public functions require it with a cos/sin cache: ops.rope_layout). The last three
+    fields (SPEC.md section 9) have defaults in the schemas too: calls written before them still
+    work.
     """
     num_heads: int
     num_kv_heads: Optional[int] = None
@@ -36,27 +38,47 @@ class RopeLayout(NamedTuple):
     positions: Optional[torch.Tensor] = None
     q_weight: Optional[torch.Tensor] = None
     k_weight: Optional[torch.Tensor] = None
+    normalize_v: bool = False
+    norm_scope: str = "head"
+    query_only: bool = False
 
     @classmethod
-    def of_op(cls, args) -> "RopeLayout":
-        """The layout of a rope op's arguments (the fragment is their tail)."""
-        return cls(*args[len(args) - len(cls._fields):])
+    def of_op(cls, fragment, kwargs=None) -> "RopeLayout":
+        """The layout of the fragment of a rope op's arguments (the fields in order, the trailing
+        ones possibly absent, possibly passed by name in kwargs)."""
+        named = {k: v for k, v in (kwargs or {}).items() if k in cls._fields}
+        return cls(*fragment[:len(cls._fields)], **named)
+
+    @classmethod
+    def trailing(cls, fragment, name, kwargs=None):
+        """An op's own argument after the layout fragment (e.g. qkv_backward_fp8's v), or None."""
+        if len(fragment) > len(cls._fields):
+            return fragment[len(cls._fields)]
+        return (kwargs or {}).get(name)
 
     def options(self) -> tuple:
-        """The non-tensor fields (num_heads .. key_offset), e.g. for an autograd context."""
-        return tuple(self[:_FIRST_TENSOR])
+        """The non-tensor fields, e.g. for an autograd context; of_parts joins them again."""
+        return tuple(getattr(self, name) for name in self._fields if name not in _TENSOR_FIELDS)
 
     def tensors(self) -> tuple:
-        """The tensor fields (factor1 .. k_weight), e.g. to save for the backward;
-        RopeLayout(*options, *tensors) joins them again."""
-        return tuple(self[_FIRST_TENSOR:])
+        """The tensor fields (factor1 .. k_weight), e.g. to save for the backward."""
+        return tuple(getattr(self, name) for name in _TENSOR_FIELDS)
+
+    @classmethod
+    def of_parts(cls, options, tensors) -> "RopeLayout":
+        """The layout of options() and tensors()."""
+        values = dict(zip((n for n in cls._fields if n not in _TENSOR_FIELDS), options))
+        values.update(zip(_TENSOR_FIELDS, tensors))
+        return cls(**values)
 
     def named_tensors(self) -> dict:
         """The tensor fields by name (None for the absent ones), e.g. for a device check."""
-        return dict(zip(self._fields[_FIRST_TENSOR:], self[_FIRST_TENSOR:]))
+        return {name: getattr(self, name) for name in _TENSOR_FIELDS}
 
     @property
     def kv_heads(self) -> int:
+        if self.query_only:
+            return 0
         return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
     def output_shapes(self, tokens, head_dim):
@@ -83,7 +105,7 @@ class RopeLayout(NamedTuple):
                 None if self.k_weight is None else grad_k_weight)
 
 
-_FIRST_TENSOR = RopeLayout._fields.index("factor1")
+_TENSOR_FIELDS = ("factor1", "factor2", "cos_sin", "positions", "q_weight", "k_weight")
 
 
 def qkv_views(qkv: torch.Tensor, tokens, layout: RopeLayout, qk_dim: int, v_dim: int):
@@ -92,17 +114,29 @@ def qkv_views(qkv: torch.Tensor, tokens, layout: RopeLayout, qk_dim: int, v_dim:
     Plain layers: the buffer is row-major [T, qkv_dim], qk its first (Hq + Hkv) * D columns and v
     the rest (v strided, as one GEMM wrote both). Paired layers: qk [T, 2HD] then v [T, HDv], each
     dense, since paired attention merges v's token and head axes and would otherwise copy it.
+    With layout.normalize_v, v is the GEMM's raw V (the backward's input): v_out_view cuts the
+    normalized V that follows.
     """
     qk_heads = layout.num_heads + layout.kv_heads
     qk_features = qk_heads * qk_dim
     v_features = layout.kv_heads * v_dim
+    projection = tokens * (qk_features + v_features)
     if layout.paired:
         qk_flat = qkv[: tokens * qk_features].view(tokens, qk_features)
-        v_flat = qkv[tokens * qk_features :].view(tokens, v_features)
+        v_flat = qkv[tokens * qk_features : projection].view(tokens, v_features)
     else:
-        rows = qkv.view(tokens, qk_features + v_features)
+        rows = qkv[:projection].view(tokens, qk_features + v_features)
         qk_flat, v_flat = rows[:, :qk_features], rows[:, qk_features:]
     return qk_flat.view(tokens, qk_heads, qk_dim), v_flat.view(tokens, layout.kv_heads, v_dim)
+
+
+def v_out_view(qkv: torch.Tensor, tokens, layout: RopeLayout, qk_dim: int, v_dim: int):
+    """The V norm's output v_out [T, Hkv, Dv] (dense) at the end of packed_qkv_forward's buffer,
+    which then holds T * (qkv_dim + Hkv * Dv) elements (layout.normalize_v); None otherwise."""
+    if not layout.normalize_v:
+        return None
+    start = tokens * ((layout.num_heads + layout.kv_heads) * qk_dim + layout.kv_heads * v_dim)
+    return qkv[start:].view(tokens, layout.kv_heads, v_dim)
 
 
 def split_grad_weight(grad_weight: torch.Tensor, qk_rows: int):

@@ -24,6 +24,7 @@ from ._layout import DEFAULT_EPS, RopeLayout
 _ops = torch.ops.qkvfuse
 
 ROTARY_STYLES = ("interleaved", "neox")
+NORM_SCOPES = ("head", "token")
 
 # A cos/sin cache does not say which lanes pair: a default would rotate the wrong lanes of the
 # other convention's cache and give wrong q and k with no error.
@@ -36,11 +37,12 @@ _STYLE_REQUIRED = (
 def rope_layout(num_heads, rotary_dim=None, paired=False, key_offset=False, factor1=None,
                 factor2=None, *, num_kv_heads=None, rotary_style=None, normalize=True,
                 q_weight=None, k_weight=None, weight_offset=0.0, eps=DEFAULT_EPS, cos_sin=None,
-                positions=None, op="qk_norm_rope") -> RopeLayout:
-    """The RopeLayout of the public functions' arguments (SPEC.md section 8), their Python types
-    checked; the library validates the rest when the op runs, naming the argument at fault.
+                positions=None, op="qk_norm_rope", normalize_v=False, norm_scope="head",
+                query_only=False) -> RopeLayout:
+    """The RopeLayout of the public functions' arguments (SPEC.md sections 8 and 9), their Python
+    types checked; the library validates the rest when the op runs, naming the argument at fault.
     rotary_style None is "interleaved" with factor tables (the speedrun's, SPEC.md sections 1-7)
-    and an error with a cos/sin cache."""
+    or without an angle source (nothing rotates), and an error with a cos/sin cache."""
     # An int in factor1's place is num_heads given second: the general call without its keywords.
     hint = (f"; the general layouts pass num_heads and the angles by keyword: {op}(..., "
             f"num_heads=..., cos_sin=..., positions=..., rotary_style=...)"
@@ -51,7 +53,8 @@ def rope_layout(num_heads, rotary_dim=None, paired=False, key_offset=False, fact
     _checks.integer(op, "num_heads", num_heads)
     _checks.integer(op, "num_kv_heads", num_kv_heads, optional=True)
     _checks.integer(op, "rotary_dim", rotary_dim, optional=True, least=0)
-    for name, value in (("paired", paired), ("key_offset", key_offset), ("normalize", normalize)):
+    for name, value in (("paired", paired), ("key_offset", key_offset), ("normalize", normalize),
+                        ("normalize_v", normalize_v), ("query_only", query_only)):
         _checks.flag(op, name, value)
     _checks.number(op, "weight_offset", weight_offset)
     _checks.number(op, "eps", eps)
@@ -65,9 +68,24 @@ def rope_layout(num_heads, rotary_dim=None, paired=False, key_offset=False, fact
     elif rotary_style not in ROTARY_STYLES:
         raise ValueError(f'{op}: rotary_style: expected "interleaved" or "neox", got '
                          f"{rotary_style!r}")
+    if norm_scope not in NORM_SCOPES:
+        raise ValueError(f'{op}: norm_scope: expected "head" or "token", got {norm_scope!r}')
+    if query_only and num_kv_heads == 0:
+        num_kv_heads = None  # a query-only layout has no key heads: the binding's None is 0
     return RopeLayout(num_heads, num_kv_heads, rotary_dim, rotary_style, normalize, eps,
                       weight_offset, paired, key_offset, factor1, factor2, cos_sin, positions,
-                      q_weight, k_weight)
+                      q_weight, k_weight, normalize_v, norm_scope, query_only)
+
+
+def _check_v(op, v, normalize_v):
+    """The V norm's tensor goes with the option: checked here since the op that runs (qk_norm_rope
+    or qkv_norm_rope) follows from normalize_v."""
+    _checks.tensor(op, "v", v, optional=True)
+    if normalize_v and v is None:
+        raise ValueError(f"{op}: v: missing (normalize_v=True normalizes v, the V heads "
+                         f"[T, Hkv, Dv])")
+    if v is not None and not normalize_v:
+        raise ValueError(f"{op}: v: given, but normalize_v is False (v is the V norm's input)")
 
 
 def qk_norm_rope(qk: torch.Tensor, factor1: Optional[torch.Tensor] = None,
@@ -77,9 +95,12 @@ def qk_norm_rope(qk: torch.Tensor, factor1: Optional[torch.Tensor] = None,
                  rotary_style: Optional[str] = None, normalize: bool = True,
                  q_weight: Optional[torch.Tensor] = None, k_weight: Optional[torch.Tensor] = None,
                  weight_offset: float = 0.0, eps: float = DEFAULT_EPS,
-                 cos_sin: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None):
+                 cos_sin: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None,
+                 v: Optional[torch.Tensor] = None, normalize_v: bool = False,
+                 norm_scope: str = "head", query_only: bool = False):
     """(q, k) = rotary(norm(qk)) per head (SPEC.md sections 1 and 8), differentiable in qk and the
-    norm weights (the backward is the registered qk_norm_rope_backward op).
+    norm weights (the backward is the registered qk_norm_rope_backward op); with normalize_v,
+    (q, k, v_out) (SPEC.md section 9).
 
     The speedrun's layout, with per-token factor tables, positionally in the reference's order:
         q, k = qk_norm_rope(qk, factor1, factor2, num_heads)
@@ -90,7 +111,8 @@ def qk_norm_rope(qk: torch.Tensor, factor1: Optional[torch.Tensor] = None,
     (num_heads second without its keyword, qk_norm_rope(qk, 32, ...), raises TypeError).
 
       qk            [T, Hq + Hkv, D] (query heads first), bf16 (float32/float64 too on the CPU);
-                    last dim contiguous, other strides free. D even, 2..256.
+                    last dim contiguous, other strides free. D even, 2..512 (2..256 on CUDA
+                    for now: SPEC.md section 9).
       factor1/2     per-token rotary tables [T, D] ([T, 2D] when paired), bf16 or float32, in the
                     speedrun's sign convention (qkvfuse.speedrun_factor_tables); None with cos_sin
       num_heads     Hq (required)
@@ -102,8 +124,8 @@ def qk_norm_rope(qk: torch.Tensor, factor1: Optional[torch.Tensor] = None,
       num_kv_heads  Hkv (GQA/MQA; divides Hq); default Hq
       rotary_style  "interleaved" (lane d turns with d ^ 1: the speedrun, GPT-J) or "neox" (with
                     d +- r/2: Hugging Face's rotate_half, as in Llama, Qwen, Gemma). Required
-                    with cos_sin, which does not say how its lanes pair; with factor tables the
-                    default is "interleaved"
+                    with cos_sin, which does not say how its lanes pair; with factor tables (or
+                    no angle source) the default is "interleaved"
       normalize     False: rotary only, no RMS-norm (norm weights then not allowed)
       q_weight, k_weight  [D] bf16 or float32 norm weights: n * (w + weight_offset); each
                     receives a gradient (summed in float32, deterministic), in its own dtype
@@ -113,14 +135,26 @@ def qk_norm_rope(qk: torch.Tensor, factor1: Optional[torch.Tensor] = None,
                     [0, r/2) cos, [r/2, r) sin of frequency i; read at `positions`
       positions     int32 or int64 [T], each in [0, P). A position outside gives NaN in that
                     token's rotary lanes (never an out-of-bounds read); qkvfuse.check_positions
-                    or QKVFUSE_CHECK_POSITIONS=1 raise instead
+                    or QKVFUSE_CHECK_POSITIONS=1 raise instead. Without factor tables and
+                    cos_sin nothing rotates (rotary_dim None or 0): NoPE layers
+      v, normalize_v  the V norm: v [T, Hkv, Dv] (qk's dtype, last dim contiguous; may be a view
+                    of qk's key rows) comes back normalized per head row, v * rsqrt(mean(v^2) +
+                    eps), as a third output; differentiable in v too
+      norm_scope    "head" (one RMS per head row) or "token" (one over a token's Hq*D query values
+                    and one over its Hkv*D key values, OLMo 2/3; weights [Hq*D] and [Hkv*D])
+      query_only    qk holds the Hq query heads alone (Gemma 4's KV-shared layers): k is empty
+                    [T, 0, D]; num_kv_heads must be None
     q is [T, Hq, D] and k [T, Hkv, D] ([2T, Hq/2, D] when paired), qk's dtype.
     """
     _checks.tensor("qk_norm_rope", "qk", qk)
     layout = rope_layout(num_heads, rotary_dim, paired, key_offset, factor1, factor2,
                          num_kv_heads=num_kv_heads, rotary_style=rotary_style, normalize=normalize,
                          q_weight=q_weight, k_weight=k_weight, weight_offset=weight_offset, eps=eps,
-                         cos_sin=cos_sin, positions=positions)
+                         cos_sin=cos_sin, positions=positions, normalize_v=normalize_v,
+                         norm_scope=norm_scope, query_only=query_only)
+    _check_v("qk_norm_rope", v, normalize_v)
+    if normalize_v:
+        return _ops.qkv_norm_rope(qk, v, *layout)
     return _ops.qk_norm_rope(qk, *layout)
 
 
@@ -131,14 +165,18 @@ def qkv_backward_fp8(grad_q, grad_k, grad_v, qk, factor1=None, factor2=None, gra
                      normalize: bool = True, q_weight: Optional[torch.Tensor] = None,
                      k_weight: Optional[torch.Tensor] = None, weight_offset: float = 0.0,
                      eps: float = DEFAULT_EPS, cos_sin: Optional[torch.Tensor] = None,
-                     positions: Optional[torch.Tensor] = None):
+                     positions: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
+                     normalize_v: bool = False, norm_scope: str = "head",
+                     query_only: bool = False):
     """(grad_row [T, qkv_dim], grad_t [qkv_dim, T]), e4m3: the norm/rotary gradient of Q and K
     (rounded to bf16) and grad_v [T, Hkv, Dv], divided by grad_scale (a float32 tensor [] or
     [1]), in both layouts (SPEC.md sections 3 and 8; qkv_dim = (Hq + Hkv) * D + Hkv * Dv). The
     layout arguments are qk_norm_rope's: the speedrun's positionally (grad_q, grad_k, grad_v, qk,
     factor1, factor2, grad_scale, num_heads, ...), the general layouts' by keyword from
-    grad_scale on. With a norm weight given, returns (grad_row, grad_t, grad_q_weight,
-    grad_k_weight), None for the weight not given."""
+    grad_scale on. With normalize_v, grad_v is the gradient of v_out and v the forward's v: the
+    V features are then the V norm's gradient, rounded to bf16 first (SPEC.md section 9). With a
+    norm weight given, returns (grad_row, grad_t, grad_q_weight, grad_k_weight), None for the
+    weight not given."""
     op = "qkv_backward_fp8"
     for name, value in (("grad_q", grad_q), ("grad_k", grad_k), ("grad_v", grad_v), ("qk", qk)):
         _checks.tensor(op, name, value)
@@ -148,9 +186,11 @@ def qkv_backward_fp8(grad_q, grad_k, grad_v, qk, factor1=None, factor2=None, gra
     layout = rope_layout(num_heads, rotary_dim, paired, key_offset, factor1, factor2,
                          num_kv_heads=num_kv_heads, rotary_style=rotary_style, normalize=normalize,
                          q_weight=q_weight, k_weight=k_weight, weight_offset=weight_offset, eps=eps,
-                         cos_sin=cos_sin, positions=positions, op=op)
+                         cos_sin=cos_sin, positions=positions, op=op, normalize_v=normalize_v,
+                         norm_scope=norm_scope, query_only=query_only)
+    _check_v(op, v, normalize_v)
     grad_row, grad_t, grad_q_weight, grad_k_weight = _ops.qkv_backward_fp8(
-        grad_q, grad_k, grad_v, qk, grad_scale, *layout)
+        grad_q, grad_k, grad_v, qk, grad_scale, *layout, v)
     if q_weight is None and k_weight is None:
         return grad_row, grad_t
     return (grad_row, grad_t, *layout.weight_grads(grad_q_weight, grad_k_weight))

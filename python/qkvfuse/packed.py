@@ -21,7 +21,8 @@ from typing import Optional
 import torch
 
 from . import _checks
-from ._layout import DEFAULT_EPS, RopeLayout, kernel_readable, qkv_views, split_grad_weight
+from ._layout import (DEFAULT_EPS, RopeLayout, kernel_readable, qkv_views, split_grad_weight,
+                      v_out_view)
 from .ops import quantize_dual_layout, quantize_weight_bank, rope_layout
 
 _ops = torch.ops.qkvfuse
@@ -45,28 +46,30 @@ def _forward(ctx, x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale, 
     q, k, qkv = _ops.packed_qkv_forward(x_f8, weight_f8, x_scale, weight_scale, qkv_scale, qk_dim,
                                         v_dim, *layout)
     qk, v = qkv_views(qkv, x_f8.shape[0], layout, qk_dim, v_dim)
-    ctx.save_for_backward(qk, x_f8_t, weight_f8_t, qk_weight, v_weight, x_scale, weight_scale,
-                          qkv_scale, *layout.tensors())
+    # With the V norm the raw V is the backward's input and the normalized one the output.
+    v_out = v_out_view(qkv, x_f8.shape[0], layout, qk_dim, v_dim)
+    ctx.save_for_backward(qk, v if v_out is not None else None, x_f8_t, weight_f8_t, qk_weight,
+                          v_weight, x_scale, weight_scale, qkv_scale, *layout.tensors())
     # grad_scale is read when the backward runs, not saved with a version check: a tensor
     # hook on q, k or v may set it from this step's gradients (current scaling; see
     # examples/train_gpt.py).
     ctx.grad_scale = grad_scale
     ctx.x_shape = x.shape
     ctx.options = layout.options()
-    return q, k, v
+    return q, k, v if v_out is None else v_out
 
 
 def _backward(ctx, grad_q, grad_k, grad_v):
     """(grad_x, grad_qk_weight, grad_v_weight, grad_qkv_scale, grad_q_weight, grad_k_weight), the
     norm weights' None where absent."""
-    (qk, x_f8_t, weight_f8_t, qk_weight, v_weight, x_scale, weight_scale, qkv_scale,
+    (qk, v, x_f8_t, weight_f8_t, qk_weight, v_weight, x_scale, weight_scale, qkv_scale,
      *tensors) = ctx.saved_tensors
-    layout = RopeLayout(*ctx.options, *tensors)
+    layout = RopeLayout.of_parts(ctx.options, tensors)
     _checks.positive_scale("packed_fp8_qkv", "grad_scale", ctx.grad_scale)
     grad_x, grad_weight, grad_qkv_scale, grad_q_weight, grad_k_weight = _ops.packed_qkv_backward(
         kernel_readable(grad_q), kernel_readable(grad_k), kernel_readable(grad_v), qk, x_f8_t,
         weight_f8_t, qk_weight, v_weight, x_scale, weight_scale, qkv_scale, ctx.grad_scale,
-        *layout)
+        *layout, v)
     grad_qk_weight, grad_v_weight = split_grad_weight(grad_weight, qk_weight.shape[0])
     return (grad_x.view(ctx.x_shape), grad_qk_weight, grad_v_weight, grad_qkv_scale,
             *layout.weight_grads(grad_q_weight, grad_k_weight))
@@ -108,9 +111,8 @@ class PackedFP8QKVLayoutFunction(torch.autograd.Function):
     def backward(ctx, grad_q, grad_k, grad_v):
         grad_x, grad_qk_weight, grad_v_weight, grad_qkv_scale, grad_q_weight, grad_k_weight = (
             _backward(ctx, grad_q, grad_k, grad_v))
-        layout_grads = (None,) * (len(RopeLayout._fields) - 2) + (grad_q_weight, grad_k_weight)
         return (grad_x, grad_qk_weight, grad_v_weight, None, None, None, grad_qkv_scale, None,
-                None, None, None, *layout_grads)
+                None, None, None, *_layout_grads(grad_q_weight, grad_k_weight))
 
 
 # The reference exports its autograd function's apply under this name: calling it runs the op.
@@ -124,7 +126,8 @@ def packed_fp8_qkv(x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale,
                    q_weight: Optional[torch.Tensor] = None,
                    k_weight: Optional[torch.Tensor] = None, weight_offset: float = 0.0,
                    eps: float = DEFAULT_EPS, cos_sin: Optional[torch.Tensor] = None,
-                   positions: Optional[torch.Tensor] = None):
+                   positions: Optional[torch.Tensor] = None, normalize_v: bool = False,
+                   norm_scope: str = "head", query_only: bool = False):
     """(q, k, v) = norm + rotary of x @ (qkv_scale * [Wq; Wk; Wv]).T, as one FP8 GEMM off the cached
     packed weight (two for paired layers, so that v is dense).
 
@@ -147,12 +150,17 @@ def packed_fp8_qkv(x, qk_weight, v_weight, weight_f8, weight_f8_t, weight_scale,
     normalize, q_weight, k_weight (these receive gradients), weight_offset, eps, cos_sin,
     positions. Every argument is checked when the forward runs, those only the backward reads
     included.
+    SPEC.md section 9, as qk_norm_rope's: normalize_v (v comes back normalized per head row; its
+    gradient goes through the V norm into v_weight), norm_scope, query_only (the weight's Q rows
+    alone: qk_weight [Hq*D, C], v_weight [0, C], k and v empty); without factor1/2 and cos_sin
+    nothing rotates.
     Returns q [T, Hq, D], k [T, Hkv, D] ([2T, Hq/2, D] each when paired) and v [T, Hkv, Dv], bf16.
     """
     layout = rope_layout(num_heads, rotary_dim, paired, key_offset, factor1, factor2,
                          num_kv_heads=num_kv_heads, rotary_style=rotary_style, normalize=normalize,
                          q_weight=q_weight, k_weight=k_weight, weight_offset=weight_offset, eps=eps,
-                         cos_sin=cos_sin, positions=positions, op="packed_fp8_qkv")
+                         cos_sin=cos_sin, positions=positions, op="packed_fp8_qkv",
+                         normalize_v=normalize_v, norm_scope=norm_scope, query_only=query_only)
     return PackedFP8QKVLayoutFunction.apply(x, qk_weight, v_weight, weight_f8, weight_f8_t,
                                             weight_scale, qkv_scale, x_scale, grad_scale, x_f8,
                                             x_f8_t, *layout)
@@ -181,7 +189,8 @@ class PackedFP8QKVCurrentScalingFunction(torch.autograd.Function):
     def forward(ctx, x, weight, qkv_scale, head_dim, grad_headroom, *layout):
         layout = RopeLayout(*layout)
         qk_rows = (layout.num_heads + layout.kv_heads) * head_dim
-        v_dim = (weight.shape[0] - qk_rows) // layout.kv_heads
+        # A query-only call has no V rows: any V width serves the empty V (head_dim's).
+        v_dim = (weight.shape[0] - qk_rows) // layout.kv_heads if layout.kv_heads else head_dim
         x2d = x.reshape(-1, weight.shape[1])
         # Outside autocast, whose CUDA policy would reduce the norm in float32 (a cast of x).
         with torch.autocast(x.device.type, enabled=False):
@@ -193,30 +202,37 @@ class PackedFP8QKVCurrentScalingFunction(torch.autograd.Function):
         q, k, qkv = _ops.packed_qkv_forward(x_f8, weight_f8, x_scale, weight_scale, qkv_scale,
                                             head_dim, v_dim, *layout)
         qk, v = qkv_views(qkv, x_f8.shape[0], layout, head_dim, v_dim)
-        ctx.save_for_backward(qk, x_f8_t, weight_f8_t, weight, x_scale, weight_scale, qkv_scale,
-                              *layout.tensors())
+        # With the V norm the raw V is the backward's input and the normalized one the output.
+        v_out = v_out_view(qkv, x_f8.shape[0], layout, head_dim, v_dim)
+        ctx.save_for_backward(qk, v if v_out is not None else None, x_f8_t, weight_f8_t, weight,
+                              x_scale, weight_scale, qkv_scale, *layout.tensors())
         ctx.qk_rows = qk_rows
         ctx.grad_headroom = grad_headroom
         ctx.x_shape = x.shape
         ctx.options = layout.options()
-        return q, k, v
+        return q, k, v if v_out is None else v_out
 
     @staticmethod
     def backward(ctx, grad_q, grad_k, grad_v):
-        (qk, x_f8_t, weight_f8_t, weight, x_scale, weight_scale, qkv_scale,
+        (qk, v, x_f8_t, weight_f8_t, weight, x_scale, weight_scale, qkv_scale,
          *tensors) = ctx.saved_tensors
-        layout = RopeLayout(*ctx.options, *tensors)
+        layout = RopeLayout.of_parts(ctx.options, tensors)
         grads = [kernel_readable(g) for g in (grad_q, grad_k, grad_v)]
         # This call's gradient scale, from the gradients themselves (one more read of them).
         grad_scale = current_scale(grads, ctx.grad_headroom)
         grad_x, grad_weight, grad_qkv_scale, grad_q_weight, grad_k_weight = (
             _ops.packed_qkv_backward(*grads, qk, x_f8_t, weight_f8_t, weight[:ctx.qk_rows],
                                      weight[ctx.qk_rows:], x_scale, weight_scale, qkv_scale,
-                                     grad_scale, *layout))
-        layout_grads = (None,) * (len(RopeLayout._fields) - 2) + tuple(
-            layout.weight_grads(grad_q_weight, grad_k_weight))
+                                     grad_scale, *layout, v))
         return (grad_x.view(ctx.x_shape), grad_weight, grad_qkv_scale, None, None,
-                *layout_grads)
+                *_layout_grads(*layout.weight_grads(grad_q_weight, grad_k_weight)))
+
+
+def _layout_grads(grad_q_weight, grad_k_weight) -> tuple:
+    """The gradients of RopeLayout's fields, in order: the norm weights' (the fields after them,
+    SPEC.md section 9's options, have none)."""
+    weight_grads = {"q_weight": grad_q_weight, "k_weight": grad_k_weight}
+    return tuple(weight_grads.get(name) for name in RopeLayout._fields)
 
 
 def packed_fp8_qkv_current_scaling(
@@ -228,7 +244,8 @@ def packed_fp8_qkv_current_scaling(
         rotary_style: Optional[str] = None, normalize: bool = True,
         q_weight: Optional[torch.Tensor] = None, k_weight: Optional[torch.Tensor] = None,
         weight_offset: float = 0.0, eps: float = DEFAULT_EPS,
-        cos_sin: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None):
+        cos_sin: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None,
+        normalize_v: bool = False, norm_scope: str = "head", query_only: bool = False):
     """(q, k, v) = norm + rotary of x @ (qkv_scale * weight).T through one FP8 GEMM, as
     packed_fp8_qkv computes them, with every e4m3 scale computed in the call (current scaling):
 
@@ -236,7 +253,11 @@ def packed_fp8_qkv_current_scaling(
                  to e4m3 [T, C] and [C, T] in this call
       weight     bf16 [(Hq+Hkv)*D + Hkv*Dv, C], contiguous: the packed [Wq; Wk; Wv] (e.g. a
                  torch.cat of the master weights cast to bf16, through which their gradients
-                 flow), quantized to e4m3 in both layouts with scale max|weight| / 448 in this call
+                 flow), quantized to e4m3 in both layouts with scale max|weight| / 448 in this
+                 call; [Hq*D, C] (the query rows alone) with query_only. Its rows may be gathered
+                 from anywhere: e.g. a gated query's query rows of q_proj (the gate's rows are the
+                 caller's own projection), or k_proj's rows twice for a V equal to the key
+                 projection (autograd adds the two gradients)
       num_heads  Hq;  head_dim  D (Dv follows from the weight's rows)
       qkv_scale  float32 scalar multiplying the product (learnable; None: 1)
       grad_headroom  the backward quantizes grad q, k, v with grad_scale = grad_headroom *
@@ -246,7 +267,9 @@ def packed_fp8_qkv_current_scaling(
                  gradients round to zero in e4m3 (docs/training/README.md)
     The layout keywords are packed_fp8_qkv's and qk_norm_rope's (num_kv_heads, rotary_dim,
     paired, key_offset, factor tables or cos_sin + positions, rotary_style (required with
-    cos_sin), normalize, q_weight, k_weight, weight_offset, eps). Scales never drop below 2^-100
+    cos_sin), normalize, q_weight, k_weight, weight_offset, eps) and SPEC.md section 9's
+    (normalize_v: v comes back normalized per head row; norm_scope "token"; query_only: k and v
+    empty; without factor tables and cos_sin nothing rotates). Scales never drop below 2^-100
     (an all-zero tensor). Gradients for x, weight, qkv_scale and the norm weights.
     Returns q [T, Hq, D], k [T, Hkv, D] ([2T, Hq/2, D] each when paired), v [T, Hkv, Dv], bf16.
 
@@ -266,7 +289,8 @@ def packed_fp8_qkv_current_scaling(
     layout = rope_layout(num_heads, rotary_dim, paired, key_offset, factor1, factor2,
                          num_kv_heads=num_kv_heads, rotary_style=rotary_style, normalize=normalize,
                          q_weight=q_weight, k_weight=k_weight, weight_offset=weight_offset, eps=eps,
-                         cos_sin=cos_sin, positions=positions, op=name)
+                         cos_sin=cos_sin, positions=positions, op=name, normalize_v=normalize_v,
+                         norm_scope=norm_scope, query_only=query_only)
     _checks.tensor(name, "x", x)
     _checks.tensor(name, "weight", weight)
     _checks.tensor(name, "qkv_scale", qkv_scale, optional=True, expected=_checks.SCALAR)
@@ -278,14 +302,20 @@ def packed_fp8_qkv_current_scaling(
     if x.dtype != torch.bfloat16:
         raise RuntimeError(f"{name}: x: expected torch.bfloat16, got {x.dtype}")
     qk_rows = (layout.num_heads + layout.kv_heads) * head_dim
+    kv_heads = layout.kv_heads  # 0 with query_only: no V rows
     rows = weight.shape[0] if weight.dim() == 2 else 0
-    if not (weight.dtype == torch.bfloat16 and weight.is_contiguous() and rows > qk_rows
-            and layout.kv_heads >= 1 and (rows - qk_rows) % layout.kv_heads == 0
+    v_rows = rows - qk_rows
+    if not (weight.dtype == torch.bfloat16 and weight.is_contiguous()
+            and (v_rows > 0 and kv_heads >= 1 and v_rows % kv_heads == 0
+                 or v_rows == kv_heads == 0)
             and weight.shape[1] >= 1 and x.numel() % weight.shape[1] == 0):
+        expected = (f"[Hq * D, C] = [{qk_rows}, C] (query_only: the query rows alone)"
+                    if layout.query_only else
+                    f"[(Hq + Hkv) * D + Hkv * Dv, C] = [{qk_rows} + {kv_heads} * Dv, C] with "
+                    f"Dv >= 1")
         raise RuntimeError(
-            f"{name}: weight: expected a contiguous torch.bfloat16 tensor [(Hq + Hkv) * D + "
-            f"Hkv * Dv, C] = [{qk_rows} + {layout.kv_heads} * Dv, C] with Dv >= 1 (Hq = "
-            f"{layout.num_heads}, Hkv = {layout.kv_heads}, D = head_dim = {head_dim}) and C "
+            f"{name}: weight: expected a contiguous torch.bfloat16 tensor {expected} (Hq = "
+            f"{layout.num_heads}, Hkv = {kv_heads}, D = head_dim = {head_dim}) and C "
             f"dividing x's {x.numel()} elements, got {weight.dtype} of shape "
             f"{list(weight.shape)}")
     if qkv_scale is None:

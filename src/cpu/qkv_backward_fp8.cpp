@@ -1,13 +1,15 @@
 // cpu/qkv_backward_fp8.cpp: the CPU reference of the fused backward into FP8 (SPEC.md section 3).
 //
 //   Q/K features f = h2*D + d:               code = e4m3(bf16(dx[t, h2, d]) / grad_scale)
-//   V features   f = (Hq+Hkv)*D + h*Dv + d:  code = e4m3(grad_v[t, h, d] / grad_scale)
+//   V features   f = (Hq+Hkv)*D + h*Dv + d:  code = e4m3(grad_v[t, h, d] / grad_scale), or with
+//                the V norm (SPEC.md section 9) e4m3(bf16(dv[t, h, d]) / grad_scale), dv its
+//                gradient
 //   grad_row[t, f] = grad_t[f, t] = code
 // with dx the QK-norm/rotary backward of sections 2 and 8 and both divisions true fp32 divisions.
 //
 // The QK part reuses the bf16 backward (cpu::qk_norm_rope_backward, which also writes the norm
-// weights' gradients) into a temporary [T, Hq + Hkv, D] bf16 buffer: that *is* "dx rounded to
-// bf16 first", so the two ops cannot drift apart. The GPU
+// weights' gradients and, with the V norm, dv) into temporary bf16 buffers [T, Hq + Hkv, D] and
+// [T, Hkv, Dv]: that *is* "rounded to bf16 first", so the two ops cannot drift apart. The GPU
 // kernel fuses these steps; the reference spends the extra buffer for one definition of dx.
 #include <cstdint>
 #include <vector>
@@ -28,6 +30,11 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& p) {
   const int64_t features = qkv_dim(p.layout, head_dim, v_dim);
 
   std::vector<uint16_t> dx(size_t(tokens * qk_features));
+  std::vector<uint16_t> dv(p.layout.normalize_v ? size_t(tokens * heads * v_dim) : 0);
+  const TensorView dv_view =
+      p.layout.normalize_v
+          ? make_view(dv.data(), DType::kBFloat16, p.qk.device, {tokens, heads, v_dim})
+          : TensorView{};
   const QkNormRopeBackwardParams rope{
       .grad_q = p.grad_q,
       .grad_k = p.grad_k,
@@ -37,6 +44,9 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& p) {
       .grad_k_weight = p.grad_k_weight,
       .workspace = {},
       .layout = p.layout,
+      .grad_v_out = p.layout.normalize_v ? p.grad_v : TensorView{},
+      .v = p.v,
+      .grad_v = dv_view,
   };
   cpu::qk_norm_rope_backward(rope);  // qualified: ADL would also find the public op
 
@@ -53,7 +63,9 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& p) {
       };
       for (int64_t f = 0; f < qk_features; ++f) write(f, dx[size_t(t * qk_features + f)]);
       for (int64_t h = 0; h < heads; ++h) {
-        const uint16_t* g = grad_v + t * p.grad_v.strides[0] + h * p.grad_v.strides[1];
+        const uint16_t* g = p.layout.normalize_v
+                                ? dv.data() + (t * heads + h) * v_dim
+                                : grad_v + t * p.grad_v.strides[0] + h * p.grad_v.strides[1];
         for (int64_t d = 0; d < v_dim; ++d) write(qk_features + h * v_dim + d, g[d]);
       }
     }

@@ -21,12 +21,14 @@
 #include "qkvfuse/qkv_backward_fp8.hpp"
 #include "qkvfuse/tensor.hpp"
 #include "rope_math.hpp"
+#include "validate.hpp"
 
 namespace qkvfuse::cuda::rope {
 
-/// The widest head the CUDA rope kernels take (validate.cpp refuses wider ones): the 16-byte
-/// geometries' top (rope_config.cuh lanes_for) and the FP8 backward's shared tile bound it.
-inline constexpr int64_t kMaxHeadWidth = 256;
+/// The widest head the CUDA rope kernels take (validate.hpp's kMaxCudaHeadDim: wider ones, up to
+/// the CPU backend's kMaxHeadDim, are refused as not yet on CUDA): the 16-byte geometries' top
+/// (rope_config.cuh lanes_for) and the FP8 backward's shared tile bound it.
+inline constexpr int64_t kMaxHeadWidth = validate::kMaxCudaHeadDim;
 
 /// True when the view's data pointer and every stride but the last (of dims longer than 1) are
 /// multiples of `bytes`: every row starts on a `bytes` boundary. Absent views pass.

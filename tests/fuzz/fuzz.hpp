@@ -97,7 +97,15 @@ struct Case {
   int64_t cache_rows = 0;         ///< P
   bool packed_positions = false;  ///< documents restarting at position 0 (else random in [0, P))
   int64_t bad_positions = 0;      ///< tokens whose position lies outside [0, P) (NaN rotary lanes)
-  Placement qk, factor, grad_q, grad_k, v, cos_sin, positions, weight;
+  // SPEC.md section 9, drawn in CPU-only cases and in GPU cases outside the CUDA rules (which
+  // the CUDA backend refuses by name until its kernels take them); D up to 512 there too.
+  bool token_norm = false;
+  bool query_only = false;   ///< no key heads: kv_heads is 0
+  bool normalize_v = false;  ///< the V norm: v [T, Hkv, Dv] (placement v_in); Dv drawn for every op
+  bool angles = true;        ///< false: no angle source, nothing rotates (r = 0)
+  /// `v`: grad_v (the gradient of the V the forward returns); `v_in`: the V norm's input v;
+  /// `weight` the query weight's, `weight_k` the key weight's ([D], or [H*D] under token_norm).
+  Placement qk, factor, grad_q, grad_k, v, v_in, cos_sin, positions, weight, weight_k;
   /// Elements between an output's aligned allocation and its first element (q, k, grad_qk,
   /// grad_row, grad_t): 0, or an offset that leaves a bf16 / e4m3 output off the 16 bytes.
   int64_t out_offset = 0;
@@ -138,6 +146,14 @@ struct Case {
   int64_t factor_width() const { return paired ? 2 * head_dim : head_dim; }
   int64_t qk_features() const { return input_heads() * head_dim; }
   int64_t qkv_dim() const { return qk_features() + kv_heads * v_dim; }
+  /// Elements of the query (key: false) or key weight: D, or H*D of the kind under token_norm.
+  int64_t weight_width(bool key) const {
+    return token_norm ? (key ? kv_heads : heads) * head_dim : head_dim;
+  }
+  /// Whether the case takes an option of SPEC.md section 9 (CUDA refuses those so far).
+  bool families_option() const {
+    return token_norm || query_only || normalize_v || !angles || head_dim > 256;
+  }
   /// The layout's options; run_case adds its tensors.
   RopeLayout layout() const;
   /// Everything needed to understand and replay the case (with the seed and its number).
@@ -191,6 +207,7 @@ class HostBuffer {
 /// rope and packed ops, the quantize scale(s) otherwise.
 struct Inputs {
   HostBuffer qk, factor1, factor2, cos_sin, positions, q_weight, k_weight;
+  HostBuffer v;  ///< the V norm's input (Case::normalize_v)
   HostBuffer grad_q, grad_k, grad_v, src, scale;
   // packed op
   HostBuffer x_f8, x_f8_t, weight_f8, weight_f8_t, qk_weight, v_weight;

@@ -174,8 +174,9 @@ int64_t proper_divisor(Rng& rng, int64_t n) {
 }
 
 /// The layout options of SPEC.md section 8 (heads, style, rotary width, norm, eps, weights, angle
-/// source, positions), drawn for a rope case whose mode (paired, key offset) and D are set.
-void draw_layout_options(Case& c, Rng& rng) {
+/// source, positions), drawn for a rope case whose mode (paired, key offset) and D are set; with
+/// `families`, those of section 9 too (query_only is drawn later: draw_query_only).
+void draw_layout_options(Case& c, Rng& rng, bool families) {
   // Heads: MHA, GQA (any proper divisor) or MQA; paired and key offset need Hq = Hkv.
   c.kv_heads = c.heads;
   if (!c.paired && !c.key_offset && c.heads > 1) {
@@ -222,6 +223,19 @@ void draw_layout_options(Case& c, Rng& rng) {
           : e < 0.7 ? 1e-6f
           : e < 0.8 ? 1e-5f
                     : float(std::exp(std::log(1e-12) + rng.unit() * (0.0 - std::log(1e-12))));
+
+  // Section 9: the token-wide norm, the V norm, no angles.
+  if (families && rng.chance(0.6)) {
+    c.token_norm = c.normalize && rng.chance(0.4);
+    c.normalize_v = !c.token_norm && rng.chance(0.4);
+    if (!c.paired && rng.chance(0.25)) {
+      c.angles = false;
+      c.cache = false;
+      c.rotary_dim = 0;
+      c.table_rotary = 0;
+      c.rotary_default = rng.chance(0.5);
+    }
+  }
 
   // Positions: int32 or int64, random in [0, P) or packed documents; now and then a few tokens
   // outside [0, P) (their rotary lanes come out NaN).
@@ -275,13 +289,34 @@ void draw_rope_placements(Case& c, Rng& rng, bool cuda_rules) {
                 rng.chance(0.2) ? factor_unit * rng.range(1, 4) : 0};
   }
   const int64_t weight_unit = unit_for(c.weight_dtype == DType::kFloat32 ? 4 : 8);
-  c.weight = {{c.head_dim}, {1}, rng.chance(0.3) ? weight_unit * rng.range(1, 4) : 0};
+  c.weight = {{c.weight_width(false)}, {1}, rng.chance(0.3) ? weight_unit * rng.range(1, 4) : 0};
+  c.weight_k = {{c.weight_width(true)}, {1}, rng.chance(0.3) ? weight_unit * rng.range(1, 4) : 0};
+  if (c.normalize_v) {
+    // The V norm's input: its own tensor, or (Gemma 4's k_eq_v) a slice of a wider row.
+    const int64_t v_unit = unit_for(8);
+    c.v_in = random_heads_placement(rng, c.tokens, c.kv_heads, c.v_dim, v_unit, v_unit * 2);
+    if (c.op == Op::kRopeForward || c.op == Op::kRopeBackward) {
+      c.v = random_heads_placement(rng, c.tokens, c.kv_heads, c.v_dim, v_unit, v_unit * 5);
+    }
+  }
   // Outputs (q, k, grad_qk: bf16; grad_row, grad_t: e4m3) 1 to 15 elements past 16 bytes.
   if (misaligned && rng.chance(0.5)) c.out_offset = rng.range(1, 15);
 }
 
+/// Section 9's query-only calls: no key heads (nor their weight), for a case whose shapes are
+/// drawn (the head budgets keep Hq % Hkv == 0 until then). Not with paired heads, key offset or
+/// the V norm, which it does not combine with.
+void draw_query_only(Case& c, Rng& rng) {
+  if (c.paired || c.key_offset || c.normalize_v || !rng.chance(0.2)) return;
+  c.query_only = true;
+  c.kv_heads = 0;
+  c.kv_heads_zero = false;
+  c.k_weight = false;
+}
+
 /// `cuda_rules`: a GPU-mode case inside the CUDA domain; `cuda_outside`: a GPU-mode case drawn
-/// outside it where anything is left outside (Dv past 512); neither: a CPU-only case.
+/// outside it where anything is left outside (Dv past 512, section 9's options); neither: a
+/// CPU-only case.
 void draw_rope(Case& c, Rng& rng, bool cuda_rules, bool cuda_outside, int64_t max_tokens) {
   const double mode = rng.unit();
   c.paired = mode >= 0.55 && mode < 0.7;
@@ -301,11 +336,13 @@ void draw_rope(Case& c, Rng& rng, bool cuda_rules, bool cuda_outside, int64_t ma
                             : 2 * rng.range(1, 128);
   } else {
     const double u = rng.unit();
-    c.head_dim = u < 0.4   ? 8 * rng.range(4, 32)
-                 : u < 0.5 ? rng.pick<int64_t>({2, 4, 6, 8, 10, 30, 34, 100})
-                           : 2 * rng.range(1, 128);
+    c.head_dim = u < 0.4    ? 8 * rng.range(4, 32)
+                 : u < 0.5  ? rng.pick<int64_t>({2, 4, 6, 8, 10, 30, 34, 100})
+                 : u < 0.58 ? rng.pick<int64_t>({258, 320, 384, 510, 512})  // section 9
+                            : 2 * rng.range(1, 128);
   }
-  draw_layout_options(c, rng);
+  draw_layout_options(c, rng, !cuda_rules);
+  if (c.normalize_v && c.op != Op::kQkvBackwardFp8) c.v_dim = rng.range(1, 160);
   if (c.op == Op::kQkvBackwardFp8) {
     if (cuda_rules) {
       // Dv in [1, 512]: about 70 % on the vector kernel's widths (multiples of 8 up to 256), the
@@ -358,6 +395,7 @@ void draw_rope(Case& c, Rng& rng, bool cuda_rules, bool cuda_outside, int64_t ma
     }
   }
   if (c.kv_heads != c.heads) c.kv_heads_zero = false;
+  if (!cuda_rules) draw_query_only(c, rng);
   if (c.cache) {
     const double p = rng.unit();
     c.cache_rows = p < 0.5 ? c.tokens + rng.range(0, 16) : rng.range(1, 64);
@@ -379,8 +417,9 @@ void draw_packed(Case& c, Rng& rng, bool cuda_rules, int64_t max_tokens) {
   const int64_t heads = rng.range(1, 8);
   c.heads = c.paired ? std::max<int64_t>(2, heads / 2 * 2) : heads;
   const int64_t unit = cuda_rules ? 16 : 2;
-  c.head_dim = cuda_rules ? 16 * rng.range(2, 16) : rng.pick<int64_t>({2, 6, 16, 34, 64, 100, 128});
-  draw_layout_options(c, rng);
+  c.head_dim = cuda_rules ? 16 * rng.range(2, 16)
+                          : rng.pick<int64_t>({2, 6, 16, 34, 64, 100, 128, 256, 512});
+  draw_layout_options(c, rng, !cuda_rules);
   c.v_dim = cuda_rules ? 16 * rng.range(1, 16) : rng.range(1, 160);
   c.channels = cuda_rules ? 16 * rng.range(1, 24) : rng.range(1, 300);
   const double t = rng.unit();
@@ -403,6 +442,7 @@ void draw_packed(Case& c, Rng& rng, bool cuda_rules, int64_t max_tokens) {
       if (c.v_dim == unit) break;
     }
   }
+  if (!cuda_rules) draw_query_only(c, rng);
   if (c.cache) c.cache_rows = std::max<int64_t>(1, c.tokens + rng.range(0, 8));
   c.bad_positions = 0;  // NaN rotary lanes would reach every element of the GEMMs' outputs
   c.joined_qkv = !c.paired && rng.chance(0.7);
@@ -446,6 +486,10 @@ void draw_quantize(Case& c, Rng& rng, bool cuda_rules, int64_t max_tokens) {
 
 /// Why the case lies outside what the CUDA backend documents it takes; empty if inside.
 std::string cuda_domain_problem(const Case& c) {
+  if (is_rope_op(c.op) && c.families_option()) {
+    return "an option of SPEC.md section 9 (D > 256, token_norm, query_only, normalize_v or no "
+           "angles: not yet on the CUDA backend)";
+  }
   if (c.op == Op::kPacked) {
     // fp8_gemm's rules: T, C and qkv_dim (with two GEMMs also QK and Hkv*Dv) multiples of 16.
     const bool ok = c.tokens % 16 == 0 && c.channels % 16 == 0 && c.qkv_dim() % 16 == 0 &&
@@ -623,7 +667,9 @@ void fill_angles(const Case& c, Rng& rng, Inputs& in) {
   static const AngleTable angles;
   const int64_t r = c.rotary_dim, half = r / 2;
   const auto angle = [&] { return size_t(rng.range(0, int64_t(angles.cos_values.size()) - 1)); };
-  if (!c.cache) {
+  if (!c.angles) {
+    // No angle source (SPEC.md section 9): nothing to fill.
+  } else if (!c.cache) {
     const int64_t width = c.factor_width();
     const int64_t count = c.tokens * width;
     std::vector<float> f1(size_t(count), 1.0f), f2(size_t(count), 0.0f);
@@ -693,11 +739,13 @@ void fill_angles(const Case& c, Rng& rng, Inputs& in) {
     if (!(kind == 0 ? c.q_weight : c.k_weight)) continue;
     // Around 1 (RMS * w), around 0 with an offset (Gemma's 1 + w).
     const float mean = c.weight_offset != 0.0f ? 0.0f : 1.0f;
-    const std::vector<uint16_t> noise = normal_bf16(rng, c.head_dim, c.head_dim, 0.5f, 0, 0);
-    std::vector<float> w(size_t(c.head_dim));
+    const int64_t width = c.weight_width(kind == 1);
+    const std::vector<uint16_t> noise = normal_bf16(rng, width, c.head_dim, 0.5f, 0, 0);
+    std::vector<float> w(static_cast<size_t>(width));
     for (size_t d = 0; d < w.size(); ++d) w[d] = mean + bf16_to_float(noise[d]);
     if ((c.specials & kFactors) && rng.chance(0.5)) plant_in_floats(rng, w, c.head_dim, c.head_dim, c.specials);
-    store_floats(kind == 0 ? in.q_weight : in.k_weight, c.weight_dtype, c.weight, w);
+    store_floats(kind == 0 ? in.q_weight : in.k_weight, c.weight_dtype,
+                 kind == 0 ? c.weight : c.weight_k, w);
   }
 }
 
@@ -768,6 +816,9 @@ RopeLayout Case::layout() const {
   layout.weight_offset = weight_offset;
   layout.paired = paired;
   layout.key_offset = key_offset;
+  layout.normalize_v = normalize_v;
+  layout.norm_scope = token_norm ? NormScope::kToken : NormScope::kHead;
+  layout.query_only = query_only;
   return layout;
 }
 
@@ -785,6 +836,9 @@ std::string Case::describe() const {
           << (joined_weight_grads ? ", one wgrad GEMM" : ", two wgrad GEMMs")
           << " qkv_scale=" << qkv_scale;
     }
+    if (normalize_v && op != Op::kQkvBackwardFp8 && op != Op::kPacked) out << " Dv=" << v_dim;
+    out << (token_norm ? " token-norm" : "") << (query_only ? " query-only" : "")
+        << (normalize_v ? " v-norm" : "") << (angles ? "" : " no-angles");
     out << (paired ? " paired" : key_offset ? " key_offset" : " plain")
         << (neox ? " neox" : " interleaved") << " r=" << rotary_dim
         << (rotary_default ? " (as -1)" : "");
@@ -810,7 +864,8 @@ std::string Case::describe() const {
     } else {
       out << "; factors " << factor.describe();
     }
-    if (q_weight || k_weight) out << "; weights " << weight.describe();
+    if (q_weight || k_weight) out << "; weights " << weight.describe() << ", " << weight_k.describe();
+    if (normalize_v) out << "; v " << v_in.describe();
     if (op != Op::kRopeForward) {
       out << "; grad_q " << grad_q.describe() << "; grad_k " << grad_k.describe();
     }
@@ -1058,13 +1113,22 @@ Inputs make_inputs(const Case& c) {
         grad.set_bf16(values);
       }
     }
-    if (c.op == Op::kQkvBackwardFp8 || c.op == Op::kPacked) {
-      std::vector<uint16_t> values = normal_bf16(rng, c.tokens * c.kv_heads * c.v_dim, c.v_dim,
-                                                 gradient_magnitude(c.scales[0]), -2, 2);
+    const bool fp8 = c.op == Op::kQkvBackwardFp8 || c.op == Op::kPacked;
+    if (fp8 || (c.normalize_v && c.op == Op::kRopeBackward)) {
+      // The gradient of the V the forward returns (v_out under the V norm).
+      const float magnitude = fp8 ? gradient_magnitude(c.scales[0]) : 1.0f;
+      std::vector<uint16_t> values =
+          normal_bf16(rng, c.tokens * c.kv_heads * c.v_dim, c.v_dim, magnitude, -2, 2);
       plant_specials(rng, values, c.v_dim, c.v_dim, c.specials, 9, 127);
       in.grad_v = HostBuffer(DType::kBFloat16, c.v);
       in.grad_v.set_bf16(values);
-      in.scale = scale_buffer(c.scales, c.scale_ndim);
+    }
+    if (fp8) in.scale = scale_buffer(c.scales, c.scale_ndim);
+    if (c.normalize_v) {
+      std::vector<uint16_t> v = normal_bf16(rng, c.tokens * c.kv_heads * c.v_dim, c.v_dim, 1.0f, -7, 7);
+      plant_specials(rng, v, c.v_dim, c.v_dim, c.specials, 16, 40);
+      in.v = HostBuffer(DType::kBFloat16, c.v_in);
+      in.v.set_bf16(v);
     }
     if (c.op == Op::kPacked) {
       const int64_t T = c.tokens, C = c.channels, F = c.qkv_dim();

@@ -128,13 +128,19 @@ ref::Rope model_rope(const Case& c) {
   rope.normalize = c.normalize;
   rope.eps = double(c.eps);
   rope.weight_offset = double(c.weight_offset);
+  rope.token_norm = c.token_norm;
+  rope.query_only = c.query_only;
+  rope.normalize_v = c.normalize_v;
+  rope.angles = c.angles;
   return rope;
 }
 
 ref::RopeTensors model_tensors(const Case& c, const Inputs& in) {
   ref::RopeTensors tensors;
   tensors.cache = c.cache;
-  if (c.cache) {
+  if (!c.angles) {
+    // No angle source (SPEC.md section 9): the model's rope.angles says so.
+  } else if (c.cache) {
     tensors.cache_rows = c.cache_rows;
     tensors.cos_sin = in.cos_sin.get_values();
     tensors.positions = in.positions.get_ints();
@@ -145,6 +151,33 @@ ref::RopeTensors model_tensors(const Case& c, const Inputs& in) {
   if (c.q_weight) tensors.q_weight = in.q_weight.get_values();
   if (c.k_weight) tensors.k_weight = in.k_weight.get_values();
   return tensors;
+}
+
+/// The relative row noise of a case's rope rows: kRowNoise, grown with the square root of the
+/// values one RMS sums beyond 256 (a token-wide norm sums thousands, D up to 512): the rounding
+/// of that sum moves the whole row.
+double row_noise_of(const Case& c) {
+  const int64_t values = c.token_norm ? std::max(c.heads, c.kv_heads) * c.head_dim : c.head_dim;
+  return kRowNoise * std::max(1.0, std::sqrt(double(values) / 256.0));
+}
+
+/// The same for the V norm's rows of Dv values.
+double v_row_noise_of(const Case& c) {
+  return kRowNoise * std::max(1.0, std::sqrt(double(c.v_dim) / 256.0));
+}
+
+/// The V norm's gradient of a case (its input v and the gradient grad_v of v_out).
+ref::VNormGradients model_v_gradients(const Case& c, const Inputs& in) {
+  return ref::v_norm_gradients(c.tokens * c.kv_heads, c.v_dim, double(c.eps), in.v.get_values(),
+                               in.grad_v.get_values());
+}
+
+/// grad_row's values before the e4m3 cast (ref::qkv_backward_values of the case's inputs).
+std::vector<double> model_grad_row_values(const Case& c, const Inputs& in) {
+  return ref::qkv_backward_values(model_rope(c), c.v_dim, in.grad_q.get_values(),
+                                  in.grad_k.get_values(), in.grad_v.get_values(),
+                                  in.qk.get_values(), model_tensors(c, in),
+                                  c.normalize_v ? in.v.get_values() : std::vector<double>{});
 }
 
 /// The model's gradients of a backward case (its term scales: the rounding scale of dx per input
@@ -181,16 +214,15 @@ void compare_bf16_gpu(Findings& findings, const std::string& what, const std::ve
 }
 
 std::vector<double> feature_noise(const Case& c, const std::vector<double>& values,
-                                  const std::vector<double>& term_scale);
+                                  const std::vector<double>& term_scale,
+                                  const std::vector<double>& v_term_scale = {});
 
 /// For a zero grad_scale: which Q/K features of the float64 model are test::zero_scale_ambiguous
 /// (NaN on one backend and +-448 on the other are both right there). Empty for any other scale.
 std::vector<bool> zero_scale_ambiguity(const Case& c, const Inputs& in,
                                        const std::vector<double>& term_scale) {
   if (c.scales[0] != 0.0f) return {};
-  const std::vector<double> values = ref::qkv_backward_values(
-      model_rope(c), c.v_dim, in.grad_q.get_values(), in.grad_k.get_values(),
-      in.grad_v.get_values(), in.qk.get_values(), model_tensors(c, in));
+  const std::vector<double> values = model_grad_row_values(c, in);
   const std::vector<double> noise = feature_noise(c, values, term_scale);
   std::vector<bool> ambiguous(values.size());
   for (size_t i = 0; i < values.size(); ++i) {
@@ -200,8 +232,8 @@ std::vector<bool> zero_scale_ambiguity(const Case& c, const Inputs& in,
 }
 
 /// grad_row [T][qkv_dim], GPU against CPU (test_cuda_qkv_backward_fp8.cpp's rule): V features
-/// exact, Q/K within one step or the row noise, NaN where the CPU has NaN (or, for a zero scale,
-/// where zero_scale_ambiguity allows it).
+/// exact (computed ones, under the V norm, as Q/K), Q/K within one step or the row noise, NaN
+/// where the CPU has NaN (or, for a zero scale, where zero_scale_ambiguity allows it).
 void compare_grad_row_gpu(Findings& findings, const Case& c, const std::vector<uint8_t>& gpu,
                           const std::vector<uint8_t>& cpu, const std::vector<double>& term_scale,
                           const std::vector<bool>& ambiguous) {
@@ -213,7 +245,10 @@ void compare_grad_row_gpu(Findings& findings, const Case& c, const std::vector<u
   const int64_t qkv = c.qkv_dim();
   for (int64_t t = 0; t < c.tokens; ++t) {
     for (int64_t row = 0; row < qk_rows + c.kv_heads; ++row) {
-      const bool qk_row = row < qk_rows;
+      // Rows the backward computes: Q/K, and V under the V norm (its rows' term scale is not
+      // tracked here: their row noise covers them).
+      const bool qk_row = row < qk_rows || c.normalize_v;
+      const bool term_row = row < qk_rows;
       const int64_t begin = qk_row ? row * c.head_dim : qk_features + (row - qk_rows) * c.v_dim;
       const int64_t end = begin + (qk_row ? c.head_dim : c.v_dim);
       double row_max = 0;
@@ -221,7 +256,7 @@ void compare_grad_row_gpu(Findings& findings, const Case& c, const std::vector<u
         const double v = std::fabs(double(e4m3_to_float(cpu[size_t(t * qkv + f)])));
         if (std::isfinite(v)) row_max = std::max(row_max, v);
       }
-      if (qk_row && scale_usable) {
+      if (term_row && scale_usable) {
         row_max = std::max(row_max, term_scale[size_t(t * qk_rows + row)] / scale);
       }
       for (int64_t f = begin; f < end; ++f) {
@@ -231,7 +266,7 @@ void compare_grad_row_gpu(Findings& findings, const Case& c, const std::vector<u
         if (a == kPoisonE4M3) {
           ++tally.unwritten;
           continue;
-        } else if (qk_row && !ambiguous.empty() && ambiguous[i] &&
+        } else if (term_row && !ambiguous.empty() && ambiguous[i] &&
                    (e4m3_nan(a) || e4m3_nan(b)) && (a & 0x7f) >= 0x7e && (b & 0x7f) >= 0x7e) {
           ++tally.in_noise;  // zero scale: NaN against +-448 where the value is within noise of 0
         } else if (e4m3_nan(a) || e4m3_nan(b)) {
@@ -270,10 +305,15 @@ std::vector<double> float_values(const Output& out) {
   return values;
 }
 
-/// The tolerance of a weight gradient against the exact sum: a float32 sum of the model's terms.
-std::vector<double> weight_tolerance(const ref::RopeGradients& model, int kind) {
-  return test::fp32_sum_tolerance(kind ? model.k_weight_magnitude : model.q_weight_magnitude,
-                                  kind ? model.k_weight_terms : model.q_weight_terms);
+/// The tolerance of a weight gradient against the exact sum: a float32 sum of the model's terms,
+/// each carrying n, whose rstd sums the RMS's squares (row_noise_of's share of each term).
+std::vector<double> weight_tolerance(const Case& c, const ref::RopeGradients& model, int kind) {
+  const std::vector<double>& magnitude = kind ? model.k_weight_magnitude : model.q_weight_magnitude;
+  std::vector<double> tolerance =
+      test::fp32_sum_tolerance(magnitude, kind ? model.k_weight_terms : model.q_weight_terms);
+  const double norm_noise = row_noise_of(c) / kRowNoise * std::ldexp(1.0, -20);
+  for (size_t i = 0; i < tolerance.size(); ++i) tolerance[i] += norm_noise * magnitude[i];
+  return tolerance;
 }
 
 /// The norm weights' gradients GPU against CPU: both within a float32 sum's error of the exact
@@ -286,7 +326,7 @@ void compare_weight_grads_gpu(Findings& findings, const Case& c, const std::vect
     const Output& g = find_output(gpu, name);
     const Output& h = find_output(cpu, name);
     const std::vector<double> a = float_values(g), b = float_values(h);
-    const std::vector<double> tolerance = weight_tolerance(model, kind);
+    const std::vector<double> tolerance = weight_tolerance(c, model, kind);
     for (size_t d = 0; d < a.size(); ++d) {
       const bool bf16 = c.weight_dtype == DType::kBFloat16;
       const bool unwritten = bf16 ? as_u16(g.bytes)[d] == kPoisonBF16 : as_f32(g.bytes)[d] == kPoisonF32;
@@ -463,12 +503,21 @@ void compare_gpu_cpu(Findings& findings, const Case& c, const Inputs& in,
         compare_bf16_gpu(findings, name, as_u16(find_output(gpu, name).bytes),
                          as_u16(find_output(cpu, name).bytes), c.head_dim);
       }
+      if (c.normalize_v) {
+        compare_bf16_gpu(findings, "v_out", as_u16(find_output(gpu, "v_out").bytes),
+                         as_u16(find_output(cpu, "v_out").bytes), c.v_dim);
+      }
       return;
     case Op::kRopeBackward: {
       const ref::RopeGradients model = model_gradients(c, in);
       compare_bf16_gpu(findings, "grad_qk", as_u16(find_output(gpu, "grad_qk").bytes),
                        as_u16(find_output(cpu, "grad_qk").bytes), c.head_dim, model.term_scale);
       compare_weight_grads_gpu(findings, c, gpu, cpu, model);
+      if (c.normalize_v) {
+        compare_bf16_gpu(findings, "grad_v", as_u16(find_output(gpu, "grad_v").bytes),
+                         as_u16(find_output(cpu, "grad_v").bytes), c.v_dim,
+                         model_v_gradients(c, in).term_scale);
+      }
       return;
     }
     case Op::kQkvBackwardFp8: {
@@ -503,6 +552,10 @@ void compare_gpu_cpu(Findings& findings, const Case& c, const Inputs& in,
         compare_bf16_gpu(findings, std::string(name) + " (on the GPU's qk)",
                          as_u16(find_output(gpu, name).bytes), as_u16(find_output(rope, name).bytes),
                          c.head_dim);
+      }
+      if (c.normalize_v) {
+        compare_bf16_gpu(findings, "v_out (on the GPU's v)", as_u16(find_output(gpu, "v_out").bytes),
+                         as_u16(find_output(rope, "v_out").bytes), c.v_dim);
       }
       // Backward: the FP8 gradient from identical inputs, the GEMMs from the GPU's own gradient.
       const std::vector<uint8_t>& row = find_output(gpu, "grad_row").bytes;
@@ -570,8 +623,11 @@ std::vector<double> finite_row_noise(const std::vector<double>& values, int64_t 
 /// The row noise of grad_row's Q/K features (per head row of D, widened to the backward's term
 /// scale), 0 for V features.
 std::vector<double> feature_noise(const Case& c, const std::vector<double>& values,
-                                  const std::vector<double>& term_scale) {
-  return test::qkv_feature_noise(model_rope(c), c.v_dim, values, kRowNoise, term_scale);
+                                  const std::vector<double>& term_scale,
+                                  const std::vector<double>& v_term_scale) {
+  return test::qkv_feature_noise(model_rope(c), c.v_dim, values,
+                                 std::max(row_noise_of(c), v_row_noise_of(c)), term_scale,
+                                 v_term_scale);
 }
 
 void add_comparison(Findings& findings, const test::Comparison& comparison) {
@@ -606,7 +662,7 @@ void compare_weight_grads_model(Findings& findings, const Case& c, const std::ve
     const std::string name = kind ? "grad_k_weight" : "grad_q_weight";
     const Output& out = find_output(cpu, name);
     const std::vector<double>& want = kind ? model.grad_k_weight : model.grad_q_weight;
-    const std::vector<double> tolerance = weight_tolerance(model, kind);
+    const std::vector<double> tolerance = weight_tolerance(c, model, kind);
     if (c.weight_dtype == DType::kBFloat16) {
       add_comparison(findings, test::compare_bf16(name + " [cpu vs model]", as_u16(out.bytes), want,
                                                   tolerance));
@@ -621,17 +677,18 @@ void compare_weight_grads_model(Findings& findings, const Case& c, const std::ve
 /// exact, grad_t the transpose.
 void compare_grad_row_model(Findings& findings, const Case& c, const Inputs& in,
                             const std::vector<Output>& cpu, const ref::RopeGradients& model) {
-  const std::vector<double> values = ref::qkv_backward_values(
-      model_rope(c), c.v_dim, in.grad_q.get_values(), in.grad_k.get_values(),
-      in.grad_v.get_values(), in.qk.get_values(), model_tensors(c, in));
-  const std::vector<double> noise = feature_noise(c, values, model.term_scale);
+  const std::vector<double> values = model_grad_row_values(c, in);
+  const std::vector<double> noise = feature_noise(
+      c, values, model.term_scale,
+      c.normalize_v ? model_v_gradients(c, in).term_scale : std::vector<double>{});
   const float scale = c.scales[0];
   const std::vector<uint8_t>& row = find_output(cpu, "grad_row").bytes;
   const std::vector<uint8_t>& t = find_output(cpu, "grad_t").bytes;
   check_poison_e4m3(findings, "grad_row", row);
   add_comparison(findings, test::compare_e4m3("grad_row [cpu vs model]", row, values, scale, noise));
   compare_bytes(findings, "grad_t vs grad_row^T", t, transposed(row, 1, c.tokens, c.qkv_dim()));
-  // V features: no arithmetic but the fp32 division, so exact.
+  // V features: no arithmetic but the fp32 division, so exact (the V norm's are computed).
+  if (c.normalize_v) return;
   int64_t v_bad = 0;
   for (int64_t token = 0; token < c.tokens; ++token) {
     for (int64_t f = c.qk_features(); f < c.qkv_dim(); ++f) {
@@ -683,7 +740,18 @@ void compare_packed_model(Findings& findings, const Case& c, const Inputs& in,
     const std::vector<double>& values = name[0] == 'q' ? want.q : want.k;
     const std::vector<uint16_t> got = as_u16(find_output(cpu, name).bytes);
     add_comparison(findings, test::compare_bf16(std::string(name) + " [cpu vs model of its qk]", got,
-                                                values, finite_row_noise(values, c.head_dim, kRowNoise)));
+                                                values, finite_row_noise(values, c.head_dim, row_noise_of(c))));
+  }
+  if (c.normalize_v) {
+    // v_out from the op's own raw V (the GEMM's V columns).
+    std::vector<double> v;
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t f = QK; f < F; ++f) v.push_back(bf16_to_float(qkv[size_t(t * F + f)]));
+    }
+    const std::vector<double> want_v = ref::v_norm_forward(T * c.kv_heads, c.v_dim, double(c.eps), v);
+    add_comparison(findings, test::compare_bf16("v_out [cpu vs model of its v]",
+                                                as_u16(find_output(cpu, "v_out").bytes), want_v,
+                                                finite_row_noise(want_v, c.v_dim, v_row_noise_of(c))));
   }
   // Backward: the FP8 gradient and the norm weights' gradients against the model, the GEMMs
   // against the float64 GEMMs of the op's own FP8 gradient.
@@ -722,7 +790,15 @@ void compare_cpu_model(Findings& findings, const Case& c, const Inputs& in,
         const std::vector<uint16_t> got = as_u16(find_output(cpu, name).bytes);
         check_poison_bf16(findings, name, got);
         add_comparison(findings, test::compare_bf16(std::string(name) + " [cpu vs model]", got, values,
-                                                    finite_row_noise(values, c.head_dim, kRowNoise)));
+                                                    finite_row_noise(values, c.head_dim, row_noise_of(c))));
+      }
+      if (c.normalize_v) {
+        const std::vector<double> want =
+            ref::v_norm_forward(c.tokens * c.kv_heads, c.v_dim, double(c.eps), in.v.get_values());
+        const std::vector<uint16_t> got = as_u16(find_output(cpu, "v_out").bytes);
+        check_poison_bf16(findings, "v_out", got);
+        add_comparison(findings, test::compare_bf16("v_out [cpu vs model]", got, want,
+                                                    finite_row_noise(want, c.v_dim, v_row_noise_of(c))));
       }
       return;
     }
@@ -730,10 +806,18 @@ void compare_cpu_model(Findings& findings, const Case& c, const Inputs& in,
     if (c.op == Op::kRopeBackward) {
       const std::vector<uint16_t> got = as_u16(find_output(cpu, "grad_qk").bytes);
       check_poison_bf16(findings, "grad_qk", got);
-      std::vector<double> noise = finite_row_noise(model.grad_qk, c.head_dim, kRowNoise);
-      test::widen_by_terms(noise, model.term_scale, c.head_dim, kRowNoise);
+      std::vector<double> noise = finite_row_noise(model.grad_qk, c.head_dim, row_noise_of(c));
+      test::widen_by_terms(noise, model.term_scale, c.head_dim, row_noise_of(c));
       add_comparison(findings, test::compare_bf16("grad_qk [cpu vs model]", got, model.grad_qk, noise));
       compare_weight_grads_model(findings, c, cpu, model);
+      if (c.normalize_v) {
+        const ref::VNormGradients want = model_v_gradients(c, in);
+        const std::vector<uint16_t> dv = as_u16(find_output(cpu, "grad_v").bytes);
+        check_poison_bf16(findings, "grad_v", dv);
+        std::vector<double> v_noise = finite_row_noise(want.grad_v, c.v_dim, v_row_noise_of(c));
+        test::widen_by_terms(v_noise, want.term_scale, c.v_dim, v_row_noise_of(c));
+        add_comparison(findings, test::compare_bf16("grad_v [cpu vs model]", dv, want.grad_v, v_noise));
+      }
       return;
     }
     compare_grad_row_model(findings, c, in, cpu, model);
@@ -940,12 +1024,21 @@ int run(int argc, char** argv) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
   int64_t done = 0, mismatches = 0, refused = 0, accepted_outside = 0, with_specials = 0;
+  // SPEC.md section 9's options drawn: D > 256, token norm, query-only, the V norm, no angles.
+  int64_t wide = 0, token_norm = 0, query_only = 0, v_norm = 0, no_angles = 0;
   int64_t per_op[kOpCount] = {};
   int64_t rope_vector = 0, rope_generic = 0;  // by Case::vector_path
   for (int64_t k = first; k < first + count; ++k) {
     const Case c = draw_case(options, k);
     ++per_op[int(c.op)];
     with_specials += c.specials != 0;
+    if (is_rope_op(c.op)) {
+      wide += c.head_dim > 256;
+      token_norm += c.token_norm;
+      query_only += c.query_only;
+      v_norm += c.normalize_v;
+      no_angles += !c.angles;
+    }
     if (is_rope_op(c.op)) ++(c.vector_path ? rope_vector : rope_generic);
     Verdict verdict;
     try {
@@ -977,6 +1070,10 @@ int run(int argc, char** argv) {
   std::printf("cases by op:");
   for (int op = 0; op < kOpCount; ++op) std::printf(" %s %lld;", op_name(Op(op)), (long long)per_op[op]);
   std::printf(" with special values %lld", (long long)with_specials);
+  std::printf("; section 9 options: D > 256 %lld, token norm %lld, query-only %lld, V norm %lld, "
+              "no angles %lld",
+              (long long)wide, (long long)token_norm, (long long)query_only, (long long)v_norm,
+              (long long)no_angles);
   if (!options.cpu_only) {
     std::printf("; rope ops on the CUDA vector path %lld, generic path %lld", (long long)rope_vector,
                 (long long)rope_generic);

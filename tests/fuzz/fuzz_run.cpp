@@ -126,7 +126,9 @@ std::vector<Output> run_case(const Case& c, const Inputs& in, Memory& memory) {
   // The layout: the case's options and its tensors on this memory.
   const auto layout = [&] {
     RopeLayout l = c.layout();
-    if (c.cache) {
+    if (!c.angles) {
+      // No angle source (SPEC.md section 9).
+    } else if (c.cache) {
       l.cos_sin = memory.input(in.cos_sin);
       l.positions = memory.input(in.positions);
     } else {
@@ -139,10 +141,12 @@ std::vector<Output> run_case(const Case& c, const Inputs& in, Memory& memory) {
   };
   // The norm weights' gradients, present exactly when the weights are.
   const auto weight_grads = [&](TensorView& grad_q_weight, TensorView& grad_k_weight) {
-    if (c.q_weight) grad_q_weight = output("grad_q_weight", c.weight_dtype, {c.head_dim});
-    if (c.k_weight) grad_k_weight = output("grad_k_weight", c.weight_dtype, {c.head_dim});
+    if (c.q_weight) grad_q_weight = output("grad_q_weight", c.weight_dtype, {c.weight_width(false)});
+    if (c.k_weight) grad_k_weight = output("grad_k_weight", c.weight_dtype, {c.weight_width(true)});
   };
   const int64_t heads2 = c.input_heads();
+  // The V norm's tensors (SPEC.md section 9): v's shape.
+  const std::vector<int64_t> v_shape = {c.tokens, c.kv_heads, c.v_dim};
 
   switch (c.op) {
     case Op::kRopeForward: {
@@ -152,6 +156,10 @@ std::vector<Output> run_case(const Case& c, const Inputs& in, Memory& memory) {
       p.k = output("k", bf16, {c.out_tokens(), c.k_out_heads(), c.head_dim});
       p.layout = layout();
       p.stream = stream;
+      if (c.normalize_v) {
+        p.v = memory.input(in.v);
+        p.v_out = output("v_out", bf16, v_shape);
+      }
       qk_norm_rope(p);
       break;
     }
@@ -164,6 +172,11 @@ std::vector<Output> run_case(const Case& c, const Inputs& in, Memory& memory) {
       weight_grads(p.grad_q_weight, p.grad_k_weight);
       p.layout = layout();
       p.stream = stream;
+      if (c.normalize_v) {
+        p.grad_v_out = memory.input(in.grad_v);
+        p.v = memory.input(in.v);
+        p.grad_v = output("grad_v", bf16, v_shape);
+      }
       const int64_t workspace = backward_workspace_size(p);
       if (workspace > 0) p.workspace = output("workspace", DType::kFloat32, {workspace});
       qk_norm_rope_backward(p);
@@ -181,6 +194,7 @@ std::vector<Output> run_case(const Case& c, const Inputs& in, Memory& memory) {
       weight_grads(p.grad_q_weight, p.grad_k_weight);
       p.layout = layout();
       p.stream = stream;
+      if (c.normalize_v) p.v = memory.input(in.v);
       const int64_t workspace = backward_workspace_size(p);
       if (workspace > 0) p.workspace = output("workspace", DType::kFloat32, {workspace});
       qkv_backward_fp8(p);
@@ -218,6 +232,7 @@ std::vector<Output> run_case(const Case& c, const Inputs& in, Memory& memory) {
       f.k = output("k", bf16, {c.out_tokens(), c.k_out_heads(), c.head_dim});
       f.layout = layout();
       f.stream = stream;
+      if (c.normalize_v) f.v_out = output("v_out", bf16, v_shape);
       packed_qkv_forward(f);
 
       PackedQkvBackwardParams b;
@@ -249,6 +264,7 @@ std::vector<Output> run_case(const Case& c, const Inputs& in, Memory& memory) {
       b.grad_qkv_scale = output("grad_qkv_scale", DType::kFloat32, {});
       b.layout = f.layout;
       b.stream = stream;
+      if (c.normalize_v) b.v = memory.input(in.v);
       const int64_t workspace = backward_workspace_size(b);
       if (workspace > 0) b.rope_workspace = output("workspace", DType::kFloat32, {workspace});
       packed_qkv_backward(b);

@@ -116,8 +116,13 @@ def packed_backward(grad_q, grad_k, grad_v, qk, factor1, factor2, x_f8, weight_f
 
 def rope(qk, num_heads, num_kv_heads=None, rotary_dim=None, rotary_style="interleaved",
          normalize=True, eps=EPS, weight_offset=0.0, paired=False, key_offset=False, factor1=None,
-         factor2=None, cos_sin=None, positions=None, q_weight=None, k_weight=None):
-    """SPEC.md section 8 in float64, differentiable in qk and the weights: (q, k).
+         factor2=None, cos_sin=None, positions=None, q_weight=None, k_weight=None,
+         norm_scope="head", query_only=False):
+    """SPEC.md sections 8 and 9 in float64, differentiable in qk and the weights: (q, k).
+
+    norm_scope "token": one RMS over each token's query heads and one over its key heads, the
+    weights [H * D] of the kind; query_only: qk holds the query heads alone (k is [T, 0, D]);
+    no factor tables and no cos_sin: nothing rotates.
 
     The cos/sin path is written as the rotation itself (interleaved: the pairs (2i, 2i+1), as
     GPT-J's rotate_every_two; NeoX: the halves of the rotary lanes, as Hugging Face's rotate_half),
@@ -125,18 +130,29 @@ def rope(qk, num_heads, num_kv_heads=None, rotary_dim=None, rotary_style="interl
     over the table's rows ([T, H/2, 2D] views when paired, reshaped to [2T, H/2, D] after)."""
     x = qk.double()
     tokens, _, dim = x.shape
-    kv = num_heads if num_kv_heads is None else num_kv_heads
+    kv = 0 if query_only else num_heads if num_kv_heads is None else num_kv_heads
+    has_angles = cos_sin is not None or factor1 is not None
     if rotary_dim is None:
-        rotary_dim = dim if cos_sin is None else cos_sin.shape[1]
+        rotary_dim = 0 if not has_angles else dim if cos_sin is None else cos_sin.shape[1]
     r, half = rotary_dim, rotary_dim // 2
-    n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) if normalize else x
+
+    def norm(part):
+        if not normalize:
+            return part
+        # The mean over a head row, or over a token's rows of this kind.
+        over = (-1,) if norm_scope == "head" else (-2, -1)
+        return part * torch.rsqrt(part.pow(2).mean(over, keepdim=True) + eps)
 
     def weigh(part, weight):
-        return part if weight is None else part * (weight.double() + weight_offset)
+        if weight is None:
+            return part
+        return part * (weight.double().reshape(-1, dim) + weight_offset)
 
-    q, k = weigh(n[:, :num_heads], q_weight), weigh(n[:, num_heads:], k_weight)
+    q, k = weigh(norm(x[:, :num_heads]), q_weight), weigh(norm(x[:, num_heads:]), k_weight)
 
     def rotate(part):
+        if not has_angles:
+            return part
         if cos_sin is not None:
             angles = cos_sin.double()[positions.long()][:, None]  # [T, 1, r]
             cos, sin = angles[..., :half], angles[..., half:]
@@ -171,6 +187,12 @@ def rope(qk, num_heads, num_kv_heads=None, rotary_dim=None, rotary_style="interl
         previous = torch.cat((k[:1], k[:-1]), dim=0)  # token 0 keeps its own
         k_out = torch.cat((k_out[..., :r], previous[..., r:]), dim=-1)
     return q_out, k_out
+
+
+def v_norm(v, eps=EPS):
+    """SPEC.md section 9's V norm in float64: v * rsqrt(mean(v^2) + eps) per head row."""
+    v = v.double()
+    return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def rope_grads(grad_q, grad_k, qk, **layout):

@@ -9,6 +9,7 @@ import torch
 import qkvfuse
 from conftest import DEVICES, raw_bytes
 from packed_problem import LAYOUT_CASES, LAYOUTS, Problem
+from qkvfuse.rotary import rotary_cos_sin
 
 BF16 = torch.bfloat16
 ALL_LAYOUTS = {**{name: (layout, None) for name, layout in LAYOUTS.items()}, **LAYOUT_CASES}
@@ -161,3 +162,90 @@ def test_compiled_fullgraph_equals_eager(device, name, dynamic):
     compiled_fn = torch.compile(current, fullgraph=True, dynamic=dynamic, backend="aot_eager")
     compiled, _ = run(compiled_fn, p, grads_out=grads_out)
     assert_same_bits(compiled, eager)
+
+
+# ---- SPEC.md section 9's options (the families' FP8 path in the transformers integration) -----
+
+def section9_call(variant):
+    """(x, weight, q_weight, k_weight as fresh leaves, Hq, D, layout keywords) of a small call
+    with one option of section 9: the V norm, query_only (the weight's Q rows alone), the
+    token-wide norm (weights [H * D]) or no angles."""
+    query_only, token = variant == "query_only", variant == "token_norm"
+    tokens, channels, heads, kv, dim = 16, 32, 4, 0 if query_only else 2, 16
+    x = torch.randn(tokens, channels).to(BF16).requires_grad_()
+    weight = (torch.randn((heads + 2 * kv) * dim, channels) * 0.05).to(BF16).requires_grad_()
+    q_weight = (1 + 0.2 * torch.randn(heads * dim if token else dim)).requires_grad_()
+    k_weight = None if query_only else (
+        1 + 0.2 * torch.randn(kv * dim if token else dim)).requires_grad_()
+    angles = variant != "no_angles"
+    kwargs = dict(num_kv_heads=None if query_only else kv, rotary_style="neox",
+                  q_weight=q_weight, k_weight=k_weight, eps=1e-6,
+                  cos_sin=rotary_cos_sin(tokens, dim, dtype=torch.float32) if angles else None,
+                  positions=torch.arange(tokens) if angles else None,
+                  normalize_v=variant == "v_norm", norm_scope="token" if token else "head",
+                  query_only=query_only)
+    return x, weight, heads, dim, kwargs
+
+
+def section9_by_hand(x, weight, heads, dim, kwargs):
+    """by_hand's composition for section9_call's layouts (k, v empty with query_only: the
+    gradient scale from the gradients that exist)."""
+    rows = (heads + (0 if kwargs["query_only"] else kwargs["num_kv_heads"])) * dim
+    qk_weight, v_weight = weight[:rows], weight[rows:]
+    x_scale = (x.detach().abs().amax().float() / 448).clamp_min(2.0**-100)
+    x_f8, x_f8_t = qkvfuse.quantize_dual_layout(x.detach(), x_scale)
+    cache = qkvfuse.PackedWeightCache([(qk_weight.detach(), v_weight.detach())])[0]
+    grad_scale = torch.empty((), dtype=torch.float32)
+    outputs = qkvfuse.packed_fp8_qkv(
+        x, qk_weight, v_weight, cache.weight_f8, cache.weight_f8_t, cache.weight_scale,
+        torch.ones(()), x_scale, grad_scale, None, None, heads, False, False, None, x_f8, x_f8_t,
+        **kwargs)
+
+    def hook(grads):
+        amax = max(g.abs().amax().float() for g in grads)
+        grad_scale.copy_((amax / (448 / 4.0)).clamp_min(2.0**-100))
+
+    # On the outputs the backward reaches: query_only's q alone (its k and v are empty), through
+    # a tensor hook (torch's multi-grad hook of one tensor did not fire here).
+    present = [t for t in outputs if t.numel()]
+    if len(present) == 1:
+        present[0].register_hook(lambda grad: hook([grad]))
+    else:
+        torch.autograd.graph.register_multi_grad_hook(present, hook)
+    return outputs
+
+
+@pytest.mark.parametrize("variant", ["v_norm", "query_only", "token_norm", "no_angles"])
+def test_section9_options_equal_the_ops_composed_by_hand(variant):
+    """The options the families need (Gemma 4's V norm and KV-shared layers, OLMo's token-wide
+    norm, SmolLM3's NoPE layers): the same bits as packed_fp8_qkv with the scales computed by
+    hand, which test_families_ops.py checks against float64; forward, and the gradients of x,
+    the weight and the norm weights."""
+    results = []
+    grads_out = None
+    for fn in (section9_by_hand, lambda x, w, h, d, kw: qkvfuse.packed_fp8_qkv_current_scaling(
+            x, w, h, d, **kw)):
+        torch.manual_seed(3)  # the same inputs for both
+        x, weight, heads, dim, kwargs = section9_call(variant)
+        outputs = fn(x, weight, heads, dim, kwargs)
+        if grads_out is None:
+            grads_out = [torch.randn_like(t) for t in outputs]
+        torch.autograd.backward([t for t in outputs if t.numel()],
+                                [g for g in grads_out if g.numel()])
+        leaves = [x, weight, kwargs["q_weight"], kwargs["k_weight"]]
+        results.append([t.detach() for t in outputs] +
+                       [t.grad for t in leaves if t is not None])
+    mine, want = results[1], results[0]
+    assert_same_bits(mine, want)
+    if variant == "query_only":
+        assert mine[1].shape == (16, 0, 16) and mine[2].shape == (16, 0, 16)
+
+
+def test_section9_weight_errors_name_the_layout():
+    x, weight, heads, dim, kwargs = section9_call("query_only")
+    with pytest.raises(RuntimeError, match=r"weight: expected a contiguous torch.bfloat16 tensor "
+                                           r"\[Hq \* D, C\] = \[64, C\] \(query_only: the query "
+                                           r"rows alone\).* got torch.bfloat16 of shape "
+                                           r"\[80, 32\]"):
+        qkvfuse.packed_fp8_qkv_current_scaling(
+            x, torch.cat((weight, weight[:16])).detach(), heads, dim, **kwargs)

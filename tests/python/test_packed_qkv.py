@@ -26,7 +26,7 @@ REFERENCE_ARGUMENTS = [
 
 # The general layout's options: keyword-only, after the reference's arguments.
 OPTIONS = ["num_kv_heads", "rotary_style", "normalize", "q_weight", "k_weight", "weight_offset",
-           "eps", "cos_sin", "positions"]
+           "eps", "cos_sin", "positions", "normalize_v", "norm_scope", "query_only"]
 
 
 def test_argument_order_is_the_reference_order():

@@ -248,17 +248,27 @@ def test_environment_variable_checks_every_call(bad, check, expected):
 
 # ---- the binding's description of the layout ----------------------------------------------------
 
-ROPE_OPS = ["qk_norm_rope", "qk_norm_rope_backward", "qkv_backward_fp8", "packed_qkv_forward",
-            "packed_qkv_backward"]
+ROPE_OPS = ["qk_norm_rope", "qk_norm_rope_backward", "qkv_norm_rope", "qkv_norm_rope_backward",
+            "qkv_backward_fp8", "packed_qkv_forward", "packed_qkv_backward"]
+# The ops whose schema has an argument of its own after the layout: the V norm's saved input.
+TRAILING = {"qkv_backward_fp8": ["v"], "packed_qkv_backward": ["v"]}
 
 
 @pytest.mark.parametrize("op", ROPE_OPS)
 def test_every_rope_schema_ends_with_the_layout(op):
     """One description: each rope op's schema ends with RopeLayout's fields, in order, the
-    tensors optional."""
+    tensors optional (then only the op's own trailing optional v); the fields of SPEC.md
+    section 9 and v have defaults, so calls written before them still work."""
     arguments = getattr(torch.ops.qkvfuse, op).default._schema.arguments
-    tail = arguments[len(arguments) - len(RopeLayout._fields):]
+    trailing = TRAILING.get(op, [])
+    assert [a.name for a in arguments[len(arguments) - len(trailing):]] == trailing
+    for a in arguments[len(arguments) - len(trailing):]:
+        assert str(a.type) == "Optional[Tensor]" and a.default_value is None
+    fragment = arguments[:len(arguments) - len(trailing)]
+    tail = fragment[len(fragment) - len(RopeLayout._fields):]
     assert [a.name for a in tail] == list(RopeLayout._fields)
+    defaults = {a.name: a.default_value for a in tail if a.has_default_value()}
+    assert defaults == {"normalize_v": False, "norm_scope": "head", "query_only": False}
     types = {a.name: str(a.type) for a in tail}
     for name in ("factor1", "factor2", "cos_sin", "positions", "q_weight", "k_weight"):
         assert types[name] == "Optional[Tensor]", (name, types[name])

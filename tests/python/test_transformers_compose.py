@@ -69,6 +69,10 @@ MODELING = {
     "gemma3": "transformers.models.gemma3.modeling_gemma3",
     "llama": "transformers.models.llama.modeling_llama",
     "mistral": "transformers.models.mistral.modeling_mistral",
+    # Families of SPEC.md section 9 that Liger-Kernel patches (test_transformers_families.py).
+    "gemma4": "transformers.models.gemma4.modeling_gemma4",
+    "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next",
+    "olmo3": "transformers.models.olmo3.modeling_olmo3",
 }
 
 
@@ -76,7 +80,7 @@ MODELING = {
 
 def liger_patch(family):
     """Liger-Kernel's patch function for the family (apply_liger_kernel_to_<family>)."""
-    name = "gemma3_text" if family == "gemma3" else family
+    name = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}.get(family, family)
     return getattr(LIGER, f"apply_liger_kernel_to_{name}")
 
 

@@ -18,6 +18,16 @@ Supported (the attention modules' classes, matched exactly; SPEC.md section 8 ha
 
 * or Liger-Kernel's LigerRMSNorm, with the settings it carries (see "What it composes with").
 
+and the families of SPEC.md section 9 (transformers_families.py; docs/families.md):
+
+| family | attention class | qkvfuse layout (what stays the model's own code) |
+| --- | --- | --- |
+| Gemma 4 (text) | Gemma4TextAttention | RMS * w, V norm, D 256 / 512, k_eq_v (V from the key rows), KV-shared layers query-only (the sharing of K and V) |
+| Qwen3-Next, Qwen3.5, Qwen3.5-MoE | Qwen3NextAttention, Qwen3_5Attention, Qwen3_5MoeAttention | RMS * (1 + w), partial rotary, gated query (the gate: sigmoid(gate) * attention; under fp8 its projection, bf16) |
+| GLM-4.x MoE | Glm4MoeAttention | RMS * w when use_qk_norm, partial rotary |
+| OLMo 2, OLMo 3 | Olmo2Attention, Olmo3Attention | token-wide RMS * w ([H * D] weights) |
+| SmolLM3 | SmolLM3Attention | no norm; no rotary on NoPE layers |
+
 A model with any other attention module (or none) is refused with UnsupportedModelError naming
 the model's class and the attention classes found. The multimodal Gemma3ForConditionalGeneration
 is refused for its vision tower's attention (SiglipAttention); its text model,
@@ -86,6 +96,14 @@ synchronization, nothing kept between calls):
   checkpointing and several forwards before one backward each scale their own gradients.
 - the master weights receive their gradients in their own dtype (fp32 under autocast), and so do
   the q/k norm weights (from the fused backward).
+- the families of section 9 (transformers_families.weight_blocks): the op's weight is the layer's
+  [Q | K | V] rows gathered into the one bf16 copy, and the layout options ride along (a V norm,
+  the token-wide norm, query_only, no angles). A gated query (Qwen3-Next, Qwen3.5) contributes
+  its query rows of q_proj (one strided view); its gate rows are a bf16 GEMM of their own on the
+  same x (the op's columns are Q, K and V only), so the gate, sigmoid(gate) * attention, is not
+  quantized. Gemma 4's attention_k_eq_v passes k_proj's rows once and the copy holds them twice
+  (K and V rows: the FP8 GEMM computes them twice; their gradients are summed into k_proj's);
+  its KV-shared layers project Q alone (query_only).
 FP8 computes in bf16 (its q, k and v are cast back to the activations' dtype: a float32 model
 without autocast runs too, on the CPU), and needs no q/k/v bias, q/k/v projections that are plain
 nn.Linear, and C and the packed width (Hq + 2 Hkv) * D multiples of 16 (cuBLASLt FP8), which
@@ -101,7 +119,9 @@ closer of the two to the exact value. On the CPU the patched path also runs floa
 models (equal to the unpatched model to that precision); on CUDA qkvfuse needs bf16 activations.
 
 What it composes with (tests/python/test_transformers_compose.py):
-- Liger-Kernel (apply_liger_kernel_to_qwen3, _qwen3_moe, _gemma3_text, _llama, _mistral), in
+- Liger-Kernel (apply_liger_kernel_to_qwen3, _qwen3_moe, _gemma3_text, _llama, _mistral; of
+  section 9's families _qwen3_next, _olmo3 and _gemma4_text's instance patch, whose class patch
+  swaps in LigerRMSNormForGemma4, a forward qkvfuse does not read: refused by name), in
   either order, before or after the model is built. Its q_norm / k_norm (LigerRMSNorm, or the
   family's norm whose forward Liger rebound) are read at every forward: their weight (none with
   elementwise_affine=False), offset (qkvfuse's weight_offset) and variance_epsilon (eps). Their
@@ -111,10 +131,11 @@ What it composes with (tests/python/test_transformers_compose.py):
   norm; closer to the exact value than "llama" and "none"), without emulating their
   intermediate roundings. Refused with UnsupportedModelError naming the setting: a casting_mode
   Liger does not define; q_norm and k_norm with different eps or offsets (one of each serves
-  both); a weight that is not [head_dim]; a norm class or instance forward qkvfuse does not know
-  (named). Liger's rope (apply_rotary_pos_emb in the modeling module) is not called by the
-  patched forward, which does its own rotary; Liger's decoder RMSNorms, SwiGLU / GeGLU MLPs and
-  fused linear cross entropy are outside the attention input and run as Liger patched them.
+  both); a weight that is not [head_dim] ([heads * head_dim] for a token-wide norm); a norm
+  class or instance forward qkvfuse does not know (named). Liger's rope (apply_rotary_pos_emb
+  in the modeling module) is not called by the patched forward, which does its own rotary;
+  Liger's decoder RMSNorms, SwiGLU / GeGLU MLPs and fused linear cross entropy are outside the
+  attention input and run as Liger patched them.
 - PEFT adapters (LoRA on q_proj, k_proj, v_proj, o_proj): the bf16 path calls such projections
   as modules, so the adapters' output is included; merged adapters too (merge_adapter(), or
   merge_and_unload(), after which the projections are plain nn.Linear again). fp8=True refuses
@@ -124,7 +145,8 @@ What it composes with (tests/python/test_transformers_compose.py):
   bit for bit, as without.
 - torch.compile(model): both paths trace into the model's graphs with no graph break the unpatched
   model does not have (fullgraph=True works, forward and backward; no recompilation on the next
-  call). Tested with the aot_eager and inductor backends on the CPU.
+  call). Tested with the aot_eager and inductor backends on the CPU; for the families of section
+  9 too (Gemma 4, Qwen3-Next, OLMo 3, SmolLM3: tests/python/test_transformers_families.py).
 - TRL's SFTTrainer trains a patched model (bf16 and FP8), tracking the unpatched model's losses.
 
 Also tested on the CPU (tests/python/test_transformers_integration.py): every family,
@@ -148,6 +170,8 @@ import torch.nn.functional as F
 
 import qkvfuse
 
+from . import transformers_families as families
+
 try:
     from torch.distributed.tensor import DTensor as _DTensor
 except ImportError:  # a torch built without torch.distributed
@@ -162,7 +186,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the op
     ) from error
 
 __all__ = ["SUPPORTED", "UnsupportedModelError", "apply_qkvfuse", "attention_input",
-           "remove_qkvfuse"]
+           "attention_states", "remove_qkvfuse"]
 
 # cuBLASLt FP8 GEMMs need M, N and K multiples of 16 (include/qkvfuse/packed_qkv.hpp).
 FP8_MULTIPLE = 16
@@ -199,7 +223,7 @@ _FAMILIES = (
             None),
     _Family("Mistral", "transformers.models.mistral.modeling_mistral", "MistralAttention", None,
             0.0, "config"),
-)
+) + families.FAMILIES  # SPEC.md section 9's: transformers_families.py
 SUPPORTED = tuple(f"{f.name} ({f.attention})" for f in _FAMILIES)
 
 
@@ -258,14 +282,16 @@ class _ModelState:
 
 
 def _rope_cache(cos, sin, batch, seq, head_dim, accept):
-    """qkvfuse's cos/sin cache [rows, D] and positions [B*S] from HF's cos, sin [B or 1, S, D]."""
-    if cos.shape[-1] != head_dim or sin.shape != cos.shape:
+    """qkvfuse's cos/sin cache [rows, r] and positions [B*S] from HF's cos, sin [B or 1, S, r]:
+    r = head_dim, or a partial rotary's even r < head_dim (GLM-4.x, Qwen3-Next: the families'
+    apply_rotary_pos_emb rotates lanes [0, r) and passes the rest through, as rotary_dim does)."""
+    width = cos.shape[-1]
+    if width % 2 or not 0 < width <= head_dim or sin.shape != cos.shape:
         raise ValueError(
-            f"qkvfuse: position_embeddings: expected cos and sin of width head_dim = {head_dim} "
-            f"(full rotary, as the family's apply_rotary_pos_emb needs), got {tuple(cos.shape)} "
-            f"and {tuple(sin.shape)}")
-    half = head_dim // 2
-    cos_sin = torch.cat((cos[..., :half], sin[..., :half]), dim=-1).reshape(-1, head_dim)
+            f"qkvfuse: position_embeddings: expected cos and sin of an even width up to head_dim "
+            f"= {head_dim}, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    half = width // 2
+    cos_sin = torch.cat((cos[..., :half], sin[..., :half]), dim=-1).reshape(-1, width)
     if cos_sin.dtype not in accept:
         cos_sin = cos_sin.float()
     tokens = batch * seq
@@ -289,18 +315,19 @@ class _Layer:
         self.state = state
         self.fp8 = fp8
         self.where = where  # "qkvfuse.apply_qkvfuse: <model>: <path> (<class>)", for errors
-        config = module.config
-        self.q_heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads
-        self.head_dim = module.head_dim
-        self.normalize = family.norm is not None
+        # What the module computes before its attention function (transformers_families.py).
+        self.spec = spec = _spec_of(module, family)
+        self.q_heads = spec.q_heads
+        self.kv_heads = spec.kv_heads
+        self.head_dim = spec.head_dim
+        self.normalize = spec.normalize
         # (q_norm, k_norm, their instance forwards, their kinds): see _qk_norms.
         self.norms = None
         self.eager = sys.modules[type(module).__module__].eager_attention_forward
         # transformers >= 5.2x names the KV cache `cache` (past_key_values before) and hands the
         # call's keyword arguments to its update: the patched forward does what the class does.
         self.cache_kwargs = "cache" in inspect.signature(type(module).forward).parameters
-        projections = (module.q_proj, module.k_proj, module.v_proj)
+        projections = families.projections(module, spec)
         self.plain = all(type(p) is nn.Linear for p in projections)
         self.bias = self.plain and any(p.bias is not None for p in projections)
 
@@ -310,7 +337,16 @@ class _Layer:
 
     @property
     def features(self):
-        return (self.q_heads + 2 * self.kv_heads) * self.head_dim
+        """Output features of the one bf16 GEMM: Q, K, V (none for k_eq_v: V is K's rows) and
+        the gate."""
+        v_heads = 0 if self.spec.k_eq_v else self.kv_heads
+        gate = self.q_heads if self.spec.gated else 0
+        return (self.q_heads + self.kv_heads + v_heads + gate) * self.head_dim
+
+
+def _spec_of(module, family):
+    describe = getattr(family, "describe", None)
+    return describe(module) if describe is not None else families.legacy_spec(module, family)
 
 
 # ---- the q/k norms: the family's own or Liger-Kernel's ------------------------------------------
@@ -322,7 +358,8 @@ def _qualified(function_or_class) -> str:
 def _norm_kind(norm, name, layer) -> str:
     """"family" or "liger": whose math the module `norm` (a q_norm or k_norm) runs, by the
     function that runs as its forward (bound on the instance, as Liger's monkey patch does, or
-    its class's). Raises UnsupportedModelError naming what qkvfuse cannot read."""
+    its class's). Raises UnsupportedModelError naming what qkvfuse cannot read. Its weight is
+    [head_dim], or [heads * head_dim] for a token-wide norm (OLMo 2 / 3)."""
     bound = norm.__dict__.get("forward")
     function = type(norm).forward if bound is None else getattr(bound, "__func__", bound)
     key = (getattr(function, "__module__", None), getattr(function, "__qualname__", None))
@@ -345,9 +382,15 @@ def _norm_kind(norm, name, layer) -> str:
             f"{where}: {name} is {_qualified(type(norm))}, expected the family's {family.norm} "
             f"or Liger-Kernel's LigerRMSNorm (another patch applied first?)")
     weight = norm.weight
-    if weight is not None and tuple(weight.shape) != (layer.head_dim,):
+    if layer.spec.norm_scope == "token":
+        heads = layer.q_heads if name == "q_norm" else layer.kv_heads
+        width = heads * layer.head_dim
+        expected = f"[heads * head_dim] = [{heads} * {layer.head_dim}]"
+    else:
+        width, expected = layer.head_dim, f"[head_dim] = [{layer.head_dim}]"
+    if weight is not None and tuple(weight.shape) != (width,):
         raise UnsupportedModelError(f"{what}: weight of shape {list(weight.shape)}, expected "
-                                    f"[head_dim] = [{layer.head_dim}]")
+                                    f"{expected}")
     return kind
 
 
@@ -359,20 +402,30 @@ def _norm_settings(norm, kind, layer):
     return layer.family.weight_offset, float(norm.eps if eps is None else eps)
 
 
+def _instance_forward(norm):
+    return None if norm is None else norm.__dict__.get("forward")
+
+
 def _qk_norms(module, layer) -> dict:
-    """qk_norm_rope's norm keywords for `module`'s q_norm and k_norm. Whose math each norm runs
-    is decided again whenever the norm module or its instance forward changes (a Liger patch
-    applied after apply_qkvfuse rebinds it); their offsets and eps are read at every forward, as
-    their own forward reads them."""
-    q, k = module.q_norm, module.k_norm
+    """qk_norm_rope's norm keywords for `module`'s q_norm and k_norm (q_norm alone on a KV-shared
+    layer). Whose math each norm runs is decided again whenever the norm module or its instance
+    forward changes (a Liger patch applied after apply_qkvfuse rebinds it); their offsets and eps
+    are read at every forward, as their own forward reads them, and so is a V norm's eps (Gemma
+    4's weightless v_norm: the op takes one eps for the three)."""
+    q = module.q_norm
+    k = None if layer.spec.kv_shared else module.k_norm
     seen = layer.norms
     if (seen is None or seen[0] is not q or seen[1] is not k or
-            seen[2] is not q.__dict__.get("forward") or seen[3] is not k.__dict__.get("forward")):
-        kinds = (_norm_kind(q, "q_norm", layer), _norm_kind(k, "k_norm", layer))
-        seen = layer.norms = (q, k, q.__dict__.get("forward"), k.__dict__.get("forward"), kinds)
-    (q_offset, q_eps), (k_offset, k_eps) = (_norm_settings(q, seen[4][0], layer),
-                                            _norm_settings(k, seen[4][1], layer))
-    q_weight, k_weight = q.weight, k.weight
+            seen[2] is not _instance_forward(q) or seen[3] is not _instance_forward(k)):
+        kinds = (_norm_kind(q, "q_norm", layer),
+                 None if k is None else _norm_kind(k, "k_norm", layer))
+        seen = layer.norms = (q, k, _instance_forward(q), _instance_forward(k), kinds)
+    q_offset, q_eps = _norm_settings(q, seen[4][0], layer)
+    q_weight = q.weight
+    if k is None:
+        k_offset, k_eps, k_weight = q_offset, q_eps, None
+    else:
+        (k_offset, k_eps), k_weight = _norm_settings(k, seen[4][1], layer), k.weight
     # One eps and one weight_offset serve both (an offset matters only with a weight).
     if q_weight is None:
         q_offset = k_offset
@@ -383,6 +436,12 @@ def _qk_norms(module, layer) -> dict:
             raise UnsupportedModelError(
                 f"{layer.where}: q_norm and k_norm differ in {setting} ({q_value} and "
                 f"{k_value}): qkvfuse applies one {setting} to both")
+    if layer.spec.v_norm is not None:
+        v_eps = families.norm_eps(module.v_norm)
+        if v_eps != q_eps:
+            raise UnsupportedModelError(
+                f"{layer.where}: q_norm, k_norm and v_norm have different eps ({q_eps} and "
+                f"{v_eps}): qkvfuse takes one eps per call")
     return dict(q_weight=q_weight, k_weight=k_weight, weight_offset=q_offset, eps=q_eps)
 
 
@@ -396,9 +455,17 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 def attention_input(module: nn.Module, hidden_states: torch.Tensor, position_embeddings):
     """The patched part of a patched attention module alone: (query, key, value) states
     [B, H, S, D] from its input hidden_states [B, S, C] and the decoder's position_embeddings,
-    exactly as its patched forward computes them (for profiling and tests)."""
+    exactly as its patched forward computes them (for profiling and tests). A KV-shared layer's
+    key and value are None; a gated query's gate: attention_states."""
+    return attention_states(module, hidden_states, position_embeddings)[:3]
+
+
+def attention_states(module: nn.Module, hidden_states: torch.Tensor, position_embeddings):
+    """attention_input's (query, key, value) and the gate [B, S, Hq*D] of a gated query (None
+    for other families)."""
     layer = module._qkvfuse
-    if position_embeddings is None:
+    spec = layer.spec
+    if position_embeddings is None and spec.rotary:
         raise ValueError(f"qkvfuse: {type(module).__name__}.forward: position_embeddings "
                          f"(cos, sin) are required")
     if hidden_states.dim() != 3:
@@ -420,10 +487,13 @@ def attention_input(module: nn.Module, hidden_states: torch.Tensor, position_emb
     # which is bf16 in the FP8 op).
     accept = (torch.bfloat16, torch.float32) + ((dtype,) if device.type == "cpu" and not fp8
                                                 else ())
-    cos, sin = position_embeddings
-    cos_sin, positions = layer.state.rope(cos, sin, batch, seq, layer.head_dim, accept)
-    norms = dict(num_kv_heads=layer.kv_heads, rotary_style="neox", normalize=layer.normalize,
-                 cos_sin=cos_sin, positions=positions)
+    norms = dict(num_kv_heads=layer.kv_heads or None, rotary_style="neox",
+                 normalize=layer.normalize, query_only=spec.kv_shared,
+                 norm_scope=spec.norm_scope, normalize_v=spec.v_norm is not None)
+    if spec.rotary:
+        cos, sin = position_embeddings
+        norms["cos_sin"], norms["positions"] = layer.state.rope(cos, sin, batch, seq,
+                                                                layer.head_dim, accept)
     if layer.normalize:
         norms.update(_qk_norms(module, layer))
         for name in ("q_weight", "k_weight"):
@@ -432,40 +502,79 @@ def attention_input(module: nn.Module, hidden_states: torch.Tensor, position_emb
                 norms[name] = weight.float()
     x = hidden_states.reshape(tokens, channels)
     if fp8:
-        # The FP8 op reads x in bf16 and writes bf16: q, k, v come back in the activations'
-        # dtype, so a float32 model without autocast runs FP8 too (at FP8's precision), whatever
-        # T is, and a call whose T is no multiple of 16 runs the bf16 path in that dtype.
-        q, k, v = (t.to(dtype) for t in _fp8_projection(module, layer, x, norms))
+        # The FP8 op reads x in bf16 and writes bf16: q, k, v (and a gate) come back in the
+        # activations' dtype, so a float32 model without autocast runs FP8 too (at FP8's
+        # precision), whatever T is, and a call whose T is no multiple of 16 runs the bf16 path
+        # in that dtype.
+        q, k, v, gate = (None if t is None else t.to(dtype)
+                         for t in _fp8_projection(module, layer, x, norms))
     else:
-        qk, v = _bf16_projection(module, layer, x.to(dtype), dtype)
-        q, k = qkvfuse.qk_norm_rope(qk, num_heads=layer.q_heads, **norms)
-    return tuple(t.view(batch, seq, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
+        qk, v, gate = _bf16_projection(module, layer, x.to(dtype), dtype)
+        if not (layer.normalize or spec.rotary or spec.v_norm is not None):
+            # Nothing to fuse (SmolLM3's NoPE layers): the projection's views, as the model has.
+            q, k = qk[:, :layer.q_heads], qk[:, layer.q_heads:]
+        elif spec.v_norm is not None:
+            q, k, v = qkvfuse.qk_norm_rope(qk, num_heads=layer.q_heads, v=v, **norms)
+        else:
+            q, k = qkvfuse.qk_norm_rope(qk, num_heads=layer.q_heads, **norms)
+    if spec.kv_shared:
+        k = v = None
+    states = tuple(None if t is None else t.view(batch, seq, t.shape[1], t.shape[2]).transpose(1, 2)
+                   for t in (q, k, v))
+    return (*states, None if gate is None else gate.view(batch, seq, -1))
 
 
 def _bf16_projection(module, layer, x, dtype):
-    """(qk [T, Hq + Hkv, D], v [T, Hkv, D]) in `dtype`: one GEMM against the concatenated
-    weight, or three projections and a cat of q and k, whichever copies less (module docstring)."""
+    """(qk [T, Hq + Hkv, D], v [T, Hkv, D] or None, gate [T, Hq*D] or None) in `dtype`: one GEMM
+    against the concatenated weight rows (transformers_families.weight_blocks: a gated query's
+    query rows first, its gate rows last), or the projections called as modules and a cat of q and
+    k, whichever copies less (module docstring). attention_k_eq_v: v is a view of qk's key rows;
+    a KV-shared layer: qk holds the query heads alone, v is None."""
     tokens = x.shape[0]
     d = layer.head_dim
+    spec = layer.spec
     heads = layer.q_heads + layer.kv_heads
     if layer.plain and tokens * layer.qk_features >= layer.features * x.shape[1]:
-        projections = (module.q_proj, module.k_proj, module.v_proj)
-        weight = _packed_weight(module, dtype)
-        bias = torch.cat([p.bias.to(dtype) for p in projections]) if layer.bias else None
-        qkv = F.linear(x, weight, bias)
-        return (qkv[:, :layer.qk_features].view(tokens, heads, d),
-                qkv[:, layer.qk_features:].view(tokens, layer.kv_heads, d))
-    q = module.q_proj(x).to(dtype).view(tokens, layer.q_heads, d)
-    k = module.k_proj(x).to(dtype).view(tokens, layer.kv_heads, d)
-    v = module.v_proj(x).to(dtype).view(tokens, layer.kv_heads, d)
-    return torch.cat((q, k), dim=1), v
+        qk_rows, v_rows = families.weight_blocks(module, spec, fp8=False)
+        gate_rows = families.gate_blocks(module, spec)
+        weight = _packed_weight(qk_rows + v_rows + gate_rows, dtype)
+        bias = None
+        if layer.bias:
+            qk_bias, v_bias = families.weight_blocks(module, spec, fp8=False, bias=True)
+            bias = torch.cat([b.reshape(-1).to(dtype) for b in qk_bias + v_bias +
+                              families.gate_blocks(module, spec, bias=True)])
+        out = F.linear(x, weight, bias)
+        qk = out[:, :layer.qk_features].view(tokens, heads, d)
+        v_features = sum(w.numel() // w.shape[-1] for w in v_rows)
+        v = out[:, layer.qk_features:layer.qk_features + v_features].view(tokens, -1, d)
+        gate = out[:, layer.qk_features + v_features:] if spec.gated else None
+    else:
+        q = module.q_proj(x).to(dtype)
+        gate = None
+        if spec.gated:
+            q = q.view(tokens, layer.q_heads, 2 * d)
+            q, gate = q[..., :d], q[..., d:].reshape(tokens, -1)
+        q = q.view(tokens, layer.q_heads, d)
+        if spec.kv_shared:
+            return q, None, gate  # a query-only call reads q (a strided view when gated) as is
+        k = module.k_proj(x).to(dtype).view(tokens, layer.kv_heads, d)
+        qk = torch.cat((q, k), dim=1)
+        v = None if spec.k_eq_v else module.v_proj(x).to(dtype).view(tokens, layer.kv_heads, d)
+    if spec.k_eq_v:
+        v = qk[:, layer.q_heads:]  # V is the key projection before k_norm
+    return qk, None if spec.kv_shared else v, gate
 
 
 def _fp8_projection(module, layer, x, norms):
-    """(q, k, v) through packed_fp8_qkv_current_scaling: x, the weight and the gradient scaled
-    from this call's own tensors (module docstring). Traceable: no Python state between calls."""
-    names = ("q_proj", "k_proj", "v_proj")
-    sharded = [f"{name}.weight" for name in names if _is_dtensor(getattr(module, name).weight)]
+    """(q, k, v, gate) through packed_fp8_qkv_current_scaling: x, the weight and the gradient
+    scaled from this call's own tensors (module docstring). Traceable: no Python state between
+    calls. The op's weight is the layer's packed [Q | K | V] rows (transformers_families.
+    weight_blocks: a gated query's query rows of q_proj, k_proj's rows twice for k_eq_v, Q alone
+    for a KV-shared layer). A gated query's gate is a bf16 GEMM of its own over q_proj's gate
+    rows: the op's columns are Q, K and V only."""
+    spec = layer.spec
+    sharded = [f"{name}.weight" for name in ("q_proj", "k_proj", "v_proj")
+               if _is_dtensor(getattr(getattr(module, name, None), "weight", None))]
     if sharded:
         raise RuntimeError(
             f"qkvfuse: fp8=True: {layer.where}: {', '.join(sharded)} "
@@ -475,35 +584,58 @@ def _fp8_projection(module, layer, x, norms):
             f"that module, not the attention module alone). Tensor-parallel plans that shard "
             f"q_proj/k_proj/v_proj are not supported with fp8=True")
     bf16 = torch.bfloat16
-    return qkvfuse.packed_fp8_qkv_current_scaling(
-        x.to(bf16), _packed_weight(module, bf16), layer.q_heads, layer.head_dim,
+    x = x.to(bf16)
+    qk_rows, v_rows = families.weight_blocks(module, spec, fp8=True)
+    q, k, v = qkvfuse.packed_fp8_qkv_current_scaling(
+        x, _packed_weight(qk_rows + v_rows, bf16), layer.q_heads, layer.head_dim,
         qkv_scale=layer.state.one(x.device), **norms)
+    # No bias here: fp8=True refuses q/k/v biases (_check_module).
+    gate = F.linear(x, _packed_weight(families.gate_blocks(module, spec), bf16)) if (
+        spec.gated) else None
+    return q, k, v, gate
 
 
 class _CastCat(torch.autograd.Function):
-    """torch.cat([w.to(dtype) for w in weights]) in one pass over the weights: a cast and then a
-    cat would write the copy twice and read it once more (under autocast the master weights are
-    float32: 10 bytes per element instead of 6)."""
+    """torch.cat([weights[i].to(dtype) for i in order]) in one pass over the weights: a cast and
+    then a cat would write the copy twice and read it once more (under autocast the master
+    weights are float32: 10 bytes per element instead of 6). Each weight is [rows, C] or
+    [heads, rows, C] (a strided view, e.g. a gated query's query rows of q_proj): its rows in
+    order. A weight may appear in `order` more than once (k_eq_v's key rows, also its V rows): it
+    is passed once, since torch.compile cannot trace an autograd.Function given the same tensor
+    twice, and its gradient is the sum of its parts'."""
 
     @staticmethod
-    def forward(ctx, dtype, *weights):
-        rows = [w.shape[0] for w in weights]
-        out = weights[0].new_empty((sum(rows), weights[0].shape[1]), dtype=dtype)
-        for part, weight in zip(out.split(rows), weights):
-            part.copy_(weight)
-        ctx.rows = rows
+    def forward(ctx, dtype, order, *weights):
+        columns = weights[0].shape[-1]
+        rows = [weights[i].numel() // columns for i in order]
+        out = weights[0].new_empty((sum(rows), columns), dtype=dtype)
+        for part, i in zip(out.split(rows), order):
+            part.view(weights[i].shape).copy_(weights[i])
+        ctx.order, ctx.rows = order, rows
+        ctx.shapes = [w.shape for w in weights]
         ctx.dtypes = [w.dtype for w in weights]
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        return (None, *(g.to(dtype) for g, dtype in zip(grad.split(ctx.rows), ctx.dtypes)))
+        grads = [None] * len(ctx.shapes)
+        for part, i in zip(grad.split(ctx.rows), ctx.order):
+            part = part.view(ctx.shapes[i])
+            grads[i] = part if grads[i] is None else grads[i] + part
+        return (None, None, *(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)))
 
 
-def _packed_weight(module, dtype) -> torch.Tensor:
-    """The packed [Wq; Wk; Wv] [F, C] of one forward in `dtype`, differentiable in the weights."""
-    return _CastCat.apply(dtype, module.q_proj.weight, module.k_proj.weight,
-                          module.v_proj.weight)
+def _packed_weight(blocks, dtype) -> torch.Tensor:
+    """The blocks' rows (e.g. [Wq; Wk; Wv]: transformers_families.weight_blocks) as one [F, C]
+    in `dtype`, differentiable in the weights."""
+    weights, order = [], []
+    for block in blocks:
+        index = next((i for i, w in enumerate(weights) if w is block), None)
+        if index is None:
+            index = len(weights)
+            weights.append(block)
+        order.append(index)
+    return _CastCat.apply(dtype, tuple(order), *weights)
 
 
 def _patched_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
@@ -514,8 +646,8 @@ def _patched_forward(self, hidden_states, position_embeddings=None, attention_ma
     layer = self._qkvfuse
     cache = kwargs.pop("cache", None) if past_key_values is None else past_key_values
     input_shape = hidden_states.shape[:-1]
-    query_states, key_states, value_states = attention_input(self, hidden_states,
-                                                             position_embeddings)
+    query_states, key_states, value_states, gate = attention_states(self, hidden_states,
+                                                                    position_embeddings)
 
     if cache is not None:
         if layer.cache_kwargs:
@@ -542,6 +674,8 @@ def _patched_forward(self, hidden_states, position_embeddings=None, attention_ma
     )
 
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    if gate is not None:
+        attn_output = attn_output * torch.sigmoid(gate)  # Qwen3-Next / Qwen3.5's gated query
     attn_output = self.o_proj(attn_output)
     return attn_output, attn_weights
 
@@ -581,9 +715,11 @@ def apply_qkvfuse(model: nn.Module, fp8: bool = False) -> nn.Module:
                        f"qkvfuse.apply_qkvfuse: {model_name}: {name} ({type(module).__name__})")
         _check_module(module, layer)
         layers.append(layer)
-    for (_, module, _), layer in zip(found, layers):
+    for (_, module, family), layer in zip(found, layers):
         module._qkvfuse = layer
-        module.forward = types.MethodType(_patched_forward, module)
+        own = getattr(family, "forward", None)  # Gemma 4's (transformers_families.FORWARDS)
+        forward = families.FORWARDS[own] if own else _patched_forward
+        module.forward = types.MethodType(forward, module)
     model._qkvfuse_state = state
     return model
 
@@ -600,27 +736,32 @@ def remove_qkvfuse(model: nn.Module) -> nn.Module:
 
 def _check_module(module, layer):
     where = layer.where
+    spec = layer.spec
     q_heads, kv_heads, d = layer.q_heads, layer.kv_heads, layer.head_dim
-    if d % 2 or not 2 <= d <= 256:
+    if d % 2 or not 2 <= d <= 512:
         raise UnsupportedModelError(f"{where}: head_dim {d}: qkvfuse needs an even head width "
-                                    f"from 2 to 256")
-    if q_heads % kv_heads:
+                                    f"from 2 to 512")
+    if kv_heads and q_heads % kv_heads:
         raise UnsupportedModelError(f"{where}: {kv_heads} key/value heads do not divide "
                                     f"{q_heads} query heads")
-    for proj, heads in (("q_proj", q_heads), ("k_proj", kv_heads), ("v_proj", kv_heads)):
-        p = getattr(module, proj)
+    # A gated query's q_proj yields [H, 2D] (query and gate lanes).
+    widths = {"q_proj": q_heads * d * (2 if spec.gated else 1), "k_proj": kv_heads * d,
+              "v_proj": kv_heads * d}
+    for p in families.projections(module, spec):
+        proj = next(n for n in widths if getattr(module, n, None) is p)
         out = getattr(p, "out_features", None)
-        if out is not None and out != heads * d:
+        if out is not None and out != widths[proj]:
             raise UnsupportedModelError(f"{where}: {proj} has {out} outputs, expected "
-                                        f"{heads} heads x {d}")
+                                        f"{widths[proj] // d} x {d}")
     if layer.normalize:
         _qk_norms(module, layer)  # raises, naming the setting, for norms qkvfuse cannot read
+    families.check_layer(where, spec, layer.family, UnsupportedModelError)
     if "forward" in module.__dict__:
         raise UnsupportedModelError(f"{where}: its forward is already replaced on the instance "
                                     f"by something else")
     fp8 = layer.fp8
     if fp8:
-        projections = (module.q_proj, module.k_proj, module.v_proj)
+        projections = families.projections(module, spec)
         others = [(name, p) for name, p in zip(("q_proj", "k_proj", "v_proj"), projections)
                   if type(p) is not nn.Linear]
         if others:
@@ -637,11 +778,12 @@ def _check_module(module, layer):
             raise UnsupportedModelError(f"{where}: fp8=True: the packed FP8 op has no q/k/v bias "
                                         f"(attention_bias=True); use fp8=False")
         channels = module.q_proj.in_features
-        packed = (q_heads + 2 * kv_heads) * d
+        qk_rows, v_rows = families.weight_blocks(module, spec, fp8=True)
+        packed = sum(w.numel() // w.shape[-1] for w in qk_rows + v_rows)
         if channels % FP8_MULTIPLE or packed % FP8_MULTIPLE:
             raise UnsupportedModelError(
                 f"{where}: fp8=True needs hidden_size ({channels}) and the packed q/k/v width "
-                f"(Hq + 2 Hkv) * D = {packed} to be multiples of {FP8_MULTIPLE} (cuBLASLt FP8)")
+                f"{packed} to be multiples of {FP8_MULTIPLE} (cuBLASLt FP8)")
 
 
 def _is_lora(projection) -> bool:
