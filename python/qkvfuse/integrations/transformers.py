@@ -638,6 +638,14 @@ def _packed_weight(blocks, dtype) -> torch.Tensor:
     return _CastCat.apply(dtype, tuple(order), *weights)
 
 
+def cache_update(module, cache, key_states, value_states, kwargs):
+    """The KV cache's update as the class's own forward calls it: transformers >= 5.2x hands the
+    call's keyword arguments to it (the layer's cache_kwargs)."""
+    if module._qkvfuse.cache_kwargs:
+        return cache.update(key_states, value_states, module.layer_idx, kwargs=kwargs)
+    return cache.update(key_states, value_states, module.layer_idx)
+
+
 def _patched_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                      past_key_values=None, **kwargs):
     """The family's attention forward with q, k, v from attention_input; the rest as written in
@@ -650,11 +658,7 @@ def _patched_forward(self, hidden_states, position_embeddings=None, attention_ma
                                                                     position_embeddings)
 
     if cache is not None:
-        if layer.cache_kwargs:
-            key_states, value_states = cache.update(key_states, value_states, self.layer_idx,
-                                                    kwargs=kwargs)
-        else:
-            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
+        key_states, value_states = cache_update(self, cache, key_states, value_states, kwargs)
 
     attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
                                                                 layer.eager)

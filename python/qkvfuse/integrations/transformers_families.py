@@ -213,11 +213,8 @@ def gemma4_forward(self, hidden_states, position_embeddings=None, attention_mask
         key_states = key_states.to(query_states.device)
         value_states = value_states.to(query_states.device)
     elif cache is not None:
-        if layer.cache_kwargs:
-            key_states, value_states = cache.update(key_states, value_states, self.layer_idx,
-                                                    kwargs=kwargs)
-        else:
-            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
+        key_states, value_states = integration.cache_update(self, cache, key_states,
+                                                            value_states, kwargs)
     if self.store_full_length_kv:
         shared_kv_states[self.layer_type] = key_states, value_states
 
