@@ -1,6 +1,7 @@
 // validate.cpp: the argument checks shared by the public entry points (see validate.hpp).
 #include "validate.hpp"
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -190,11 +191,34 @@ void Checker::no_overlap(const std::vector<Arg>& outputs, const std::vector<Arg>
   }
 }
 
+namespace {
+
+/// The switch's state: -1 not read yet, else 0 or 1.
+std::atomic<int> cuda_section9_state{-1};
+
+}  // namespace
+
+bool cuda_section9_enabled() {
+  int state = cuda_section9_state.load(std::memory_order_acquire);
+  if (state < 0) {
+    const char* value = std::getenv("QKVFUSE_CUDA_SECTION9");
+    const int read = value != nullptr && std::strcmp(value, "1") == 0 ? 1 : 0;
+    // The first reader's value stands (a test's override may have come first).
+    cuda_section9_state.compare_exchange_strong(state, read, std::memory_order_acq_rel);
+    state = cuda_section9_state.load(std::memory_order_acquire);
+  }
+  return state == 1;
+}
+
+void set_cuda_section9_for_testing(bool enabled) {
+  cuda_section9_state.store(enabled ? 1 : 0, std::memory_order_release);
+}
+
 std::string cuda_pending_option(const RopeLayout& layout, int64_t head_dim) {
   // Past kMaxHeadDim no backend takes it: rope_options refuses it as unsupported.
-  if (head_dim > kMaxCudaHeadDim && head_dim <= kMaxHeadDim) {
+  if (head_dim > kMaxCudaTestedHeadDim && head_dim <= kMaxHeadDim) {
     return "qk: head width D = " + std::to_string(head_dim) + " (above " +
-           std::to_string(kMaxCudaHeadDim) + ")";
+           std::to_string(kMaxCudaTestedHeadDim) + ")";
   }
   if (layout.normalize_v) return "layout.normalize_v";
   if (layout.norm_scope != NormScope::kHead) {
@@ -211,7 +235,8 @@ void Checker::not_pending_on_cuda(const RopeLayout& layout, const TensorView& qk
   if (qk.device.type != DeviceType::kCUDA || qk.ndim != 3) return;
   const std::string option = cuda_pending_option(layout, qk.sizes[2]);
   QKVF_CHECK(option.empty(), op_, ": ", option,
-             ": not yet on the CUDA backend (the CPU backend runs it; SPEC.md section 9)");
+             ": not yet on the CUDA backend (the CPU backend runs it; SPEC.md section 9); set "
+             "QKVFUSE_CUDA_SECTION9=1 to try the untested kernels");
 }
 
 void Checker::rope_options(const RopeLayout& layout, int64_t head_dim) const {

@@ -25,10 +25,10 @@
 
 namespace qkvfuse::cuda::rope {
 
-/// The widest head the CUDA rope kernels take (validate.hpp's kMaxCudaHeadDim: wider ones, up to
-/// the CPU backend's kMaxHeadDim, are refused as not yet on CUDA): the 16-byte geometries' top
-/// (rope_config.cuh lanes_for) and the FP8 backward's shared tile bound it.
-inline constexpr int64_t kMaxHeadWidth = validate::kMaxCudaHeadDim;
+/// The widest head the CUDA rope kernels take (validate.hpp's kMaxCudaTestedHeadDim: wider ones,
+/// up to the CPU backend's kMaxHeadDim, are refused as not yet on CUDA): the 16-byte geometries'
+/// top (rope_config.cuh lanes_for) and the FP8 backward's shared tile bound it.
+inline constexpr int64_t kMaxHeadWidth = validate::kMaxCudaTestedHeadDim;
 
 /// True when the view's data pointer and every stride but the last (of dims longer than 1) are
 /// multiples of `bytes`: every row starts on a `bytes` boundary. Absent views pass.
