@@ -20,6 +20,7 @@ namespace {
 using cuda::rope::AngleSource;
 using cuda::rope::AngleType;
 using cuda::rope::config_name;
+using cuda::rope::Heads;
 using cuda::rope::HeadWidth;
 using cuda::rope::Norm;
 using cuda::rope::Op;
@@ -29,6 +30,7 @@ using cuda::rope::Rotary;
 using cuda::rope::RotarySpan;
 using cuda::rope::Served;
 using cuda::rope::Spec;
+using cuda::rope::VNorm;
 using cuda::rope::Weights;
 
 const Device kGpu{DeviceType::kCUDA, 0};
@@ -50,6 +52,11 @@ struct Shape {
   bool paired = false;
   bool key_offset = false;
   DType angle_dtype = DType::kBFloat16;
+  // SPEC.md section 9
+  bool token_norm = false;
+  int64_t v_dim = 0;  ///< > 0: the V norm on rows of this width
+  bool query_only = false;
+  bool no_angles = false;
 
   RopeLayout layout() const {
     RopeLayout l;
@@ -61,8 +68,14 @@ struct Shape {
     l.paired = paired;
     l.key_offset = key_offset;
     l.weight_offset = weight_offset;
+    l.norm_scope = token_norm ? NormScope::kToken : NormScope::kHead;
+    l.normalize_v = v_dim > 0;
+    l.query_only = query_only;
+    if (query_only) l.num_kv_heads = 0;
     const int64_t tokens = 64;
-    if (cache) {
+    if (no_angles) {
+      // nothing rotates
+    } else if (cache) {
       l.cos_sin = make_view(at(uintptr_t(1) << 28), angle_dtype, kGpu, {4096, dim});
       l.positions = make_view(at(uintptr_t(2) << 28), DType::kInt64, kGpu, {tokens});
     } else {
@@ -71,13 +84,18 @@ struct Shape {
       l.factor2 = make_view(at(uintptr_t(2) << 28), angle_dtype, kGpu, {tokens, width});
     }
     if (weights) {
-      l.q_weight = make_view(at(uintptr_t(3) << 28), DType::kBFloat16, kGpu, {dim});
-      l.k_weight = make_view(at(uintptr_t(4) << 28), DType::kBFloat16, kGpu, {dim});
+      const int64_t kv = query_only ? 0 : kv_heads;
+      l.q_weight = make_view(at(uintptr_t(3) << 28), DType::kBFloat16, kGpu,
+                             {token_norm ? heads * dim : dim});
+      if (!query_only) {
+        l.k_weight = make_view(at(uintptr_t(4) << 28), DType::kBFloat16, kGpu,
+                               {token_norm ? kv * dim : dim});
+      }
     }
     return l;
   }
   /// The key of a call whose rows take 16-byte chunks (the access every model shape gets).
-  RopeKey key() const { return cuda::rope::rope_key(layout(), dim, 8); }
+  RopeKey key() const { return cuda::rope::rope_key(layout(), dim, 8, v_dim); }
 };
 
 Shape speedrun(int64_t dim, Placement placement) {
@@ -142,6 +160,9 @@ constexpr bool spec_without_placement() {
       .weights = {Weights::kNone},
       .angles = {AngleSource::kCache},
       .angle_type = {AngleType::kBf16},
+      .scope = {NormScope::kHead},
+      .v_norm = {VNorm::kNone},
+      .heads = {Heads::kQueryAndKey},
       .exact_width = Served<Op>::none(),
       .neox_pairs_in_lane = false};
   };
@@ -160,6 +181,9 @@ constexpr bool spec_without_knob() {
       .angles = {AngleSource::kCache},
       .angle_type = {AngleType::kBf16},
       .placement = {Placement::kPlain},
+      .scope = {NormScope::kHead},
+      .v_norm = {VNorm::kNone},
+      .heads = {Heads::kQueryAndKey},
       .exact_width = Served<Op>::none()};
   };
 }
@@ -177,6 +201,9 @@ constexpr bool spec_complete() {
       .angles = {AngleSource::kCache},
       .angle_type = {AngleType::kBf16},
       .placement = {Placement::kPlain},
+      .scope = {NormScope::kHead},
+      .v_norm = {VNorm::kNone},
+      .heads = {Heads::kQueryAndKey},
       .exact_width = Served<Op>::none(),
       .neox_pairs_in_lane = false};
   };
@@ -216,10 +243,61 @@ std::vector<std::pair<std::string, RopeKey>> keys_with_a_new_value(const RopeKey
   add("span", [](RopeKey& k) { k.span = static_cast<RotarySpan>(2); });
   add("norm", [](RopeKey& k) { k.norm = static_cast<Norm>(2); });
   add("weights", [](RopeKey& k) { k.weights = static_cast<Weights>(2); });
-  add("angles", [](RopeKey& k) { k.angles = static_cast<AngleSource>(2); });
+  add("angles", [](RopeKey& k) { k.angles = static_cast<AngleSource>(3); });
   add("angle_type", [](RopeKey& k) { k.angle_type = static_cast<AngleType>(2); });
   add("placement", [](RopeKey& k) { k.placement = static_cast<Placement>(3); });
+  add("scope", [](RopeKey& k) { k.scope = static_cast<NormScope>(2); });
+  add("v_norm", [](RopeKey& k) { k.v_norm = static_cast<VNorm>(2); });
+  add("heads", [](RopeKey& k) { k.heads = static_cast<Heads>(2); });
   return out;
+}
+
+// SPEC.md section 9's options, each on every named shape: values no row names, so the general
+// kernel serves them (the rows' kernels fix a per-head norm, no V rows, key heads and an angle
+// source as constants).
+TEST(RopeDispatch, SectionNineOptionsTakeTheGeneralKernel) {
+  for (const Shape& shape : named_shapes()) {
+    std::vector<std::pair<std::string, Shape>> variants;
+    Shape token = shape;
+    token.token_norm = true;
+    variants.emplace_back("norm_scope token", token);
+    Shape v_norm = shape;
+    v_norm.v_dim = shape.dim;
+    variants.emplace_back("normalize_v", v_norm);
+    if (!shape.paired && !shape.key_offset) {
+      Shape query = shape;
+      query.query_only = true;
+      variants.emplace_back("query_only", query);
+    }
+    if (!shape.paired) {
+      Shape no_angles = shape;
+      no_angles.no_angles = true;
+      no_angles.rotary = -1;
+      variants.emplace_back("no angle source", no_angles);
+    }
+    for (const auto& [what, variant] : variants) {
+      const RopeKey key = variant.key();
+      for (const Op op : kOps) {
+        EXPECT_STREQ(config_name(op, key), "general") << describe(shape) << ", " << what;
+      }
+    }
+  }
+  Shape no_angles = qwen3(32);
+  no_angles.no_angles = true;
+  EXPECT_EQ(no_angles.key().angles, AngleSource::kNone);
+  EXPECT_EQ(no_angles.key().span, RotarySpan::kPartial);  // r = 0
+  Shape token = qwen3(32);
+  token.token_norm = true;
+  EXPECT_EQ(token.key().scope, NormScope::kToken);
+  Shape query = qwen3(32);
+  query.query_only = true;
+  EXPECT_EQ(query.key().heads, Heads::kQueryOnly);
+  Shape v_norm = qwen3(32);
+  v_norm.v_dim = 64;
+  EXPECT_EQ(v_norm.key().v_norm, VNorm::kRms);
+  EXPECT_EQ(v_norm.key().width, HeadWidth::k128) << "Dv <= D: the width class of D";
+  v_norm.v_dim = 256;
+  EXPECT_EQ(v_norm.key().width, HeadWidth::k256) << "the V rows share the row geometry";
 }
 
 TEST(RopeDispatch, AValueNoRowNamesTakesTheGeneralKernel) {
@@ -246,6 +324,9 @@ TEST(RopeDispatch, KeysOfRealShapes) {
   EXPECT_EQ(qwen.angles, AngleSource::kCache);
   EXPECT_EQ(qwen.angle_type, AngleType::kBf16);
   EXPECT_EQ(qwen.placement, Placement::kPlain);
+  EXPECT_EQ(qwen.scope, NormScope::kHead);
+  EXPECT_EQ(qwen.v_norm, VNorm::kNone);
+  EXPECT_EQ(qwen.heads, Heads::kQueryAndKey);
   const RopeKey shifted = speedrun(128, Placement::kKeyOffset).key();
   EXPECT_EQ(shifted.span, RotarySpan::kPartial);
   EXPECT_EQ(shifted.placement, Placement::kKeyOffset);

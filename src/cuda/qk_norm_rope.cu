@@ -184,7 +184,7 @@ void launch_forward(ForwardArgs args, cudaStream_t stream) {
 
 void qk_norm_rope(const QkNormRopeParams& params) {
   DeviceGuard guard(params.qk.device);
-  const ForwardArgs args{.in = rope::make_rope_inputs(params.layout, params.qk),
+  const ForwardArgs args{.in = rope::make_rope_inputs(params.layout, params.qk, params.v),
                          .q = static_cast<uint16_t*>(params.q.data),
                          .k = static_cast<uint16_t*>(params.k.data),
                          .row_sets = 0,

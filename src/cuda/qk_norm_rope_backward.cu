@@ -306,7 +306,7 @@ void qk_norm_rope_backward(const QkNormRopeBackwardParams& params) {
     }
     return;
   }
-  const BackwardArgs args{.in = rope::make_rope_inputs(layout, params.qk),
+  const BackwardArgs args{.in = rope::make_rope_inputs(layout, params.qk, params.v),
                           .grad = rope::make_grad_rows(params.grad_q, params.grad_k),
                           .grad_qk = static_cast<uint16_t*>(params.grad_qk.data),
                           .partials = workspace,

@@ -684,7 +684,7 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
   const int width = rope::chunk_width(params);
   const int64_t features = qkv_dim(layout, head_dim, v_dim);
   const Fp8Args args{
-      .in = rope::make_rope_inputs(layout, params.qk),
+      .in = rope::make_rope_inputs(layout, params.qk, params.v),
       .grad = rope::make_grad_rows(params.grad_q, params.grad_k),
       .grad_v = static_cast<const uint16_t*>(params.grad_v.data),
       .grad_v_stride_t = params.grad_v.strides[0],
@@ -704,7 +704,7 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
   };
   const int device = params.qk.device.index;
   rope::dispatch<Op::kBackwardFp8>(
-      "qkv_backward_fp8", rope::rope_key(layout, head_dim, width),
+      "qkv_backward_fp8", rope::rope_key(layout, head_dim, width, rope::v_width(layout, params.v)),
       [&](auto config, auto geometry, auto angle, auto exact) {
         launch_fp8<decltype(config), decltype(geometry), typename decltype(angle)::type,
                    decltype(exact)::value>(args, device, stream);

@@ -34,8 +34,8 @@ struct Angles {
 
 /// The norm's learned weights: w + offset per lane, read as fp32 (bf16 or fp32 in memory).
 struct NormWeights {
-  const void* q;  ///< [D] or nullptr
-  const void* k;  ///< [D] or nullptr
+  const void* q;  ///< [D] ([Hq*D] under a token-wide norm) or nullptr
+  const void* k;  ///< [D] ([Hkv*D]) or nullptr
   bool q_fp32;
   bool k_fp32;
   float offset;
@@ -53,6 +53,13 @@ struct RopeInputs {
   float eps;
   Angles angles;
   NormWeights weights;
+  // SPEC.md section 9 (what a token-wide norm and the V norm read)
+  bool token_scope;    ///< norm_scope kToken: one RMS over a token's rows of each kind
+  bool normalize_v;    ///< the V rows' weightless RMS norm
+  const uint16_t* v;   ///< normalize_v: [T, Hkv, Dv], (t, h, d) at t*v_stride_t + h*v_stride_h + d
+  int64_t v_stride_t;
+  int64_t v_stride_h;
+  int v_dim;           ///< Dv (normalize_v), else 0
 };
 
 /// The gradients of q and k (backward kernels), in the forward's output layouts.
@@ -65,8 +72,11 @@ struct GradRows {
   int64_t k_stride_h;
 };
 
-inline RopeInputs make_rope_inputs(const RopeLayout& layout, const TensorView& qk) {
+/// `v`: the V norm's input (layout.normalize_v), else absent.
+inline RopeInputs make_rope_inputs(const RopeLayout& layout, const TensorView& qk,
+                                   const TensorView& v = {}) {
   const bool cache = !is_absent(layout.cos_sin);
+  const bool v_rows = layout.normalize_v && !is_absent(v);
   const Angles angles =
       cache ? Angles{.cache = true,
                      .factor1 = nullptr,
@@ -105,7 +115,13 @@ inline RopeInputs make_rope_inputs(const RopeLayout& layout, const TensorView& q
                       .k = layout.k_weight.data,
                       .q_fp32 = layout.q_weight.dtype == DType::kFloat32,
                       .k_fp32 = layout.k_weight.dtype == DType::kFloat32,
-                      .offset = layout.weight_offset}};
+                      .offset = layout.weight_offset},
+          .token_scope = layout.norm_scope == NormScope::kToken,
+          .normalize_v = v_rows,
+          .v = v_rows ? static_cast<const uint16_t*>(v.data) : nullptr,
+          .v_stride_t = v_rows ? v.strides[0] : 0,
+          .v_stride_h = v_rows ? v.strides[1] : 0,
+          .v_dim = v_rows ? int(v.sizes[2]) : 0};
 }
 
 inline GradRows make_grad_rows(const TensorView& grad_q, const TensorView& grad_k) {

@@ -62,11 +62,21 @@ enum class RotarySpan : uint8_t { kWhole, kPartial };
 enum class Norm : uint8_t { kNone, kRms };
 /// Norm weights: none, or q_weight and/or k_weight (any offset: a run-time value).
 enum class Weights : uint8_t { kNone, kWeighted };
-enum class AngleSource : uint8_t { kTables, kCache };
+/// Factor tables, a cos/sin cache, or none (SPEC.md section 9: nothing rotates, r = 0).
+enum class AngleSource : uint8_t { kTables, kCache, kNone };
+/// The angles' dtype (bf16 without angles: no kernel reads them).
 enum class AngleType : uint8_t { kBf16, kFp32 };
 enum class Placement : uint8_t { kPlain, kPaired, kKeyOffset };
+/// What one RMS of Q and K spans (SPEC.md section 9): the public qkvfuse::NormScope, a head row
+/// or a token's rows of one kind.
+using qkvfuse::NormScope;
+/// The V heads' weightless RMS norm in the same op (SPEC.md section 9: normalize_v).
+enum class VNorm : uint8_t { kNone, kRms };
+/// Query and key heads, or the query heads alone (SPEC.md section 9: query_only, Hkv = 0).
+enum class Heads : uint8_t { kQueryAndKey, kQueryOnly };
 
-/// A call's properties, computed once per call (rope_key) from validated arguments.
+/// A call's properties, computed once per call (rope_key) from validated arguments. A property
+/// added here is added to Spec too, and then every row states it.
 struct RopeKey {
   Access access;
   int head_dim;
@@ -78,6 +88,9 @@ struct RopeKey {
   AngleSource angles;
   AngleType angle_type;
   Placement placement;
+  NormScope scope;
+  VNorm v_norm;
+  Heads heads;
 };
 
 /// The values of one property that a row serves. No default and no "any": every row states every
@@ -130,6 +143,9 @@ struct Spec {
   Served<AngleSource> angles;
   Served<AngleType> angle_type;
   Served<Placement> placement;
+  Served<NormScope> scope;
+  Served<VNorm> v_norm;
+  Served<Heads> heads;
   /// The ops whose kernels take D as a compile-time constant at the row's power-of-two widths
   /// (32, 64, 128, 256; the others run with D at run time): the masks and D-dependent offsets
   /// fold and each division by D is one FMUL (PowerOfTwoWidth).
@@ -142,7 +158,8 @@ struct Spec {
     return ops.contains(op) && access.contains(key.access) && width.contains(key.width) &&
            rotary.contains(key.rotary) && span.contains(key.span) && norm.contains(key.norm) &&
            weights.contains(key.weights) && angles.contains(key.angles) &&
-           angle_type.contains(key.angle_type) && placement.contains(key.placement);
+           angle_type.contains(key.angle_type) && placement.contains(key.placement) &&
+           scope.contains(key.scope) && v_norm.contains(key.v_norm) && heads.contains(key.heads);
   }
 };
 
@@ -157,7 +174,9 @@ inline constexpr Served<HeadWidth> kVectorWidths{
     HeadWidth::kUpTo128, HeadWidth::k128,    HeadWidth::kUpTo256, HeadWidth::k256};
 
 /// Every layout: each property a run-time value (access width, geometry and the 16-byte kernels'
-/// angle dtype excepted: they shape the registers, so each has its own kernel).
+/// angle dtype excepted: they shape the registers, so each has its own kernel). SPEC.md section
+/// 9's options (a token-wide norm, the V norm, query-only calls, no angles, D up to 512) run here
+/// only: no row names them.
 struct General {
   static constexpr Spec kSpec{
       .name = "general",
@@ -171,6 +190,9 @@ struct General {
       .angles = Served<AngleSource>::every(),
       .angle_type = Served<AngleType>::every(),
       .placement = Served<Placement>::every(),
+      .scope = Served<NormScope>::every(),
+      .v_norm = Served<VNorm>::every(),
+      .heads = Served<Heads>::every(),
       .exact_width = Served<Op>::none(),
       .neox_pairs_in_lane = false,
   };
@@ -197,6 +219,9 @@ struct TablesInterleavedRms {
       .angles = {AngleSource::kTables},
       .angle_type = {AngleType::kBf16},
       .placement = {Placement::kPlain, Placement::kPaired},
+      .scope = {NormScope::kHead},
+      .v_norm = {VNorm::kNone},
+      .heads = {Heads::kQueryAndKey},
       .exact_width = Served<Op>::none(),
       .neox_pairs_in_lane = false,
   };
@@ -218,6 +243,9 @@ struct TablesInterleavedRmsKeyOffset {
       .angles = {AngleSource::kTables},
       .angle_type = {AngleType::kBf16},
       .placement = {Placement::kKeyOffset},
+      .scope = {NormScope::kHead},
+      .v_norm = {VNorm::kNone},
+      .heads = {Heads::kQueryAndKey},
       .exact_width = {Op::kBackward},
       .neox_pairs_in_lane = false,
   };
@@ -242,6 +270,9 @@ struct CacheNeoxRmsWeightedPairs {
       .angles = {AngleSource::kCache},
       .angle_type = {AngleType::kBf16},
       .placement = {Placement::kPlain},
+      .scope = {NormScope::kHead},
+      .v_norm = {VNorm::kNone},
+      .heads = {Heads::kQueryAndKey},
       .exact_width = {Op::kForward, Op::kBackward},
       .neox_pairs_in_lane = true,
   };
@@ -265,6 +296,9 @@ struct CacheNeoxRmsWeighted {
       .angles = {AngleSource::kCache},
       .angle_type = {AngleType::kBf16},
       .placement = {Placement::kPlain},
+      .scope = {NormScope::kHead},
+      .v_norm = {VNorm::kNone},
+      .heads = {Heads::kQueryAndKey},
       .exact_width = {Op::kBackwardFp8},
       .neox_pairs_in_lane = false,
   };
@@ -339,35 +373,42 @@ inline HeadWidth head_width_class(int64_t D) {
   return HeadWidth::k256;
 }
 
-/// The key of a validated layout with head width D whose rows take chunks of `chunk` elements.
-inline RopeKey rope_key(const RopeLayout& layout, int64_t D, int chunk) {
+/// The key of a validated layout with head width D whose rows take chunks of `chunk` elements;
+/// `v_dim` the V norm's Dv (its rows take the kernel's row geometry: the width class covers both).
+inline RopeKey rope_key(const RopeLayout& layout, int64_t D, int chunk, int64_t v_dim = 0) {
   const bool cache = !is_absent(layout.cos_sin);
+  const bool angles = qkvfuse::rope::has_angles(layout);
   const DType angle_dtype = cache ? layout.cos_sin.dtype : layout.factor1.dtype;
+  const int64_t row_width = layout.normalize_v && v_dim > D ? v_dim : D;
   return {
       .access = chunk == 8 ? Access::k16B : (chunk == 2 ? Access::k4B : Access::k2B),
       .head_dim = int(D),
-      .width = head_width_class(D),
+      .width = head_width_class(row_width),
       .rotary = layout.rotary_style == RotaryStyle::kNeox ? Rotary::kNeox : Rotary::kInterleaved,
       .span = qkvfuse::rope::resolved_rotary_dim(layout, D) == D ? RotarySpan::kWhole
                                                                   : RotarySpan::kPartial,
       .norm = layout.normalize ? Norm::kRms : Norm::kNone,
       .weights = is_absent(layout.q_weight) && is_absent(layout.k_weight) ? Weights::kNone
                                                                           : Weights::kWeighted,
-      .angles = cache ? AngleSource::kCache : AngleSource::kTables,
-      .angle_type = angle_dtype == DType::kFloat32 ? AngleType::kFp32 : AngleType::kBf16,
+      .angles = !angles ? AngleSource::kNone
+                        : (cache ? AngleSource::kCache : AngleSource::kTables),
+      .angle_type = angles && angle_dtype == DType::kFloat32 ? AngleType::kFp32 : AngleType::kBf16,
       .placement = layout.key_offset ? Placement::kKeyOffset
                                      : (layout.paired ? Placement::kPaired : Placement::kPlain),
+      .scope = layout.norm_scope,
+      .v_norm = layout.normalize_v ? VNorm::kRms : VNorm::kNone,
+      .heads = layout.query_only ? Heads::kQueryOnly : Heads::kQueryAndKey,
   };
 }
 
 inline RopeKey rope_key(const QkNormRopeParams& p) {
-  return rope_key(p.layout, p.qk.sizes[2], chunk_width(p));
+  return rope_key(p.layout, p.qk.sizes[2], chunk_width(p), v_width(p.layout, p.v));
 }
 inline RopeKey rope_key(const QkNormRopeBackwardParams& p) {
-  return rope_key(p.layout, p.qk.sizes[2], chunk_width(p));
+  return rope_key(p.layout, p.qk.sizes[2], chunk_width(p), v_width(p.layout, p.v));
 }
 inline RopeKey rope_key(const QkvBackwardFp8Params& p) {
-  return rope_key(p.layout, p.qk.sizes[2], chunk_width(p));
+  return rope_key(p.layout, p.qk.sizes[2], chunk_width(p), v_width(p.layout, p.v));
 }
 
 }  // namespace qkvfuse::cuda::rope

@@ -49,6 +49,11 @@ inline bool all_rows_aligned(std::initializer_list<const TensorView*> views, int
   return true;
 }
 
+/// Dv of the V norm's rows (layout.normalize_v: v's last dim), else 0.
+inline int64_t v_width(const RopeLayout& layout, const TensorView& v) {
+  return layout.normalize_v && !is_absent(v) ? v.sizes[2] : 0;
+}
+
 /// The chunk width (8, 2 or 1 elements) for a call whose bf16 rows are `rows` (qk, the
 /// gradients, the outputs) and whose layout is `layout`, D = head_dim.
 inline int chunk_width(const RopeLayout& layout, int64_t head_dim,

@@ -49,6 +49,9 @@ struct Fixed {
   static constexpr bool kCacheNeoxWhole = kSpec.angles.only(AngleSource::kCache) &&
                                           kSpec.rotary.only(Rotary::kNeox) &&
                                           kSpec.span.only(RotarySpan::kWhole);
+  /// One RMS per head row (no token-wide norm) and no V rows: the rows written for sections 1-8.
+  static constexpr bool kHeadScope = kSpec.scope.only(NormScope::kHead);
+  static constexpr bool kNoVNorm = kSpec.v_norm.only(VNorm::kNone);
   /// Interleaved pairs, RMS, no weights: the forward rotates chunk by chunk (forward_chunk).
   static constexpr bool kChunkRotation = kSpec.norm.only(Norm::kRms) && kWeightless &&
                                          kSpec.rotary.only(Rotary::kInterleaved);
@@ -73,6 +76,8 @@ struct Fixed {
     if constexpr (kSpec.placement.only(Placement::kPaired)) out.dims.paired = true;
     if constexpr (!kSpec.placement.contains(Placement::kKeyOffset)) out.key_offset = false;
     if constexpr (kKeyOffset) out.key_offset = true;
+    if constexpr (kHeadScope) out.token_scope = false;
+    if constexpr (kNoVNorm) out.normalize_v = false;
     out.dims.head_dim = D;  // the row width: a constant in the exact-width kernels
     return out;
   }
