@@ -224,8 +224,10 @@ std::string cuda_pending_option(const RopeLayout& layout, int64_t head_dim) {
   if (layout.norm_scope != NormScope::kHead) {
     return "layout.norm_scope: NormScope::kToken (one RMS over the token)";
   }
-  if (layout.query_only) return "layout.query_only";
-  if (!rope::has_angles(layout)) {
+  // With the switch: the general kernel takes them (untested on a GPU).
+  const bool untested_kernels = cuda_section9_enabled();
+  if (layout.query_only && !untested_kernels) return "layout.query_only";
+  if (!rope::has_angles(layout) && !untested_kernels) {
     return "layout.factor1, layout.cos_sin: none (a call without rotary)";
   }
   return {};
