@@ -215,8 +215,10 @@ void set_cuda_section9_for_testing(bool enabled) {
 }
 
 std::string cuda_pending_option(const RopeLayout& layout, int64_t head_dim) {
+  // With the switch: the general kernel takes them (untested on a GPU).
+  const bool untested_kernels = cuda_section9_enabled();
   // Past kMaxHeadDim no backend takes it: rope_options refuses it as unsupported.
-  if (head_dim > kMaxCudaTestedHeadDim && head_dim <= kMaxHeadDim) {
+  if (head_dim > kMaxCudaTestedHeadDim && head_dim <= kMaxHeadDim && !untested_kernels) {
     return "qk: head width D = " + std::to_string(head_dim) + " (above " +
            std::to_string(kMaxCudaTestedHeadDim) + ")";
   }
@@ -224,8 +226,6 @@ std::string cuda_pending_option(const RopeLayout& layout, int64_t head_dim) {
   if (layout.norm_scope != NormScope::kHead) {
     return "layout.norm_scope: NormScope::kToken (one RMS over the token)";
   }
-  // With the switch: the general kernel takes them (untested on a GPU).
-  const bool untested_kernels = cuda_section9_enabled();
   if (layout.query_only && !untested_kernels) return "layout.query_only";
   if (!rope::has_angles(layout) && !untested_kernels) {
     return "layout.factor1, layout.cos_sin: none (a call without rotary)";

@@ -238,7 +238,7 @@ std::vector<std::pair<std::string, RopeKey>> keys_with_a_new_value(const RopeKey
     out.emplace_back(property, k);
   };
   add("access", [](RopeKey& k) { k.access = static_cast<cuda::rope::Access>(3); });
-  add("width", [](RopeKey& k) { k.width = static_cast<HeadWidth>(9); });
+  add("width", [](RopeKey& k) { k.width = static_cast<HeadWidth>(11); });
   add("rotary", [](RopeKey& k) { k.rotary = static_cast<Rotary>(2); });
   add("span", [](RopeKey& k) { k.span = static_cast<RotarySpan>(2); });
   add("norm", [](RopeKey& k) { k.norm = static_cast<Norm>(2); });
@@ -261,6 +261,9 @@ TEST(RopeDispatch, SectionNineOptionsTakeTheGeneralKernel) {
     Shape token = shape;
     token.token_norm = true;
     variants.emplace_back("norm_scope token", token);
+    Shape wide = shape;
+    wide.dim = 512;
+    variants.emplace_back("D = 512", wide);
     Shape v_norm = shape;
     v_norm.v_dim = shape.dim;
     variants.emplace_back("normalize_v", v_norm);
@@ -343,7 +346,10 @@ TEST(RopeDispatch, KeysOfRealShapes) {
                                                   {100, HeadWidth::kUpTo128},
                                                   {128, HeadWidth::k128},
                                                   {136, HeadWidth::kUpTo256},
-                                                  {256, HeadWidth::k256}}) {
+                                                  {256, HeadWidth::k256},
+                                                  {258, HeadWidth::kUpTo512},
+                                                  {504, HeadWidth::kUpTo512},
+                                                  {512, HeadWidth::k512}}) {
     EXPECT_EQ(cuda::rope::head_width_class(dim), width) << "D = " << dim;
   }
   Shape fp32 = qwen3(16);

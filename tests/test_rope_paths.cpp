@@ -105,7 +105,8 @@ int widths(const Call& c) {
 }
 
 TEST(RopePaths, ModelShapesTakeSixteenByteChunks) {
-  for (const int64_t dim : {32, 64, 96, 128, 256}) {
+  // SPEC.md section 9's widths up to 512 (Gemma 4's global layers) too.
+  for (const int64_t dim : {32, 64, 96, 128, 256, 264, 384, 512}) {
     Call c;
     c.dim = dim;
     EXPECT_EQ(widths(c), 8) << "D = " << dim;
@@ -128,7 +129,7 @@ TEST(RopePaths, ModelShapesTakeSixteenByteChunks) {
 }
 
 TEST(RopePaths, WidthsOffTheVectorGeometriesTakePairs) {
-  for (const int64_t dim : {2, 8, 24, 34, 100, 254}) {
+  for (const int64_t dim : {2, 8, 24, 34, 100, 254, 258, 510}) {
     Call c;
     c.dim = dim;
     EXPECT_EQ(widths(c), 2) << "D = " << dim;

@@ -10,14 +10,14 @@
 //
 // Design. Bytes at the speedrun's T = 49152, H = 6, D = Dv = 128: read grad q/k/v and qk (377 MB)
 // and the angle rows, write the two e4m3 copies (226 MB); the kernel touches each once, coalesced.
-// - One CTA (256 threads) owns a tile of kTileTokens = 128 tokens x one job: QK input rows j and
-//   j + NJ (NJ = ceil((Hq + Hkv) / 2) jobs per tile) and V row j when j < Hkv. With as many query
-//   as key heads that is exactly the Q, K and V rows of head j. The grid runs job-fastest, so the
+// - One CTA (256 threads) owns a tile of 128 tokens (64 for rows wider than 256) x one job: QK
+//   input rows j and j + NJ (NJ = ceil((Hq + Hkv) / 2) jobs per tile) and V row j when j < Hkv.
+//   With as many query as key heads that is exactly the Q, K and V rows of head j. The grid runs job-fastest, so the
 //   CTAs that read a token's angle rows run together and the rows come from L2 after the first.
 // - QK rows are computed in registers by lane groups of G lanes (rope_common.cuh; the two rows of
 //   a token share its angles). V is an element-wise convert over the tile. Each lane's e4m3 codes
 //   of a chunk go straight to grad_row and into a shared-memory copy of the tile, [token][feature]
-//   e4m3, 128 x roundup(2D + Dv, 128) bytes (48 KB at 384 features).
+//   e4m3, tile x roundup(2D + Dv, 128) bytes (48 KB at 128 tokens of 384 features).
 // - After one barrier the tile leaves transposed, as TransformerEngine's cast-transpose does: a
 //   thread reads a 16 token x 4 feature block (16 x 4-byte reads), transposes it in registers
 //   (8 byte-permutes per 4x4), and writes 4 feature rows of 16 tokens with 16-byte stores; the 8
@@ -66,11 +66,10 @@ using rope::Chunk;
 using rope::kFp8Threads;
 using rope::Op;
 
-constexpr int kTileTokens = 128;  // tokens per CTA: one full 128-byte line of grad_t
+// Tokens per CTA tile: the launch policy's (rope_config.cuh fp8_tile_tokens: 128, 64 for rows
+// wider than 256). Up to 8 blocks of 16 tokens, which the shared-memory swizzle spreads over the
+// 32 banks.
 constexpr int kTokenBlock = 16;   // tokens per 16-byte grad_t store
-constexpr int kTokenBlocks = kTileTokens / kTokenBlock;
-static_assert(kTileTokens % kTokenBlock == 0 && kTokenBlocks == 8,
-              "the shared-memory swizzle spreads 8 token blocks over the 32 banks");
 static_assert(kFp8Threads % 32 == 0, "whole warps");
 
 /// Everything the fused FP8 backward kernel reads. Strides in elements.
@@ -226,9 +225,10 @@ struct Job {
   int features;     ///< the CTA's features in the tile
   int v_start;      ///< tile feature of the V row's first
 
-  __device__ __forceinline__ Job(const Fp8Args& p, unsigned block, bool has_part1) {
+  __device__ __forceinline__ Job(const Fp8Args& p, unsigned block, bool has_part1,
+                                 int tile_tokens) {
     j = int(block % unsigned(p.jobs));
-    t0 = int64_t(block / unsigned(p.jobs)) * kTileTokens;
+    t0 = int64_t(block / unsigned(p.jobs)) * tile_tokens;
     has_v = j < p.in.dims.kv_heads;
     const int D = p.in.dims.head_dim;
     v_start = has_part1 ? 2 * D : D;
@@ -259,6 +259,8 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
   constexpr int V = Geom::V;
   constexpr int C = Geom::C;
   constexpr int kGroups = kFp8Threads / G;
+  constexpr int kTileTokens = Fp8Policy<Config, Geom, AngleT>::kTileTokens;
+  constexpr int kTokenBlocks = kTileTokens / kTokenBlock;
   constexpr int kTokensPerGroup = kTileTokens / kGroups;
   static_assert(kTileTokens % kGroups == 0, "lane groups must tile the token tile evenly");
 
@@ -273,7 +275,7 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
   const int pitch = p.tile_pitch;
   const PartRows part0(p, in, int(blockIdx.x % unsigned(p.jobs)));
   const PartRows part1(p, in, part0.h2 + p.jobs);
-  const Job job(p, blockIdx.x, part1.present);
+  const Job job(p, blockIdx.x, part1.present, kTileTokens);
 
   const int group = int(threadIdx.x) / G;
   const int lane = int(threadIdx.x) % G;
@@ -577,9 +579,16 @@ __global__ void __launch_bounds__(Fp8Policy<Config, Geom, AngleT>::kThreads,
   }
 }
 
-/// Largest tile any launch can ask for: the widest features, 2*256 + 512 bytes per token (128 KB).
+/// Bytes of a tile of `tile_tokens` tokens of the widest features of heads up to `head_dim`.
+constexpr size_t widest_tile_bytes(int tile_tokens, int64_t head_dim) {
+  return size_t(tile_tokens) * size_t((2 * head_dim + kMaxVWidth + 127) / 128 * 128);
+}
+
+/// Largest tile any launch can ask for: 128 tokens of 2*256 + 512 bytes (128 KB; 64 tokens of
+/// 2*512 + 512 bytes take 96 KB).
 constexpr size_t kMaxTileBytes =
-    size_t(kTileTokens) * ((2 * rope::kMaxHeadWidth + kMaxVWidth + 127) / 128 * 128);
+    std::max(widest_tile_bytes(rope::fp8_tile_tokens(256), 256),
+             widest_tile_bytes(rope::fp8_tile_tokens(rope::kMaxHeadWidth), rope::kMaxHeadWidth));
 
 /// Dynamic shared memory of a launch: the tile, then for the kernels with weight code the norm
 /// weights ([2][D] floats) and, with weights, the lane groups' sums ([groups][2][D] floats).
@@ -589,9 +598,9 @@ constexpr size_t fp8_shared_bytes(size_t tile_bytes, bool general, bool weight_g
   return tile_bytes + (general ? rows : 0) + (weight_grad ? size_t(groups) * rows : 0);
 }
 
-/// Largest dynamic shared memory any launch can ask for: the widest tile, the weights at D = 256
-/// and 64 KB of sums, above every geometry's (the most: 64 groups of 4 lanes at D = 96, 48 KB);
-/// launch_fp8 checks each launch against it. 194 KB.
+/// Largest dynamic shared memory any launch can ask for: the widest tile, the weights at D = 512
+/// and 64 KB of sums, above every geometry's (the most: 64 groups of 4 lanes at D = 96, 48 KB;
+/// 8 groups of 32 at D = 512, 32 KB); launch_fp8 checks each launch against it. 196 KB.
 constexpr size_t kMaxSharedBytes =
     fp8_shared_bytes(kMaxTileBytes, true, false, 0, rope::kMaxHeadWidth) + 64 * 1024;
 static_assert(kMaxSharedBytes <= 227 * 1024, "an sm_90 CTA holds at most 227 KB");
@@ -605,12 +614,13 @@ static_assert(kMaxSharedBytes <= 227 * 1024, "an sm_90 CTA holds at most 227 KB"
 ///
 /// Returns the CTAs with `smem` bytes of shared memory the device holds at once (occupancy x
 /// SMs, under the carveout just set), for the next-CTA prefetch; cached per device and size class
-/// (16 KB: the tile's step, 128 bytes per token, and the weights and sums of one instantiation
-/// are the same for every launch of one head width).
+/// (16 KB: the tile's step, 128 bytes per token of a 128-token tile, and the weights and sums of
+/// one instantiation are the same for every launch of one head width).
 template <auto kKernel>
 int prepare_kernel(int device, size_t smem) {
   constexpr int kDevices = 64;
-  constexpr size_t kSizes = kMaxSharedBytes / (kTileTokens * 128) + 1;
+  constexpr size_t kSizeClass = 16 * 1024;
+  constexpr size_t kSizes = kMaxSharedBytes / kSizeClass + 1;
   static std::array<std::atomic<bool>, kDevices> opted_in{};
   static std::array<std::atomic<int>, kDevices * kSizes> resident{};
   QKVF_CHECK(device >= 0 && device < kDevices, "device ordinal ", device,
@@ -623,7 +633,7 @@ int prepare_kernel(int device, size_t smem) {
                                          int(cudaSharedmemCarveoutMaxShared)));
     opted_in[device].store(true, std::memory_order_release);
   }
-  std::atomic<int>& slot = resident[size_t(device) * kSizes + smem / (kTileTokens * 128)];
+  std::atomic<int>& slot = resident[size_t(device) * kSizes + smem / kSizeClass];
   int blocks = slot.load(std::memory_order_relaxed);
   if (blocks == 0) {
     int per_sm = 0;
@@ -635,27 +645,38 @@ int prepare_kernel(int device, size_t smem) {
   return blocks;
 }
 
+/// `planned_tokens`: the tokens per tile the host planned (tile_tokens(params)).
 template <class Config, class Geom, typename AngleT, bool kExactWidth>
-void launch_fp8(Fp8Args args, int device, cudaStream_t stream) {
+void launch_fp8(Fp8Args args, int planned_tokens, int device, cudaStream_t stream) {
   using Policy = Fp8Policy<Config, Geom, AngleT>;
   constexpr auto kernel = qkv_backward_fp8_kernel<Config, Geom, AngleT, kExactWidth>;
-  const size_t smem = fp8_shared_bytes(size_t(kTileTokens) * size_t(args.tile_pitch),
+  // The host's tiles (weight_ctas: the workspace) and the kernel's must agree.
+  QKVF_CHECK(Policy::kTileTokens == planned_tokens, "qkv_backward_fp8 (CUDA): tiles of ",
+             planned_tokens, " tokens planned, the kernel's are ", Policy::kTileTokens);
+  const size_t smem = fp8_shared_bytes(size_t(Policy::kTileTokens) * size_t(args.tile_pitch),
                                        !rope::Fixed<Config>::kWeightless, args.partials != nullptr,
                                        Policy::kThreads / Geom::G, args.in.dims.head_dim);
   QKVF_CHECK(smem <= kMaxSharedBytes, "qkv_backward_fp8 (CUDA): ", smem, " bytes of shared memory");
   // Above 48 KB a kernel must opt in to its dynamic shared memory; done for every kernel so that
   // the carveout preference applies at 48 KB too.
   args.resident_blocks = prepare_kernel<kernel>(device, smem);
-  const int64_t tiles = (args.in.tokens + kTileTokens - 1) / kTileTokens;
+  const int64_t tiles = (args.in.tokens + Policy::kTileTokens - 1) / Policy::kTileTokens;
   const unsigned blocks =
       rope::grid_size("qkv_backward_fp8", tiles * args.jobs, args.in.tokens);
   kernel<<<dim3(blocks), dim3(Policy::kThreads), smem, stream>>>(args);
   QKVF_CUDA_CHECK_LAUNCH("qkv_backward_fp8_kernel");
 }
 
+/// Tokens per tile of the call (rope::fp8_tile_tokens of its widest row).
+int tile_tokens(const QkvBackwardFp8Params& params) {
+  const int64_t head_dim = params.qk.sizes[2];
+  return rope::fp8_tile_tokens(std::max(head_dim, rope::v_width(params.layout, params.v)));
+}
+
 /// Partial rows with weights: one per CTA.
 int64_t weight_ctas(const QkvBackwardFp8Params& params) {
-  return (params.qk.sizes[0] + kTileTokens - 1) / kTileTokens * jobs_per_tile(params.layout);
+  const int64_t tile = tile_tokens(params);
+  return (params.qk.sizes[0] + tile - 1) / tile * jobs_per_tile(params.layout);
 }
 
 }  // namespace
@@ -707,7 +728,7 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
       "qkv_backward_fp8", rope::rope_key(layout, head_dim, width, rope::v_width(layout, params.v)),
       [&](auto config, auto geometry, auto angle, auto exact) {
         launch_fp8<decltype(config), decltype(geometry), typename decltype(angle)::type,
-                   decltype(exact)::value>(args, device, stream);
+                   decltype(exact)::value>(args, tile_tokens(params), device, stream);
       });
   if (weighted) {
     weight_grad::reduce(workspace, weight_ctas(params), int(head_dim), params.grad_q_weight,

@@ -287,11 +287,11 @@ struct RowGeometry {
   static_assert(G == 4 || G == 8 || G == 16 || G == 32,
                 "a lane group is 4, 8, 16 or 32 lanes: a power of two, so that the xor-shuffle "
                 "reduction stays inside the group and groups tile a warp");
-  static_assert(C >= 1 && C <= 8 && V * C <= 32, "up to 32 elements per lane (registers)");
+  static_assert(C >= 1 && C <= 16 && V * C <= 32, "up to 32 elements per lane (registers)");
 };
 
 /// Whether the kernels have a full-width form for Geom: 16-byte rows of exactly 8GC elements (32,
-/// 64, 128, 256: every model width but 96), a power of two. In that form D is a compile-time
+/// 64, 128, 256, 512: every model width but 96), a power of two. In that form D is a compile-time
 /// constant: no chunk is masked, the offsets that depend on D fold, and each division of a row sum
 /// by D is one FMUL (PowerOfTwoWidth) instead of UniformDivisor's 5-12 instructions.
 template <class Geom>

@@ -47,12 +47,13 @@ struct Lanes {
   int C;
 };
 
-/// V = 8: exact geometries for 32 (4 lanes x 1 chunk), 64 (8 x 1), 128 (16 x 1) and 256 (16 x 2);
-/// the widths between run on the next larger one, masked. D = 96: 4 lanes x 3 chunks in the row
-/// kernels (every lane busy), 16 x 1 with 12 lanes active in the FP8 backward (its Q/K rows of a
-/// token load together within 64 registers; 4 x 3 measured slower there, perf_notes.md).
-/// V = 2: 16 or 32 lanes, up to 8 elements per lane; V = 1: 32 lanes of 8 elements (rows that
-/// start on an odd element: rare, one geometry).
+/// V = 8: exact geometries for 32 (4 lanes x 1 chunk), 64 (8 x 1), 128 (16 x 1), 256 (16 x 2)
+/// and 512 (32 x 2: the whole warp on one row, 16 elements per lane as at 256); the widths
+/// between run on the next larger one, masked. D = 96: 4 lanes x 3 chunks in the row kernels
+/// (every lane busy), 16 x 1 with 12 lanes active in the FP8 backward (its Q/K rows of a token
+/// load together within 64 registers; 4 x 3 measured slower there, perf_notes.md).
+/// V = 2: 16 or 32 lanes, up to 16 elements per lane; V = 1: 32 lanes of 8 elements, 16 past 256
+/// (rows that start on an odd element: rare, one geometry per range).
 constexpr Lanes lanes_for(Op op, int V, HeadWidth width) {
   if (V == 8) {
     switch (width) {
@@ -62,6 +63,7 @@ constexpr Lanes lanes_for(Op op, int V, HeadWidth width) {
       case HeadWidth::k96: return op == Op::kBackwardFp8 ? Lanes{16, 1} : Lanes{4, 3};
       case HeadWidth::kUpTo128: case HeadWidth::k128: return {16, 1};
       case HeadWidth::kUpTo256: case HeadWidth::k256: return {16, 2};
+      case HeadWidth::kUpTo512: case HeadWidth::k512: return {32, 2};
     }
     return {0, 0};
   }
@@ -71,10 +73,11 @@ constexpr Lanes lanes_for(Op op, int V, HeadWidth width) {
       case HeadWidth::kUpTo64: case HeadWidth::k64: return {32, 1};
       case HeadWidth::k96: case HeadWidth::kUpTo128: case HeadWidth::k128: return {32, 2};
       case HeadWidth::kUpTo256: case HeadWidth::k256: return {32, 4};
+      case HeadWidth::kUpTo512: case HeadWidth::k512: return {32, 8};
     }
     return {0, 0};
   }
-  return {32, 8};
+  return width == HeadWidth::kUpTo512 || width == HeadWidth::k512 ? Lanes{32, 16} : Lanes{32, 8};
 }
 
 /// The row geometry of (op, V, width class) for Config: its NeoX-pairs form where the
@@ -116,6 +119,8 @@ void width_switch(const char* op, const RopeKey& key, F&& f) {
     case HeadWidth::k128: return take(WidthTag<HeadWidth::k128>{});
     case HeadWidth::kUpTo256: return take(WidthTag<HeadWidth::kUpTo256>{});
     case HeadWidth::k256: return take(WidthTag<HeadWidth::k256>{});
+    case HeadWidth::kUpTo512: return take(WidthTag<HeadWidth::kUpTo512>{});
+    case HeadWidth::k512: return take(WidthTag<HeadWidth::k512>{});
   }
   QKVF_FAIL(op, " (CUDA): no kernel for head width D = ", key.head_dim);
 }
@@ -215,6 +220,14 @@ void dispatch(const char* op, const RopeKey& key, F&& f) {
 inline constexpr int kRowThreads = 128;
 inline constexpr int kFp8Threads = 256;
 
+/// Tokens per CTA tile of the FP8 backward, by the widest row its geometry holds: 128 (one full
+/// 128-byte line of grad_t per feature and CTA), 64 past 256 (a 128-token tile of 2*512 + 512
+/// e4m3 bytes per token with the weights' gradient sums behind it would exceed the 227 KB of
+/// shared memory a CTA may have; 64 tokens take 132 KB at D = Dv = 512). The host sizes its grid
+/// and workspace with the row width of the call (D, or Dv of the V norm when wider), the kernel
+/// with its geometry's: the same class (rope_key's width class).
+constexpr int fp8_tile_tokens(int64_t row_width) { return row_width > 256 ? 64 : 128; }
+
 /// The launch policy of kernel (kOp, Config, Geom, AngleT): threads, resident blocks per SM (the
 /// register budget of __launch_bounds__) and rows per lane group (row kernels). One place for the
 /// three ops, so that configurations that share a geometry share their reasons.
@@ -231,6 +244,8 @@ struct Policy {
   static constexpr bool kWeightCode = !Fixed<Config>::kWeightless;
 
   static constexpr int kThreads = kOp == Op::kBackwardFp8 ? kFp8Threads : kRowThreads;
+  /// FP8 backward: tokens per CTA tile.
+  static constexpr int kTileTokens = fp8_tile_tokens(Geom::kMaxWidth);
 
   /// Rows per lane group (row kernels). Forward: 3 rows of one 16-byte chunk in flight per
   /// thread (plus the angle chunks), wider rows 4 / C (one at C = 3); bf16 backward: each row
@@ -267,7 +282,9 @@ struct Policy {
       if constexpr (Geom::kNeoxPairsInLane) return 5 - (kWideAngles ? 1 : 0);
       // With weights, partners and key offset at run time (General): 5 at one 16-byte chunk per
       // lane (92-96 registers, no spill; add6545's weighted general kernel ran 5 with 94), 4 for
-      // wider rows, 3 at C = 3.
+      // wider rows, 3 at C = 3 and more; 2 for 4-byte chunks past D = 256 (8 of them per lane
+      // spilled 20 bytes at 3).
+      if constexpr (V == 2 && C == 8) return 2;
       if constexpr (kWeightCode || V != 8) return C >= 3 ? 3 : (V == 8 && C == 1 ? 5 : 4);
       // Interleaved pairs without weights: 8 (<= 64 registers) for one chunk per lane, key
       // offset included; C = 3 (D = 96 on 4 lanes) holds g, x (and g_next) and 6 factor chunks
@@ -292,6 +309,10 @@ struct Policy {
   }
 
   static_assert(kThreads % 32 == 0 && 32 % G == 0, "lane groups must tile whole warps");
+  static_assert(kOp != Op::kBackwardFp8 || (kTileTokens % 16 == 0 && kTileTokens <= 128 &&
+                                            kTileTokens % (kThreads / G) == 0),
+                "FP8 tiles: whole 16-token blocks, at most 8 of them (the tile's swizzle), and "
+                "the same token count for every lane group");
   static_assert(rows_per_group() >= 1 && rows_per_group() * V * C <= 64,
                 "rows per lane group: keep the loads in registers (64 elements: 32 registers)");
 };

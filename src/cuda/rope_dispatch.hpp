@@ -42,8 +42,8 @@ enum class Access : uint8_t { k16B, k4B, k2B };
 
 /// The head width D as the kernels' row geometries see it (rope_config.cuh lanes_for): the
 /// exact widths each with its own geometry, and the ranges masked on the next geometry up.
-/// A new width class (D up to 512) is a new value here, in head_width_class, and a case of
-/// lanes_for and width_switch (rope_config.cuh; a value either misses throws, naming D).
+/// A new width class is a new value here, in head_width_class, and a case of lanes_for and
+/// width_switch (rope_config.cuh; a value either misses throws, naming D).
 enum class HeadWidth : uint8_t {
   kUpTo32,   ///< D < 32 (narrow access only)
   k32,
@@ -54,6 +54,8 @@ enum class HeadWidth : uint8_t {
   k128,
   kUpTo256,  ///< 128 < D < 256
   k256,
+  kUpTo512,  ///< 256 < D < 512 (SPEC.md section 9)
+  k512,      ///< Gemma 4's global layers
 };
 
 enum class Rotary : uint8_t { kInterleaved, kNeox };
@@ -147,7 +149,7 @@ struct Spec {
   Served<VNorm> v_norm;
   Served<Heads> heads;
   /// The ops whose kernels take D as a compile-time constant at the row's power-of-two widths
-  /// (32, 64, 128, 256; the others run with D at run time): the masks and D-dependent offsets
+  /// (32, 64, 128, 256, 512; the others run with D at run time): the masks and D-dependent offsets
   /// fold and each division by D is one FMUL (PowerOfTwoWidth).
   Served<Op> exact_width;
   /// NeoX pairs in one lane (rope_common.cuh NeoxPairGeometry): both halves of each pair in the
@@ -357,10 +359,10 @@ inline const char* config_name(Op op, const RopeKey& key) {
 /// The width classes of one power-of-two width each (Spec::exact_width).
 constexpr bool exact_power_of_two(HeadWidth width) {
   return width == HeadWidth::k32 || width == HeadWidth::k64 || width == HeadWidth::k128 ||
-         width == HeadWidth::k256;
+         width == HeadWidth::k256 || width == HeadWidth::k512;
 }
 
-/// The class of head width D (even, in [2, 256]).
+/// The class of head width D (even, in [2, 512]).
 inline HeadWidth head_width_class(int64_t D) {
   if (D < 32) return HeadWidth::kUpTo32;
   if (D == 32) return HeadWidth::k32;
@@ -370,7 +372,9 @@ inline HeadWidth head_width_class(int64_t D) {
   if (D < 128) return HeadWidth::kUpTo128;
   if (D == 128) return HeadWidth::k128;
   if (D < 256) return HeadWidth::kUpTo256;
-  return HeadWidth::k256;
+  if (D == 256) return HeadWidth::k256;
+  if (D < 512) return HeadWidth::kUpTo512;
+  return HeadWidth::k512;
 }
 
 /// The key of a validated layout with head width D whose rows take chunks of `chunk` elements;

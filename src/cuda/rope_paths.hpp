@@ -3,7 +3,7 @@
 //
 // Every rope op has one kernel template (qk_norm_rope.cu, qk_norm_rope_backward.cu,
 // qkv_backward_fp8.cu), instantiated over the chunk width V its rows are read and written with:
-// - V = 8, 16-byte vectors, tuned for the model's widths: D a multiple of 8 in [32, 256], every
+// - V = 8, 16-byte vectors, tuned for the model's widths: D a multiple of 8 in [32, 512], every
 //   bf16 row and every table row 16-byte aligned (pointers and all strides but the last), NeoX
 //   rotary widths a multiple of 16 and, with a cos/sin cache and interleaved lanes, of 8 (a
 //   chunk's partners and frequencies are then whole vectors);
@@ -25,10 +25,10 @@
 
 namespace qkvfuse::cuda::rope {
 
-/// The widest head the CUDA rope kernels take (validate.hpp's kMaxCudaTestedHeadDim: wider ones,
-/// up to the CPU backend's kMaxHeadDim, are refused as not yet on CUDA): the 16-byte geometries'
-/// top (rope_config.cuh lanes_for) and the FP8 backward's shared tile bound it.
-inline constexpr int64_t kMaxHeadWidth = validate::kMaxCudaTestedHeadDim;
+/// The widest head the CUDA rope kernels take, the CPU backend's (validate.hpp kMaxHeadDim; past
+/// kMaxCudaTestedHeadDim only with QKVFUSE_CUDA_SECTION9=1): the geometries' top (rope_config.cuh
+/// lanes_for) and the FP8 backward's shared tile (rope_config.cuh fp8_tile_tokens) bound it.
+inline constexpr int64_t kMaxHeadWidth = validate::kMaxHeadDim;
 
 /// True when the view's data pointer and every stride but the last (of dims longer than 1) are
 /// multiples of `bytes`: every row starts on a `bytes` boundary. Absent views pass.
