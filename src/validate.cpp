@@ -222,7 +222,7 @@ std::string cuda_pending_option(const RopeLayout& layout, int64_t head_dim) {
     return "qk: head width D = " + std::to_string(head_dim) + " (above " +
            std::to_string(kMaxCudaTestedHeadDim) + ")";
   }
-  if (layout.normalize_v) return "layout.normalize_v";
+  if (layout.normalize_v && !untested_kernels) return "layout.normalize_v";
   if (layout.norm_scope != NormScope::kHead) {
     return "layout.norm_scope: NormScope::kToken (one RMS over the token)";
   }

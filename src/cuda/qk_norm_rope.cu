@@ -27,6 +27,9 @@
 //   lanes >= r of key row (t+1, h), which are exactly its nw (bf16), and writes only the rotary
 //   lanes of its own row (all lanes at t = 0). Every output byte is written exactly once by one
 //   thread, so results are deterministic.
+// - The V norm (SPEC.md section 9, normalize_v; the general kernel): blocks after the Q/K units'
+//   take the rows of v, K per lane group, in the same row geometry (its width class covers Dv):
+//   v_out = v * rstd(v). A block takes either kind of row, so the branch is block-uniform.
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
@@ -54,10 +57,55 @@ struct ForwardArgs {
   uint16_t* k;      ///< [T, Hkv, D] likewise, its own allocation
   int row_sets;     ///< NS, even: unit u = t * NS + s owns heads {s, s+NS, ...} of token t
   int64_t units;    ///< T * NS
+  // The V norm (in.normalize_v)
+  uint16_t* v_out;        ///< [T, Hkv, Dv] bf16, row-major contiguous: row r = t*Hkv + h at r*Dv
+  int64_t v_first_block;  ///< blocks from here on take V rows
 };
 
 template <class Config, class Geom, typename AngleT>
 using ForwardPolicy = rope::Policy<Op::kForward, Config, Geom, AngleT>;
+
+/// The V norm's rows of block blockIdx.x >= p.v_first_block: K consecutive rows r = t*Hkv + h of
+/// v per lane group, all loads first; v_out = v * rstd(v). Every lane of the block takes part.
+template <class Geom, int K>
+__device__ __forceinline__ void forward_v_rows(const ForwardArgs& p, int threads) {
+  constexpr int G = Geom::G;
+  constexpr int V = Geom::V;
+  constexpr int C = Geom::C;
+  const int lane = int(threadIdx.x) % G;
+  const int64_t unit =
+      (int64_t(blockIdx.x) - p.v_first_block) * (threads / G) + int(threadIdx.x) / G;
+  const int Dv = p.in.v_dim;
+  const int kv = p.in.dims.kv_heads;
+  const int64_t rows = p.in.tokens * kv;
+  const rope::LaneChunks<Geom> lanes(lane, Dv, 0);
+  const UniformDivisor width{float(Dv)};
+  Chunk<V> x[K][C];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int64_t row = unit * K + k;
+    const bool row_ok = row < rows;
+    const int64_t t = row_ok ? row / kv : 0;
+    const uint16_t* src = p.in.v + t * p.in.v_stride_t + (row - t * kv) * p.in.v_stride_h;
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      x[k][c] = rope::load_chunk_if<rope::Load::kStream, V>(row_ok && lanes.ok[c],
+                                                             src + lanes.d0[c]);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    float y[C][V];
+    rope::v_norm_forward<Geom>(x[k], width, p.in.eps, y);  // all lanes: shuffles
+    const int64_t row = unit * K + k;
+    if (row >= rows) continue;
+    uint16_t* out = p.v_out + row * Dv;
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      if (lanes.ok[c]) rope::store_chunk(out + lanes.d0[c], rope::to_bf16<V>(y[c]));
+    }
+  }
+}
 
 /// Config: the configuration (rope_dispatch.hpp); kExactWidth: rows of exactly Geom's full width,
 /// D a compile-time constant.
@@ -71,6 +119,12 @@ __global__ void __launch_bounds__(ForwardPolicy<Config, Geom, AngleT>::kThreads,
   constexpr int V = Geom::V;
   constexpr int C = Geom::C;
   constexpr int K = Policy::rows_per_group();
+  if constexpr (!Fix::kNoVNorm) {
+    if (p.in.normalize_v && int64_t(blockIdx.x) >= p.v_first_block) {  // block-uniform
+      forward_v_rows<Geom, K>(p, Policy::kThreads);
+      return;
+    }
+  }
   const int lane = int(threadIdx.x) % G;
   const int64_t unit = int64_t(blockIdx.x) * (Policy::kThreads / G) + threadIdx.x / G;
   const int64_t t = unit / p.row_sets;
@@ -170,13 +224,20 @@ void launch_forward(ForwardArgs args, cudaStream_t stream) {
   args.row_sets = work.row_sets;
   args.units = work.units;
   const int64_t groups_per_block = Policy::kThreads / Geom::G;
-  const unsigned blocks = rope::grid_size(
-      "qk_norm_rope", (work.units + groups_per_block - 1) / groups_per_block, args.in.tokens);
+  int64_t blocks = (work.units + groups_per_block - 1) / groups_per_block;
+  if (args.in.normalize_v) {
+    // The V rows' blocks after the Q/K units' (K rows per lane group).
+    args.v_first_block = blocks;
+    constexpr int64_t kRows = Policy::rows_per_group();
+    const int64_t v_units = (args.in.tokens * args.in.dims.kv_heads + kRows - 1) / kRows;
+    blocks += (v_units + groups_per_block - 1) / groups_per_block;
+  }
   // The norm weights, [2][D] floats (rope::SharedWeights).
   const size_t smem = rope::Fixed<Config>::kWeightless
                           ? 0
                           : 2 * size_t(args.in.dims.head_dim) * sizeof(float);
-  kernel<<<dim3(blocks), dim3(Policy::kThreads), smem, stream>>>(args);
+  kernel<<<dim3(rope::grid_size("qk_norm_rope", blocks, args.in.tokens)), dim3(Policy::kThreads),
+           smem, stream>>>(args);
   QKVF_CUDA_CHECK_LAUNCH("qk_norm_rope_kernel");
 }
 
@@ -188,7 +249,9 @@ void qk_norm_rope(const QkNormRopeParams& params) {
                          .q = static_cast<uint16_t*>(params.q.data),
                          .k = static_cast<uint16_t*>(params.k.data),
                          .row_sets = 0,
-                         .units = 0};
+                         .units = 0,
+                         .v_out = static_cast<uint16_t*>(params.v_out.data),
+                         .v_first_block = 0};
   const cudaStream_t stream = to_cuda(params.stream);
   rope::dispatch<Op::kForward>(
       "qk_norm_rope", rope::rope_key(params), [&](auto config, auto geometry, auto angle, auto exact) {

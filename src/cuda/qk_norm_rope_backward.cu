@@ -24,6 +24,11 @@
 // units in turn, then adds its groups' sums in group order and writes one partial row; without
 // weights the same kernel takes one unit per lane group (one turn).
 //
+// The V norm (SPEC.md section 9, normalize_v; the general kernel): blocks after the Q/K blocks
+// take the V rows, K per lane group, in the same row geometry: grad_v from grad_v_out and the
+// saved v (rope_rows.cuh v_norm_backward). A block takes either kind, so the branch is
+// block-uniform; the V blocks write no partial row.
+//
 // Kernels: one template for the whole family (rope_dispatch.hpp's table and rope_config.cuh's
 // dispatcher pick the configuration and the launch policy).
 #include <cuda_bf16.h>
@@ -61,6 +66,12 @@ struct BackwardArgs {
   int64_t units;             ///< T * NS
   int tokens_per_block;      ///< with weights: a block walks the units of these many tokens
                              ///< (tokens_per_weight_block); 0: one unit per lane group
+  // The V norm (in.normalize_v)
+  const uint16_t* grad_v_out;  ///< [T, Hkv, Dv]: (t, h, d) at t*grad_v_out_stride_t + h*..._h + d
+  int64_t grad_v_out_stride_t;
+  int64_t grad_v_out_stride_h;
+  uint16_t* grad_v;            ///< [T, Hkv, Dv] row-major contiguous: row r = t*Hkv + h at r*Dv
+  int64_t v_first_block;       ///< blocks from here on take V rows
 };
 
 int64_t tokens_per_weight_block(int64_t heads2) {
@@ -69,6 +80,53 @@ int64_t tokens_per_weight_block(int64_t heads2) {
 
 template <class Config, class Geom, typename AngleT>
 using BackwardPolicy = rope::Policy<Op::kBackward, Config, Geom, AngleT>;
+
+/// The V norm's rows of block blockIdx.x >= p.v_first_block: K consecutive rows r = t*Hkv + h per
+/// lane group, all loads first; grad_v = the V norm's gradient of grad_v_out at the saved v.
+/// Every lane of the block takes part.
+template <class Geom, int K>
+__device__ __forceinline__ void backward_v_rows(const BackwardArgs& p, int threads) {
+  constexpr int G = Geom::G;
+  constexpr int V = Geom::V;
+  constexpr int C = Geom::C;
+  const int lane = int(threadIdx.x) % G;
+  const int64_t unit =
+      (int64_t(blockIdx.x) - p.v_first_block) * (threads / G) + int(threadIdx.x) / G;
+  const int Dv = p.in.v_dim;
+  const int kv = p.in.dims.kv_heads;
+  const int64_t rows = p.in.tokens * kv;
+  const rope::LaneChunks<Geom> lanes(lane, Dv, 0);
+  const UniformDivisor width{float(Dv)};
+  Chunk<V> g[K][C];
+  Chunk<V> x[K][C];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int64_t row = unit * K + k;
+    const bool row_ok = row < rows;
+    const int64_t t = row_ok ? row / kv : 0;
+    const int64_t h = row - t * kv;
+    const uint16_t* g_row = p.grad_v_out + t * p.grad_v_out_stride_t + h * p.grad_v_out_stride_h;
+    const uint16_t* x_row = p.in.v + t * p.in.v_stride_t + h * p.in.v_stride_h;
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const bool ok = row_ok && lanes.ok[c];
+      g[k][c] = rope::load_chunk_if<rope::Load::kStream, V>(ok, g_row + lanes.d0[c]);
+      x[k][c] = rope::load_chunk_if<rope::Load::kStream, V>(ok, x_row + lanes.d0[c]);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    float dv[C][V];
+    rope::v_norm_backward<Geom>(g[k], x[k], width, p.in.eps, dv);  // all lanes: shuffles
+    const int64_t row = unit * K + k;
+    if (row >= rows) continue;
+    uint16_t* out = p.grad_v + row * Dv;
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      if (lanes.ok[c]) rope::store_chunk(out + lanes.d0[c], rope::to_bf16<V>(dv[c]));
+    }
+  }
+}
 
 /// Branch-free row scalars (rope::backward_row) where they measured faster on the H200: key
 /// offset and 4 lanes x 3 chunks of the 16-byte kernels; the plain and paired kernels of one
@@ -211,6 +269,12 @@ __global__ void __launch_bounds__(BackwardPolicy<Config, Geom, AngleT>::kThreads
   using Fix = rope::Fixed<Config>;
   constexpr int G = Geom::G;
   constexpr int kGroups = Policy::kThreads / G;
+  if constexpr (!Fix::kNoVNorm) {
+    if (p.in.normalize_v && int64_t(blockIdx.x) >= p.v_first_block) {  // block-uniform
+      backward_v_rows<Geom, Policy::rows_per_group()>(p, Policy::kThreads);
+      return;
+    }
+  }
   const int D = rope::row_width<Geom, kExactWidth>(p.in.dims.head_dim);
   // The inputs with what the configuration fixes as constants.
   const rope::RopeInputs in = Fix::known(p.in, D);
@@ -273,6 +337,13 @@ void launch_backward(BackwardArgs args, cudaStream_t stream) {
     args.tokens_per_block = 0;
     blocks = (work.units + kGroups - 1) / kGroups;
   }
+  if (args.in.normalize_v) {
+    // The V rows' blocks after the Q/K blocks (K rows per lane group).
+    args.v_first_block = blocks;
+    constexpr int64_t kRows = Policy::rows_per_group();
+    const int64_t v_units = (args.in.tokens * args.in.dims.kv_heads + kRows - 1) / kRows;
+    blocks += (v_units + kGroups - 1) / kGroups;
+  }
   kernel<<<dim3(rope::grid_size("qk_norm_rope_backward", blocks, args.in.tokens)),
            dim3(Policy::kThreads), smem, stream>>>(args);
   QKVF_CUDA_CHECK_LAUNCH("qk_norm_rope_backward_kernel");
@@ -312,7 +383,12 @@ void qk_norm_rope_backward(const QkNormRopeBackwardParams& params) {
                           .partials = workspace,
                           .row_sets = 0,
                           .units = 0,
-                          .tokens_per_block = 0};
+                          .tokens_per_block = 0,
+                          .grad_v_out = static_cast<const uint16_t*>(params.grad_v_out.data),
+                          .grad_v_out_stride_t = params.grad_v_out.strides[0],
+                          .grad_v_out_stride_h = params.grad_v_out.strides[1],
+                          .grad_v = static_cast<uint16_t*>(params.grad_v.data),
+                          .v_first_block = 0};
   rope::dispatch<Op::kBackward>(
       "qk_norm_rope_backward", rope::rope_key(params),
       [&](auto config, auto geometry, auto angle, auto exact) {

@@ -5,15 +5,17 @@
 //   Q and K rows: dx of the norm/rotary backward (rope_rows.cuh backward_row, as
 //                 qk_norm_rope_backward.cu) rounded to bf16, then e4m3(dx_bf16 / grad_scale)
 //                 (true division, satfinite); with norm weights also their gradient sums
-//   V rows:       e4m3(grad_v[t, h] / grad_scale)
+//   V rows:       e4m3(grad_v[t, h] / grad_scale); with the V norm (SPEC.md section 9) the V
+//                 norm's gradient of grad_v at the saved v, rounded to bf16 first, as dx
 //   grad_row[t, f] and grad_t[f, t] for f = [Q h*D+d | K (Hq+h)*D+d | V (Hq+Hkv)*D + h*Dv + d].
 //
 // Design. Bytes at the speedrun's T = 49152, H = 6, D = Dv = 128: read grad q/k/v and qk (377 MB)
 // and the angle rows, write the two e4m3 copies (226 MB); the kernel touches each once, coalesced.
 // - One CTA (256 threads) owns a tile of 128 tokens (64 for rows wider than 256) x one job: QK
 //   input rows j and j + NJ (NJ = ceil((Hq + Hkv) / 2) jobs per tile) and V row j when j < Hkv.
-//   With as many query as key heads that is exactly the Q, K and V rows of head j. The grid runs job-fastest, so the
-//   CTAs that read a token's angle rows run together and the rows come from L2 after the first.
+//   With as many query as key heads that is exactly the Q, K and V rows of head j. The grid runs
+//   job-fastest, so the CTAs that read a token's angle rows run together and the rows come from
+//   L2 after the first.
 // - QK rows are computed in registers by lane groups of G lanes (rope_common.cuh; the two rows of
 //   a token share its angles). V is an element-wise convert over the tile. Each lane's e4m3 codes
 //   of a chunk go straight to grad_row and into a shared-memory copy of the tile, [token][feature]
@@ -245,6 +247,34 @@ struct Job {
   }
 };
 
+/// The e4m3 codes of one chunk of V values already rounded to bf16 (a Q/K row's dx, or the V
+/// norm's dv): into grad_row at out_row + d, and into the tile (at `tile_base`, pitch `pitch`)
+/// at row `row`, byte `byte`.
+template <ScaleDivision kDivision, int V>
+__device__ __forceinline__ void store_codes(const Fp8Args& p, const E4m3Scaler& scale,
+                                            const float (&rounded)[V], uint8_t* out_row, int d,
+                                            uint32_t tile_base, int row, int byte, int pitch) {
+  if constexpr (V == 8) {
+    uint32_t lo, hi;
+    encode_e4m3<kDivision>(scale, rounded, lo, hi);
+    rope::st_u64_evict_first(out_row + d, lo, hi);
+    sts_u64(tile_base + tile_offset(row, byte, pitch), lo, hi);
+  } else {
+    const uint32_t codes = encode_e4m3_small<V>(scale, rounded);
+    if (V == 2 && p.code_pairs) {
+      rope::st_u16(out_row + d, codes);
+    } else {
+#pragma unroll
+      for (int e = 0; e < V; ++e) rope::st_u8(out_row + d + e, codes >> (8 * e));
+    }
+    if constexpr (V == 2) {
+      sts_u16(tile_base + tile_offset(row, byte, pitch), codes);
+    } else {
+      sts_u8(tile_base + tile_offset(row, byte, pitch), codes);
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------------------------
 // The kernel
 // ------------------------------------------------------------------------------------------------
@@ -386,26 +416,8 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
           // Round to bf16 first (the aten chain materialized the QK gradient in bf16).
           float rounded[V];
           rope::to_float<V>(rope::to_bf16<V>(dx[c]), rounded);
-          const int byte = slot * D + lanes.d0[c];
-          if constexpr (V == 8) {
-            uint32_t lo, hi;
-            encode_e4m3<kDivision>(scale, rounded, lo, hi);
-            rope::st_u64_evict_first(out_row + lanes.d0[c], lo, hi);
-            sts_u64(tile_base + tile_offset(row, byte, pitch), lo, hi);
-          } else {
-            const uint32_t codes = encode_e4m3_small<V>(scale, rounded);
-            if (V == 2 && p.code_pairs) {
-              rope::st_u16(out_row + lanes.d0[c], codes);
-            } else {
-#pragma unroll
-              for (int e = 0; e < V; ++e) rope::st_u8(out_row + lanes.d0[c] + e, codes >> (8 * e));
-            }
-            if constexpr (V == 2) {
-              sts_u16(tile_base + tile_offset(row, byte, pitch), codes);
-            } else {
-              sts_u8(tile_base + tile_offset(row, byte, pitch), codes);
-            }
-          }
+          store_codes<kDivision>(p, scale, rounded, out_row, lanes.d0[c], tile_base, row,
+                                 slot * D + lanes.d0[c], pitch);
         }
       };
       if constexpr (C == 1) {
@@ -442,11 +454,44 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
     }
   }
 
-  // ---- Phase A2: the V row, element-wise ------------------------------------------------------
+  // ---- Phase A2: the V row, element-wise (with the V norm: row by row) -------------------------
   if (job.has_v) {
     const uint16_t* gv_base = p.grad_v + int64_t(job.j) * p.grad_v_stride_h;
     const int64_t v_feature = job.packed_feature(p, job.v_start, part1.h2);
-    if (p.v_vectors) {
+    if (in.normalize_v) {
+      // The V norm (SPEC.md section 9): a lane group per token as in phase A1, in the Q/K rows'
+      // geometry (its width class covers Dv); dv rounded to bf16, then coded as dx is.
+      const rope::LaneChunks<Geom> v_lanes(lane, Dv, 0);
+      const UniformDivisor v_width{float(Dv)};
+      const uint16_t* v_base = in.v + int64_t(job.j) * in.v_stride_h;
+#pragma unroll 1
+      for (int step = 0; step < kTokensPerGroup; ++step) {  // block-uniform trip count
+        const int row = group + kGroups * step;
+        const int64_t t = job.t0 + row;
+        const bool token_ok = t < in.tokens;
+        Chunk<V> g[C], x[C];
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+          const bool ok = token_ok && v_lanes.ok[c];
+          g[c] = rope::load_chunk_if<rope::Load::kStreamEvictFirst, V>(
+              ok, gv_base + t * p.grad_v_stride_t + v_lanes.d0[c]);
+          x[c] = rope::load_chunk_if<rope::Load::kStreamEvictFirst, V>(
+              ok, v_base + t * in.v_stride_t + v_lanes.d0[c]);
+        }
+        float dv[C][V];
+        rope::v_norm_backward<Geom>(g, x, v_width, in.eps, dv);  // all lanes: shuffles
+        if (!token_ok) continue;
+        uint8_t* out_row = p.grad_row + t * p.qkv_dim + v_feature;
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+          if (!v_lanes.ok[c]) continue;
+          float rounded[V];
+          rope::to_float<V>(rope::to_bf16<V>(dv[c]), rounded);
+          store_codes<kDivision>(p, scale, rounded, out_row, v_lanes.d0[c], tile_base, row,
+                                 job.v_start + v_lanes.d0[c], pitch);
+        }
+      }
+    } else if (p.v_vectors) {
       const int chunks_per_row = Dv / 8;
       const int tile_chunks = kTileTokens * chunks_per_row;
       // u / chunks_per_row as a multiply-shift: exact for u < 2^14 and divisors <= 64.

@@ -55,35 +55,46 @@ inline int64_t v_width(const RopeLayout& layout, const TensorView& v) {
 }
 
 /// The chunk width (8, 2 or 1 elements) for a call whose bf16 rows are `rows` (qk, the
-/// gradients, the outputs) and whose layout is `layout`, D = head_dim.
+/// gradients, the outputs, and the V norm's rows) and whose layout is `layout`, D = head_dim;
+/// `v_dim` the V norm's Dv (0 without it): its rows take the same chunks, so Dv must be a
+/// multiple of the chunk too.
 inline int chunk_width(const RopeLayout& layout, int64_t head_dim,
-                       std::initializer_list<const TensorView*> rows) {
+                       std::initializer_list<const TensorView*> rows, int64_t v_dim = 0) {
   const int64_t r = qkvfuse::rope::resolved_rotary_dim(layout, head_dim);
   const bool neox = layout.rotary_style == RotaryStyle::kNeox;
   const bool cache = !is_absent(layout.cos_sin);
-  const bool width_ok = head_dim % 8 == 0 && head_dim >= 32 && head_dim <= kMaxHeadWidth;
+  const bool width_ok = head_dim % 8 == 0 && head_dim >= 32 && head_dim <= kMaxHeadWidth &&
+                        v_dim % 8 == 0;
   const bool rotary_ok = neox ? r % 16 == 0 : (!cache || r % 8 == 0);
   const bool tables_ok = all_rows_aligned({&layout.factor1, &layout.factor2, &layout.cos_sin,
                                            &layout.q_weight, &layout.k_weight},
                                           16);
   if (width_ok && rotary_ok && tables_ok && all_rows_aligned(rows, 16)) return 8;
-  return all_rows_aligned(rows, 4) ? 2 : 1;
+  return all_rows_aligned(rows, 4) && v_dim % 2 == 0 ? 2 : 1;
 }
 
 inline int chunk_width(const QkNormRopeParams& p) {
-  return chunk_width(p.layout, p.qk.sizes[2], {&p.qk, &p.q, &p.k});
+  return chunk_width(p.layout, p.qk.sizes[2], {&p.qk, &p.q, &p.k, &p.v, &p.v_out},
+                     v_width(p.layout, p.v));
 }
 
 inline int chunk_width(const QkNormRopeBackwardParams& p) {
-  return chunk_width(p.layout, p.qk.sizes[2], {&p.qk, &p.grad_q, &p.grad_k, &p.grad_qk});
+  return chunk_width(p.layout, p.qk.sizes[2],
+                     {&p.qk, &p.grad_q, &p.grad_k, &p.grad_qk, &p.v, &p.grad_v_out, &p.grad_v},
+                     v_width(p.layout, p.v));
 }
 
 /// The fused FP8 backward's 16-byte chunks also write 8-byte codes into grad_row's rows and
 /// 16-byte blocks of grad_t: both outputs 16-byte aligned and Dv a multiple of 8 (so qkv_dim is
 /// one, and the tile's parts start on whole words). Its V rows are read as 16-byte vectors when
-/// their rows are aligned too (fp8_v_vectors); the element-wise V loop takes the rest.
+/// their rows are aligned too (fp8_v_vectors); the element-wise V loop takes the rest. With the
+/// V norm the V rows (grad_v and v) take the Q/K rows' chunks.
 inline int chunk_width(const QkvBackwardFp8Params& p) {
-  const int chunk = chunk_width(p.layout, p.qk.sizes[2], {&p.qk, &p.grad_q, &p.grad_k});
+  const bool v_norm = p.layout.normalize_v;
+  const int chunk =
+      chunk_width(p.layout, p.qk.sizes[2],
+                  {&p.qk, &p.grad_q, &p.grad_k, v_norm ? &p.grad_v : &p.qk, &p.v},
+                  v_width(p.layout, p.v));
   const auto aligned16 = [](const void* data) {
     return reinterpret_cast<uintptr_t>(data) % 16 == 0;
   };

@@ -732,6 +732,52 @@ __device__ __forceinline__ void backward_row(
   }
 }
 
+// ------------------------------------------------------------------------------------------------
+// The V norm (SPEC.md section 9): a weightless RMS norm of each V row, Dv wide
+// ------------------------------------------------------------------------------------------------
+//
+// A V row takes the kernel's row geometry (its width class covers Dv: rope_key), chunks past Dv
+// masked (loads 0). The same rounding as the Q/K rows and the CPU backend:
+//   rstd = 1 / sqrt(sum(v^2) / Dv + eps),  v_out = v * rstd
+//   dv   = rstd * (g - n * (sum(g * n) / Dv)),  n = v * rstd (v_out unrounded)
+
+/// v_out of the lane's chunks of one V row. Every lane of the warp must call it (shuffles).
+template <class Geom>
+__device__ __forceinline__ void v_norm_forward(const Chunk<Geom::V> (&x)[Geom::C],
+                                               const UniformDivisor& width, float eps,
+                                               float (&out)[Geom::C][Geom::V]) {
+  const float rstd = row_rstd<Geom::G, Geom::V, Geom::C>(x, width, eps);
+#pragma unroll
+  for (int c = 0; c < Geom::C; ++c) {
+#pragma unroll
+    for (int i = 0; i < Geom::V; ++i) out[c][i] = __fmul_rn(x[c][i], rstd);
+  }
+}
+
+/// dv of the lane's chunks of one V row from g (the gradient of v_out) and the saved v. Every lane
+/// of the warp must call it (shuffles).
+template <class Geom>
+__device__ __forceinline__ void v_norm_backward(const Chunk<Geom::V> (&g)[Geom::C],
+                                                const Chunk<Geom::V> (&x)[Geom::C],
+                                                const UniformDivisor& width, float eps,
+                                                float (&dv)[Geom::C][Geom::V]) {
+  const float rstd = row_rstd<Geom::G, Geom::V, Geom::C>(x, width, eps);
+  float partial = 0.0f;
+#pragma unroll
+  for (int c = 0; c < Geom::C; ++c) {
+#pragma unroll
+    for (int i = 0; i < Geom::V; ++i) partial = fmaf(g[c][i], __fmul_rn(x[c][i], rstd), partial);
+  }
+  const float correction = width(group_sum<Geom::G>(partial));
+#pragma unroll
+  for (int c = 0; c < Geom::C; ++c) {
+#pragma unroll
+    for (int i = 0; i < Geom::V; ++i) {
+      dv[c][i] = norm_grad(rstd, g[c][i], __fmul_rn(x[c][i], rstd), correction);
+    }
+  }
+}
+
 /// The block's partial row of the norm weights' gradients (weight_grad.hpp): after a barrier the
 /// block adds its lane groups' sums (WeightGradSums, `group_sums` [kGroups][2][D] in shared
 /// memory) in group order (fixed, so the bits do not depend on scheduling) into
