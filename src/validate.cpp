@@ -223,7 +223,7 @@ std::string cuda_pending_option(const RopeLayout& layout, int64_t head_dim) {
            std::to_string(kMaxCudaTestedHeadDim) + ")";
   }
   if (layout.normalize_v && !untested_kernels) return "layout.normalize_v";
-  if (layout.norm_scope != NormScope::kHead) {
+  if (layout.norm_scope != NormScope::kHead && !untested_kernels) {
     return "layout.norm_scope: NormScope::kToken (one RMS over the token)";
   }
   if (layout.query_only && !untested_kernels) return "layout.query_only";

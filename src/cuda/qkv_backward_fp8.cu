@@ -299,7 +299,9 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
 
   const int D = rope::row_width<Geom, kExactWidth>(p.in.dims.head_dim);
   // The inputs with what the configuration fixes as constants.
-  const rope::RopeInputs in = Fix::known(p.in, D);
+  // (A token-wide norm never reaches this kernel: qkv_backward_fp8 below runs the bf16 backward
+  // for it.)
+  const rope::RopeInputs in = rope::per_head(Fix::known(p.in, D));
   const int Dv = p.v_dim;
   const auto width = rope::row_width_divisor<Geom, kExactWidth>(D);
   const int pitch = p.tile_pitch;
@@ -316,12 +318,13 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
   // weights) the lane groups' weight-gradient sums [kGroups][2][D] (fp8_shared_bytes).
   float* weight_rows = reinterpret_cast<float*>(tile + size_t(kTileTokens) * size_t(pitch));
   float* group_sums = weight_rows + 2 * D;
-  const rope::SharedWeights weights{weight_rows};
+  const rope::SharedWeights weights{weight_rows, rope::WeightLanes::of(in, D)};
   // Weight gradients to sum: a block-uniform value (a constant where the configuration fixes it).
   const bool weighted = Fix::kSpec.weights.only(rope::Weights::kWeighted) ||
                         (!Fix::kWeightless && p.partials != nullptr);
   // Null rows without weights: one object either way, so that it stays in registers.
-  const rope::WeightGradSums sums{weighted ? group_sums + group * 2 * D : nullptr};
+  const rope::WeightGradSums sums{weighted ? group_sums + group * 2 * D : nullptr,
+                                  rope::WeightLanes::of(in, D)};
   if constexpr (!Fix::kWeightless) {
     rope::SharedWeights::fill(in, D, weight_rows);
     if (weighted) sums.clear(lanes, D);
@@ -406,7 +409,8 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
         // An absent part (loads 0, the token's angles) adds nothing to the weight sums.
         rope::backward_row<Geom, Config, kBranchFree>(
             in, r.g, r.x, angles, r.g_next, lanes, partners, exchange,
-            Fix::kWeightless ? nullptr : &weights, &sums, D, part.is_key,
+            Fix::kWeightless ? nullptr : &weights, &sums,
+            part.is_key ? part.h2 - in.dims.q_heads : part.h2, part.is_key,
             token_ok && part.present, in.key_offset && slot == 1, t == 0, width, dx);
         if (!(token_ok && part.present)) return;
         uint8_t* out_row = p.grad_row + t * p.qkv_dim + int64_t(part.h2) * D;
@@ -599,7 +603,7 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
   }
 
   // ---- The weight gradients: this CTA's partial row --------------------------------------------
-  if (weighted) rope::write_partial_row<kGroups, kFp8Threads>(D, group_sums, p.partials);
+  if (weighted) rope::write_partial_row<kGroups, kFp8Threads>(2 * D, group_sums, p.partials);
 }
 
 /// Config: the configuration (rope_dispatch.hpp); kExactWidth: rows of exactly Geom's full width.
@@ -724,14 +728,79 @@ int64_t weight_ctas(const QkvBackwardFp8Params& params) {
   return (params.qk.sizes[0] + tile - 1) / tile * jobs_per_tile(params.layout);
 }
 
+// ---- A token-wide norm (SPEC.md section 9) ------------------------------------------------------
+// Its rows' scalars span every head of a token, which this kernel's CTAs (two heads of a tile
+// each) do not see together. So the op runs in two steps, as the CPU backend defines it
+// (cpu/qkv_backward_fp8.cpp): the bf16 backward (qk_norm_rope_backward.cu's token-wide kernel,
+// and the weights' gradients) into a bf16 dx in the workspace, then this kernel on dx with a
+// layout whose rows pass through unchanged (no norm, no weights, no angles, plain placement):
+// e4m3(dx / grad_scale), dx already rounded to bf16; the V rows as always. It moves dx twice more
+// than a fused pass (written, read back); not measured.
+
+/// The bf16 backward's part of a token-wide norm's workspace: its weight-gradient partials, then
+/// up to 16 bytes of padding (dx starts on a 16-byte boundary when the workspace does).
+int64_t token_partial_floats(const QkvBackwardFp8Params& params) {
+  if (!rope::has_weights(params.layout)) return 0;
+  const QkNormRopeBackwardParams bf16{.qk = params.qk, .layout = params.layout};
+  return (qkvfuse::cuda::backward_workspace_size(bf16) + 3) / 4 * 4;
+}
+
+/// Floats of dx [T, Hq + Hkv, D] bf16.
+int64_t token_dx_floats(const QkvBackwardFp8Params& params) {
+  return (params.qk.numel() + 1) / 2;
+}
+
+void token_norm_fp8(const QkvBackwardFp8Params& params) {
+  const int64_t T = params.qk.sizes[0], heads2 = params.qk.sizes[1], D = params.qk.sizes[2];
+  const int64_t q_heads = params.layout.num_heads;
+  float* workspace = static_cast<float*>(params.workspace.data);
+  const int64_t partial_floats = token_partial_floats(params);
+  uint16_t* dx = reinterpret_cast<uint16_t*>(workspace + partial_floats);
+  const Device device = params.qk.device;
+  // Step 1: dx and the weights' gradients (the workspace's first part holds their partials).
+  QkNormRopeBackwardParams bf16{
+      .grad_q = params.grad_q,
+      .grad_k = params.grad_k,
+      .qk = params.qk,
+      .grad_qk = make_view(dx, DType::kBFloat16, device, {T, heads2, D}),
+      .grad_q_weight = params.grad_q_weight,
+      .grad_k_weight = params.grad_k_weight,
+      .workspace = partial_floats > 0
+                       ? make_view(workspace, DType::kFloat32, device, {partial_floats})
+                       : TensorView{},
+      .layout = params.layout,
+      .stream = params.stream};
+  qkvfuse::cuda::qk_norm_rope_backward(bf16);
+  // Step 2: the codes of dx's rows, each passing through as it is.
+  RopeLayout through;
+  through.num_heads = q_heads;
+  through.num_kv_heads = params.layout.num_kv_heads;
+  through.query_only = params.layout.query_only;
+  through.normalize = false;
+  through.rotary_dim = 0;
+  QkvBackwardFp8Params codes = params;
+  codes.layout = through;
+  codes.qk = bf16.grad_qk;
+  codes.grad_q = make_view(dx, DType::kBFloat16, device, {T, q_heads, D}, {heads2 * D, D, 1});
+  codes.grad_k = make_view(dx + q_heads * D, DType::kBFloat16, device, {T, heads2 - q_heads, D},
+                           {heads2 * D, D, 1});
+  codes.grad_q_weight = codes.grad_k_weight = codes.workspace = TensorView{};
+  qkvfuse::cuda::qkv_backward_fp8(codes);
+}
+
 }  // namespace
 
 int64_t backward_workspace_size(const QkvBackwardFp8Params& params) {
-  return weight_grad::workspace_floats(weight_ctas(params), params.qk.sizes[2]);
+  if (params.layout.norm_scope == NormScope::kToken) {
+    return token_partial_floats(params) + token_dx_floats(params);
+  }
+  if (!rope::has_weights(params.layout)) return 0;
+  return weight_grad::workspace_floats(weight_ctas(params), 2 * params.qk.sizes[2]);
 }
 
 void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
   DeviceGuard guard(params.qk.device);
+  if (params.layout.norm_scope == NormScope::kToken) return token_norm_fp8(params);
   const RopeLayout& layout = params.layout;
   const int64_t tokens = params.qk.size(0);
   const int64_t head_dim = params.qk.size(2);
@@ -742,8 +811,8 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
   if (tokens == 0) {
     // Nothing to compute; the weight gradients of no rows are zeros.
     if (weighted) {
-      weight_grad::reduce(workspace, 0, int(head_dim), params.grad_q_weight, params.grad_k_weight,
-                          stream);
+      weight_grad::reduce(workspace, 0, int(head_dim), int(head_dim), params.grad_q_weight,
+                          params.grad_k_weight, stream);
     }
     return;
   }
@@ -776,8 +845,8 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
                    decltype(exact)::value>(args, tile_tokens(params), device, stream);
       });
   if (weighted) {
-    weight_grad::reduce(workspace, weight_ctas(params), int(head_dim), params.grad_q_weight,
-                        params.grad_k_weight, stream);
+    weight_grad::reduce(workspace, weight_ctas(params), int(head_dim), int(head_dim),
+                        params.grad_q_weight, params.grad_k_weight, stream);
   }
 }
 

@@ -133,6 +133,20 @@ inline GradRows make_grad_rows(const TensorView& grad_q, const TensorView& grad_
           .k_stride_h = grad_k.strides[1]};
 }
 
+/// Floats of the weights' shared copy and of one partial row of their gradients: [2][D], or
+/// [Hq*D + Hkv*D] under a token-wide norm (SPEC.md section 9). `D` the row width the kernel
+/// computes with (the inputs' head_dim).
+QKVF_HOST_DEVICE int weight_floats(const RopeInputs& in, int D) {
+  return in.token_scope ? (in.dims.q_heads + in.dims.kv_heads) * D : 2 * D;
+}
+
+/// Lanes of the query (`key` false) or key weight and of its gradient: D, or H*D of the kind
+/// under a token-wide norm.
+inline int64_t weight_lanes(const RopeLayout& layout, int64_t head_dim, bool key) {
+  if (layout.norm_scope != NormScope::kToken) return head_dim;
+  return (key ? kv_heads(layout) : layout.num_heads) * head_dim;
+}
+
 inline bool has_weights(const RopeLayout& layout) {
   return !is_absent(layout.q_weight) || !is_absent(layout.k_weight);
 }

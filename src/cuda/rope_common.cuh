@@ -372,6 +372,20 @@ inline RowWork plan_row_work(int64_t tokens, int64_t heads2, int rows_per_group)
   return {int(sets), tokens * sets};
 }
 
+/// SPEC.md section 9's token-wide norm: a block takes kTokensPerTokenBlock tokens one after the
+/// other (its norm weights [Hq*D + Hkv*D] are filled once for them; in the backward one partial
+/// row of their gradients each), and its lane groups take each token's units in turns. NS is
+/// rounded up to a multiple of the block's `groups` lane groups, so set s of every token is lane
+/// group (s mod groups)'s: each weight-gradient column is one lane's, whatever the token (the
+/// sets past ceil((Hq + Hkv) / K) have no rows).
+inline constexpr int kTokensPerTokenBlock = 16;
+
+inline RowWork plan_token_work(int64_t tokens, int64_t heads2, int rows_per_group, int groups) {
+  int64_t sets = (heads2 + rows_per_group - 1) / rows_per_group;
+  sets = (sets + groups - 1) / groups * groups;
+  return {int(sets), tokens * sets};
+}
+
 inline unsigned grid_size(const char* op, int64_t blocks, int64_t tokens) {
   QKVF_CHECK(blocks <= int64_t(0x7fffffff), op, " (CUDA): ", tokens,
              " tokens need more blocks than one launch holds");

@@ -163,6 +163,23 @@ void angle_type_switch(const char* op, const RopeKey& key, F&& f) {
   }
 }
 
+/// Lets `kernel` take `smem` bytes of dynamic shared memory (the current device): above the 48 KB
+/// every kernel may use, an opt-in (SPEC.md section 9's token-wide norm: its weights, and in the
+/// backward their gradient sums, are [Hq*D + Hkv*D] floats each); past the 227 KB a block may
+/// have, an error naming the layout's size.
+template <typename Kernel>
+void allow_shared_memory(const char* op, Kernel kernel, size_t smem) {
+  constexpr size_t kDefault = 48 * 1024;
+  constexpr size_t kMax = 227 * 1024;
+  if (smem <= kDefault) return;
+  QKVF_CHECK(smem <= kMax, op, " (CUDA): layout.norm_scope = NormScope::kToken needs ", smem,
+             " bytes of shared memory per block for its norm weights ([Hq*D + Hkv*D] floats, "
+             "and their gradients' sums in the backward), above the ", kMax,
+             " a block may have: fewer heads or a narrower D");
+  QKVF_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       int(smem)));
+}
+
 /// QKVFUSE_ROPE_GENERAL_ONLY=1 (read once per process): every call runs the general kernel, the
 /// specializations unused. The A/B of each specialization against the general kernel in one build
 /// and run (scripts/device_run.sh ab); the rows compute the same bits either way.
@@ -306,6 +323,14 @@ struct Policy {
       if constexpr (C == 1) return kWideAngles ? 3 : 4;
       return 2;
     }
+  }
+
+  /// Resident blocks per SM of a token-wide norm's kernel (SPEC.md section 9, the row kernels:
+  /// qk_norm_rope.cu, qk_norm_rope_backward.cu): rows one at a time in a loop over the token's
+  /// rows, the angles as fp32 values (one kernel for both dtypes): the per-head budget less a
+  /// block. Not measured.
+  static constexpr int token_min_blocks() {
+    return min_blocks() > 2 ? min_blocks() - 1 : min_blocks();
   }
 
   static_assert(kThreads % 32 == 0 && 32 % G == 0, "lane groups must tile whole warps");
