@@ -1895,6 +1895,7 @@ TEST(ValidationFamilies, HeadWidthUpTo512) {
                            {"qk_norm_rope: qk: head width D = 514 is not supported: expected an "
                             "even D in [2, 512]"}));
   EXPECT_EQ(validate::cuda_pending_option(args.layout(), 514), "");
+  validate::set_cuda_section9_for_testing(false);  // the refusal: the switch's off state
   EXPECT_EQ(validate::cuda_pending_option(args.layout(), 512), "qk: head width D = 512 (above 256)");
 }
 
