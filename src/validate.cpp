@@ -448,7 +448,7 @@ std::string weight_shape_why(const RopeLayout& layout, bool key, const char* als
 }
 
 int64_t rope_v_input(const Checker& check, const RopeLayout& layout, Arg v,
-                     const RopeShape& shape, DType dtype) {
+                     const RopeShape& shape, DType dtype, Device device) {
   if (!layout.normalize_v) {
     QKVF_CHECK(is_absent(v.view), check.op(), ": ", v.name,
                ": given, but layout.normalize_v is false (the V tensors go with the V norm)");
@@ -459,8 +459,12 @@ int64_t rope_v_input(const Checker& check, const RopeLayout& layout, Arg v,
   check.dtype(v.view, v.name, dtype);
   check.shape(v.view, v.name, {shape.tokens, shape.kv_heads, Dim::any("Dv")},
               "(T from qk, num_kv_heads)");
-  QKVF_CHECK(v.view.sizes[2] >= 1, check.op(), ": ", v.name,
-             ": expected a V head width Dv >= 1, got ", v.view.describe());
+  const bool cuda = device.type == DeviceType::kCUDA;
+  QKVF_CHECK(v.view.sizes[2] >= 1 && (!cuda || v.view.sizes[2] <= cuda::kMaxVWidth), check.op(),
+             ": ", v.name, ": expected a V head width Dv ",
+             cuda ? "in [1, " + std::to_string(cuda::kMaxVWidth) + "] on " + device_name(device)
+                  : std::string(">= 1"),
+             ", got ", v.view.describe());
   check.last_dim_contiguous(v.view, v.name);
   check.element_aligned(v.view, v.name);
   return v.view.sizes[2];

@@ -149,10 +149,11 @@ int64_t weight_width(const RopeLayout& layout, const RopeShape& shape, bool key)
 std::string weight_shape_why(const RopeLayout& layout, bool key, const char* also = "");
 
 /// A V input of the V norm (v, or the backward's grad_v_out): present exactly when
-/// layout.normalize_v; `dtype`, [T, Hkv, Dv] with Dv >= 1, last dim contiguous. Returns Dv
-/// (0 without the V norm).
+/// layout.normalize_v; `dtype`, [T, Hkv, Dv] with Dv >= 1 (on CUDA at most cuda::kMaxVWidth: its
+/// rows take the kernels' row geometry, 512 wide at most), last dim contiguous. Returns Dv (0
+/// without the V norm).
 int64_t rope_v_input(const Checker& check, const RopeLayout& layout, Arg v,
-                     const RopeShape& shape, DType dtype);
+                     const RopeShape& shape, DType dtype, Device device);
 /// A V tensor of v's shape [T, Hkv, v_dim] present exactly when layout.normalize_v: the
 /// outputs v_out, grad_v (`contiguous`) or the backward's grad_v_out (last dim contiguous).
 void rope_v_output(const Checker& check, const RopeLayout& layout, Arg out, const RopeShape& shape,

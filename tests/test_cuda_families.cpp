@@ -217,6 +217,23 @@ TEST_F(CudaFamiliesTest, EmptyCallsWriteZeroWeightGradients) {
   families::empty_calls(rng, cuda_runner());
 }
 
+TEST_F(CudaFamiliesTest, VNormWiderThan512IsRefused) {
+  // The V rows take the kernels' row geometry, 512 wide at most: a wider Dv is refused by name.
+  auto rng = rng_for_test();
+  ref::Rope rope{3, 2, 64};
+  rope.normalize_v = true;
+  RopeSpec spec;
+  spec.v_dim = 513;
+  RopeData data(rope, spec, rng);
+  HostTensor q(DType::kBFloat16, {3, 2, 64}), k(DType::kBFloat16, {3, 2, 64}),
+      v_out(DType::kBFloat16, {3, 2, 513});
+  QkNormRopeParams p{data.qk_tensor->view(), q.view(), k.view(), data.layout()};
+  p.v = data.v_tensor->view();
+  p.v_out = v_out.view();
+  EXPECT_TRUE(throws_error([&] { cuda_runner().forward(p); },
+                           {"qk_norm_rope: v: expected a V head width Dv in [1, 512] on cuda:0"}));
+}
+
 TEST(CudaFamiliesSwitch, OffByDefaultRefusesEachOptionByName) {
   // Without the switch the kernels above never run: the call is refused before any launch, and
   // the message says how to opt in.
