@@ -207,5 +207,33 @@ TEST(RopePaths, Fp8BackwardAlsoNeedsAlignedOutputs) {
   EXPECT_FALSE(cuda::rope::fp8_v_vectors(v_width.fp8(), chunk_width(v_width.fp8())));
 }
 
+TEST(RopePaths, TheVNormsRowsTakeTheChunksOfTheQkRows) {
+  // SPEC.md section 9's V norm: v (and v_out, grad_v_out, grad_v) take the kernel's chunks, so
+  // Dv must be a multiple of the chunk and their rows aligned for it.
+  const auto with_v = [](const Call& c, int64_t v_dim, uintptr_t v_offset) {
+    QkNormRopeParams f = c.forward();
+    f.layout.normalize_v = true;
+    f.v = make_view(at((uintptr_t(13) << 28) + v_offset), DType::kBFloat16, kGpu,
+                    {c.tokens, c.kv_heads, v_dim});
+    f.v_out = make_view(at(uintptr_t(14) << 28), DType::kBFloat16, kGpu,
+                        {c.tokens, c.kv_heads, v_dim});
+    return f;
+  };
+  const Call c;
+  EXPECT_EQ(chunk_width(with_v(c, 128, 0)), 8);
+  EXPECT_EQ(chunk_width(with_v(c, 512, 0)), 8);
+  EXPECT_EQ(chunk_width(with_v(c, 12, 0)), 2) << "Dv not a multiple of 8";
+  EXPECT_EQ(chunk_width(with_v(c, 13, 0)), 1) << "Dv odd";
+  EXPECT_EQ(chunk_width(with_v(c, 128, 4)), 2) << "v 4-byte aligned only";
+  EXPECT_EQ(chunk_width(with_v(c, 128, 2)), 1) << "v 2-byte aligned only";
+  // The FP8 backward: grad_v and v take the Q/K rows' chunks under the V norm.
+  QkvBackwardFp8Params p = c.fp8();
+  p.layout.normalize_v = true;
+  p.v = make_view(at(uintptr_t(13) << 28), DType::kBFloat16, kGpu, {c.tokens, c.kv_heads, 128});
+  EXPECT_EQ(chunk_width(p), 8);
+  p.grad_v.data = at((uintptr_t(8) << 28) + 4);
+  EXPECT_EQ(chunk_width(p), 2) << "grad_v 4-byte aligned only";
+}
+
 }  // namespace
 }  // namespace qkvfuse::test
