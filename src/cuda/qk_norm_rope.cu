@@ -27,9 +27,10 @@
 //   lanes >= r of key row (t+1, h), which are exactly its nw (bf16), and writes only the rotary
 //   lanes of its own row (all lanes at t = 0). Every output byte is written exactly once by one
 //   thread, so results are deterministic.
-// - The V norm (SPEC.md section 9, normalize_v; the general kernel): blocks after the Q/K units'
-//   take the rows of v, K per lane group, in the same row geometry (its width class covers Dv):
-//   v_out = v * rstd(v). A block takes either kind of row, so the branch is block-uniform.
+// - The V norm (SPEC.md section 9, normalize_v; the Section9 configuration's kernels only):
+//   blocks after the Q/K units' take the rows of v, K per lane group, in the same row geometry
+//   (its width class covers Dv): v_out = v * rstd(v). A block takes either kind of row, so the
+//   branch is block-uniform.
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
@@ -57,10 +58,13 @@ struct ForwardArgs {
   uint16_t* k;      ///< [T, Hkv, D] likewise, its own allocation
   int row_sets;     ///< NS, even: unit u = t * NS + s owns heads {s, s+NS, ...} of token t
   int64_t units;    ///< T * NS
-  // The V norm (in.normalize_v)
-  uint16_t* v_out;        ///< [T, Hkv, Dv] bf16, row-major contiguous: row r = t*Hkv + h at r*Dv
+  // SPEC.md section 9 (the Section9 configuration's kernels only; after what the kernels of
+  // sections 1-8 read, which so keep their parameter offsets)
+  rope::Section9Inputs s9;
+  uint16_t* v_out;        ///< s9.normalize_v: [T, Hkv, Dv] bf16, row-major contiguous: row
+                          ///< r = t*Hkv + h at r*Dv
   int64_t v_first_block;  ///< blocks from here on take V rows
-  int tokens_per_block;   ///< a token-wide norm (in.token_scope): the tokens of a block
+  int tokens_per_block;   ///< a token-wide norm (s9.token_scope): the tokens of a block
 };
 
 template <class Config, class Geom, typename AngleT>
@@ -76,7 +80,7 @@ __device__ __forceinline__ void forward_v_rows(const ForwardArgs& p, int threads
   const int lane = int(threadIdx.x) % G;
   const int64_t unit =
       (int64_t(blockIdx.x) - p.v_first_block) * (threads / G) + int(threadIdx.x) / G;
-  const int Dv = p.in.v_dim;
+  const int Dv = p.s9.v_dim;
   const int kv = p.in.dims.kv_heads;
   const int64_t rows = p.in.tokens * kv;
   const rope::LaneChunks<Geom> lanes(lane, Dv, 0);
@@ -87,7 +91,7 @@ __device__ __forceinline__ void forward_v_rows(const ForwardArgs& p, int threads
     const int64_t row = unit * K + k;
     const bool row_ok = row < rows;
     const int64_t t = row_ok ? row / kv : 0;
-    const uint16_t* src = p.in.v + t * p.in.v_stride_t + (row - t * kv) * p.in.v_stride_h;
+    const uint16_t* src = p.s9.v + t * p.s9.v_stride_t + (row - t * kv) * p.s9.v_stride_h;
 #pragma unroll
     for (int c = 0; c < C; ++c) {
       x[k][c] = rope::load_chunk_if<rope::Load::kStream, V>(row_ok && lanes.ok[c],
@@ -180,11 +184,12 @@ __device__ __forceinline__ void forward_token_rows(const ForwardArgs& p, int thr
   // Shared memory: the norm weights [Hq*D + Hkv*D], the groups' sums [groups][2], the token's
   // rstd of each kind [2] (read by each row: in registers across the loop they cost spills).
   extern __shared__ __align__(16) float token_shared[];
-  float* group_sums = token_shared + rope::weight_floats(in, D);
+  const rope::WeightLanes weight_lanes = rope::WeightLanes::per_token(in.dims, D);
+  float* group_sums = token_shared + weight_lanes.floats;
   float* token_rstd = group_sums + 2 * groups;
-  const rope::SharedWeights weights{token_shared, rope::WeightLanes::of(in, D)};
+  const rope::SharedWeights weights{token_shared, weight_lanes};
   if constexpr (!Fix::kWeightless) {
-    rope::SharedWeights::fill(in, D, token_shared);
+    rope::SharedWeights::fill(in, weight_lanes, token_shared);
     __syncthreads();
   }
   const int turns = p.row_sets / groups;  // the group's rows of a token
@@ -259,7 +264,7 @@ __global__ void __launch_bounds__(ForwardPolicy<Config, Geom, AngleT>::kThreads,
   constexpr int C = Geom::C;
   constexpr int K = Policy::rows_per_group();
   if constexpr (!Fix::kNoVNorm) {
-    if (p.in.normalize_v && int64_t(blockIdx.x) >= p.v_first_block) {  // block-uniform
+    if (p.s9.normalize_v && int64_t(blockIdx.x) >= p.v_first_block) {  // block-uniform
       forward_v_rows<Geom, K>(p, Policy::kThreads);
       return;
     }
@@ -275,7 +280,7 @@ __global__ void __launch_bounds__(ForwardPolicy<Config, Geom, AngleT>::kThreads,
   const int D = rope::row_width<Geom, kExactWidth>(p.in.dims.head_dim);
   // The inputs with what the configuration fixes as constants (a token-wide norm: its own kernel,
   // qk_norm_rope_token_kernel).
-  const rope::RopeInputs in = rope::per_head(Fix::known(p.in, D));
+  const rope::RopeInputs in = Fix::known(p.in, D);
   const auto width = rope::row_width_divisor<Geom, kExactWidth>(D);
   const rope::LaneChunks<Geom> lanes(lane, D, in.dims.rotary_dim, Fix::kAllRotary);
   const bool exchange = rope::exchanges_partners<V>(in);
@@ -306,9 +311,9 @@ __global__ void __launch_bounds__(ForwardPolicy<Config, Geom, AngleT>::kThreads,
   // The norm weights (configurations that may have them): the block's copy, filled while the
   // loads are in flight.
   extern __shared__ __align__(16) float weight_rows[];  // [2][D]
-  const rope::SharedWeights weights{weight_rows, rope::WeightLanes::of(in, D)};
+  const rope::SharedWeights weights{weight_rows, rope::WeightLanes::per_head(D)};
   if constexpr (!Fix::kWeightless) {
-    rope::SharedWeights::fill(in, D, weight_rows);
+    rope::SharedWeights::fill(in, weights.at, weight_rows);
     __syncthreads();
   }
 
@@ -355,8 +360,8 @@ __global__ void __launch_bounds__(ForwardPolicy<Config, Geom, AngleT>::kThreads,
   }
 }
 
-/// A token-wide norm's kernel (forward_token_rows): the general configuration's geometries only,
-/// the angles' dtype read at run time (one kernel for both).
+/// A token-wide norm's kernel (forward_token_rows): the Section9 configuration's geometries, the
+/// angles' dtype read at run time (one kernel for both).
 template <class Config, class Geom>
 __global__ void __launch_bounds__(
     ForwardPolicy<Config, Geom, rope::RunTimeAngles>::kThreads,
@@ -380,8 +385,9 @@ void launch_forward_tokens(ForwardArgs args, cudaStream_t stream) {
   args.units = work.units;
   args.tokens_per_block = rope::kTokensPerTokenBlock;
   const int64_t blocks = (args.in.tokens + args.tokens_per_block - 1) / args.tokens_per_block;
-  const size_t smem = (size_t(rope::weight_floats(args.in, args.in.dims.head_dim)) +
-                       2 * size_t(kGroups) + 2) * sizeof(float);
+  const size_t smem =
+      (size_t(rope::WeightLanes::per_token(args.in.dims, args.in.dims.head_dim).floats) +
+       2 * size_t(kGroups) + 2) * sizeof(float);
   rope::allow_shared_memory("qk_norm_rope", kernel, smem);
   kernel<<<dim3(rope::grid_size("qk_norm_rope", blocks, args.in.tokens)), dim3(Policy::kThreads),
            smem, stream>>>(args);
@@ -391,7 +397,7 @@ void launch_forward_tokens(ForwardArgs args, cudaStream_t stream) {
 template <class Config, class Geom, typename AngleT, bool kExactWidth>
 void launch_forward(ForwardArgs args, cudaStream_t stream) {
   if constexpr (!rope::Fixed<Config>::kHeadScope) {
-    if (args.in.token_scope) return launch_forward_tokens<Config, Geom>(args, stream);
+    if (args.s9.token_scope) return launch_forward_tokens<Config, Geom>(args, stream);
   }
   using Policy = ForwardPolicy<Config, Geom, AngleT>;
   constexpr auto kernel = qk_norm_rope_kernel<Config, Geom, AngleT, kExactWidth>;
@@ -401,12 +407,14 @@ void launch_forward(ForwardArgs args, cudaStream_t stream) {
   args.units = work.units;
   const int64_t groups_per_block = Policy::kThreads / Geom::G;
   int64_t blocks = (work.units + groups_per_block - 1) / groups_per_block;
-  if (args.in.normalize_v) {
-    // The V rows' blocks after the Q/K units' (K rows per lane group).
-    args.v_first_block = blocks;
-    constexpr int64_t kRows = Policy::rows_per_group();
-    const int64_t v_units = (args.in.tokens * args.in.dims.kv_heads + kRows - 1) / kRows;
-    blocks += (v_units + groups_per_block - 1) / groups_per_block;
+  if constexpr (!rope::Fixed<Config>::kNoVNorm) {
+    if (args.s9.normalize_v) {
+      // The V rows' blocks after the Q/K units' (K rows per lane group).
+      args.v_first_block = blocks;
+      constexpr int64_t kRows = Policy::rows_per_group();
+      const int64_t v_units = (args.in.tokens * args.in.dims.kv_heads + kRows - 1) / kRows;
+      blocks += (v_units + groups_per_block - 1) / groups_per_block;
+    }
   }
   // The norm weights, [2][D] floats (rope::SharedWeights).
   const size_t smem = rope::Fixed<Config>::kWeightless
@@ -421,11 +429,12 @@ void launch_forward(ForwardArgs args, cudaStream_t stream) {
 
 void qk_norm_rope(const QkNormRopeParams& params) {
   DeviceGuard guard(params.qk.device);
-  const ForwardArgs args{.in = rope::make_rope_inputs(params.layout, params.qk, params.v),
+  const ForwardArgs args{.in = rope::make_rope_inputs(params.layout, params.qk),
                          .q = static_cast<uint16_t*>(params.q.data),
                          .k = static_cast<uint16_t*>(params.k.data),
                          .row_sets = 0,
                          .units = 0,
+                         .s9 = rope::make_section9_inputs(params.layout, params.v),
                          .v_out = static_cast<uint16_t*>(params.v_out.data),
                          .v_first_block = 0,
                          .tokens_per_block = 0};

@@ -24,10 +24,10 @@
 // units in turn, then adds its groups' sums in group order and writes one partial row; without
 // weights the same kernel takes one unit per lane group (one turn).
 //
-// The V norm (SPEC.md section 9, normalize_v; the general kernel): blocks after the Q/K blocks
-// take the V rows, K per lane group, in the same row geometry: grad_v from grad_v_out and the
-// saved v (rope_rows.cuh v_norm_backward). A block takes either kind, so the branch is
-// block-uniform; the V blocks write no partial row.
+// The V norm (SPEC.md section 9, normalize_v; the Section9 configuration's kernels only): blocks
+// after the Q/K blocks take the V rows, K per lane group, in the same row geometry: grad_v from
+// grad_v_out and the saved v (rope_rows.cuh v_norm_backward). A block takes either kind, so the
+// branch is block-uniform; the V blocks write no partial row.
 //
 // Kernels: one template for the whole family (rope_dispatch.hpp's table and rope_config.cuh's
 // dispatcher pick the configuration and the launch policy).
@@ -66,7 +66,10 @@ struct BackwardArgs {
   int64_t units;             ///< T * NS
   int tokens_per_block;      ///< with weights: a block walks the units of these many tokens
                              ///< (tokens_per_weight_block); 0: one unit per lane group
-  // The V norm (in.normalize_v)
+  // SPEC.md section 9 (the Section9 configuration's kernels only; after what the kernels of
+  // sections 1-8 read, which so keep their parameter offsets)
+  rope::Section9Inputs s9;
+  // The V norm (s9.normalize_v)
   const uint16_t* grad_v_out;  ///< [T, Hkv, Dv]: (t, h, d) at t*grad_v_out_stride_t + h*..._h + d
   int64_t grad_v_out_stride_t;
   int64_t grad_v_out_stride_h;
@@ -92,7 +95,7 @@ __device__ __forceinline__ void backward_v_rows(const BackwardArgs& p, int threa
   const int lane = int(threadIdx.x) % G;
   const int64_t unit =
       (int64_t(blockIdx.x) - p.v_first_block) * (threads / G) + int(threadIdx.x) / G;
-  const int Dv = p.in.v_dim;
+  const int Dv = p.s9.v_dim;
   const int kv = p.in.dims.kv_heads;
   const int64_t rows = p.in.tokens * kv;
   const rope::LaneChunks<Geom> lanes(lane, Dv, 0);
@@ -106,7 +109,7 @@ __device__ __forceinline__ void backward_v_rows(const BackwardArgs& p, int threa
     const int64_t t = row_ok ? row / kv : 0;
     const int64_t h = row - t * kv;
     const uint16_t* g_row = p.grad_v_out + t * p.grad_v_out_stride_t + h * p.grad_v_out_stride_h;
-    const uint16_t* x_row = p.in.v + t * p.in.v_stride_t + h * p.in.v_stride_h;
+    const uint16_t* x_row = p.s9.v + t * p.s9.v_stride_t + h * p.s9.v_stride_h;
 #pragma unroll
     for (int c = 0; c < C; ++c) {
       const bool ok = row_ok && lanes.ok[c];
@@ -137,18 +140,20 @@ constexpr bool backward_branch_free() {
   return Geom::V == 8 && (kKeyOffset || Geom::C == 3);
 }
 
-/// What backward_unit does with its rows: dx (stored), or a token-wide norm's first pass, the
-/// lane's sums over its query and key rows of x^2 and of dn * x (dn = gw * w, SPEC.md section 9),
-/// added to token_sums {x^2 query, x^2 key, dn x query, dn x key}.
-enum class UnitPass { kRows, kTokenSums };
+/// What backward_unit does with its rows (a compile-time choice, so that the per-head kernels hold
+/// none of the token-wide norm's code): a per-head kernel's dx (stored); a token-wide norm's
+/// (SPEC.md section 9) first pass, the lane's sums over its query and key rows of x^2 and of
+/// dn * x (dn = gw * w) added to token_sums {x^2 query, x^2 key, dn x query, dn x key}; its second
+/// pass, dx with the token's scalars token_scalars {rstd query, rstd key, correction query,
+/// correction key} (shared memory; rope::KindScalars).
+enum class UnitPass { kRows, kTokenSums, kTokenRows };
 
 /// One unit: loads, dx of its K rows, stores; with `sums`, adds the rows' gw * n to them. The
-/// norm weights come from `weight_rows` (rope::SharedWeights, shared memory; configurations that
-/// may have weights); with `fill_weights` (block-uniform) the block fills them once its loads are
-/// issued and waits for the copy (a barrier) before the math. `token_scalars`: a token-wide
-/// norm's scalars of the token's rows {rstd query, rstd key, correction query, correction key}
-/// in shared memory (rope::KindScalars; nullptr: each row's own).
-/// Every lane of the warp must call it (shuffles). `in`: p.in as the kernel sees it
+/// norm weights come from `weight_rows` (rope::SharedWeights, shared memory: [2][D], [Hq*D +
+/// Hkv*D] under a token-wide norm; configurations that may have weights); with `fill_weights`
+/// (block-uniform) the block fills them once its loads are issued and waits for the copy (a
+/// barrier) before the math. `token_scalars`, `token_sums`: the token-wide norm's passes only
+/// (UnitPass). Every lane of the warp must call it (shuffles). `in`: p.in as the kernel sees it
 /// (Fixed::known).
 template <class Config, class Geom, typename AngleT, int K, bool kExactWidth,
           UnitPass kPass = UnitPass::kRows>
@@ -236,10 +241,12 @@ __device__ __forceinline__ void backward_unit(const BackwardArgs& p, const rope:
   if constexpr (!kAnglesFirst) {
     angles.load(in, t, row, angle_offset, lanes, token_ok, /*backward=*/true);
   }
-  const rope::SharedWeights weights{weight_rows, rope::WeightLanes::of(in, D)};
+  const rope::SharedWeights weights{weight_rows, kPass == UnitPass::kRows
+                                                     ? rope::WeightLanes::per_head(D)
+                                                     : rope::WeightLanes::per_token(in.dims, D)};
   if constexpr (!Fix::kWeightless) {
     if (fill_weights) {
-      rope::SharedWeights::fill(in, D, weight_rows);
+      rope::SharedWeights::fill(in, weights.at, weight_rows);
       __syncthreads();
     }
   }
@@ -281,13 +288,18 @@ __device__ __forceinline__ void backward_unit(const BackwardArgs& p, const rope:
       token_sums[3] += row_ok && is_key ? dots : 0.0f;
       continue;
     }
-    rope::backward_row<Geom, Config, kBranchFree>(
-        in, g[k], x[k], angles, g_next[k], lanes, partners, exchange,
-        Fix::kWeightless ? nullptr : &weights, sums, head, is_key, row_ok, shift_row, t == 0,
-        width, dx,
-        rope::KindScalars{token_scalars != nullptr,
-                          token_scalars != nullptr ? token_scalars[is_key ? 1 : 0] : 1.0f,
-                          token_scalars != nullptr ? token_scalars[is_key ? 3 : 2] : 0.0f});
+    if constexpr (kPass == UnitPass::kTokenRows) {
+      rope::backward_row<Geom, Config, kBranchFree>(
+          in, g[k], x[k], angles, g_next[k], lanes, partners, exchange,
+          Fix::kWeightless ? nullptr : &weights, sums, head, is_key, row_ok, shift_row, t == 0,
+          width, dx,
+          rope::KindScalars{true, token_scalars[is_key ? 1 : 0], token_scalars[is_key ? 3 : 2]});
+    } else {
+      rope::backward_row<Geom, Config, kBranchFree>(
+          in, g[k], x[k], angles, g_next[k], lanes, partners, exchange,
+          Fix::kWeightless ? nullptr : &weights, sums, head, is_key, row_ok, shift_row, t == 0,
+          width, dx);
+    }
     if (!row_ok) continue;
     uint16_t* out = p.grad_qk + (t * heads2 + head2) * int64_t(D);
 #pragma unroll
@@ -317,18 +329,19 @@ __device__ __forceinline__ void backward_token_rows(const BackwardArgs& p) {
   const int group = int(threadIdx.x) / G;
   const int D = p.in.dims.head_dim;
   const rope::RopeInputs in = Fix::known(p.in, D);
-  const int weight_floats = rope::weight_floats(in, D);
+  const rope::WeightLanes weight_lanes = rope::WeightLanes::per_token(in.dims, D);
+  const int weight_floats = weight_lanes.floats;
   const bool weighted = p.partials != nullptr;
   extern __shared__ __align__(16) float token_shared[];
   float* block_sums = token_shared + weight_floats;
   float* group_sums = block_sums + (weighted ? weight_floats : 0);
   float* token_scalars = group_sums + 4 * kGroups;
-  if constexpr (!Fix::kWeightless) rope::SharedWeights::fill(in, D, token_shared);
+  if constexpr (!Fix::kWeightless) rope::SharedWeights::fill(in, weight_lanes, token_shared);
   if (weighted) {
     for (int i = int(threadIdx.x); i < weight_floats; i += kGroups * G) block_sums[i] = 0.0f;
   }
   __syncthreads();
-  const rope::WeightGradSums sums{weighted ? block_sums : nullptr, rope::WeightLanes::of(in, D)};
+  const rope::WeightGradSums sums{weighted ? block_sums : nullptr};
   const int turns = p.row_sets / kGroups;  // the group's rows of a token
   const int64_t first = int64_t(blockIdx.x) * p.tokens_per_block;
 #pragma unroll 1
@@ -376,13 +389,14 @@ __device__ __forceinline__ void backward_token_rows(const BackwardArgs& p) {
       asm volatile("" : "+r"(turn_lane));
       const rope::LaneChunks<Geom> lanes(turn_lane, D, in.dims.rotary_dim, Fix::kAllRotary);
       const rope::Partners<Geom> partners(lanes, turn_lane, in.dims.rotary_dim, in.dims.neox);
-      backward_unit<Config, Geom, AngleT, 1, false>(
+      backward_unit<Config, Geom, AngleT, 1, false, UnitPass::kTokenRows>(
           p, in, t * p.row_sets + group + turn * kGroups, turn_lane, lanes, partners,
           token_shared, false, &sums, token_scalars, token_sums);
     }
   }
   if (weighted) {
-    rope::write_partial_row<1, kGroups * G>(weight_floats, block_sums, p.partials);
+    rope::write_partial_row<1, kGroups * G>(in.dims.q_heads + in.dims.kv_heads, D, block_sums,
+                                            p.partials);
   }
 }
 
@@ -399,7 +413,7 @@ __global__ void __launch_bounds__(BackwardPolicy<Config, Geom, AngleT>::kThreads
   constexpr int G = Geom::G;
   constexpr int kGroups = Policy::kThreads / G;
   if constexpr (!Fix::kNoVNorm) {
-    if (p.in.normalize_v && int64_t(blockIdx.x) >= p.v_first_block) {  // block-uniform
+    if (p.s9.normalize_v && int64_t(blockIdx.x) >= p.v_first_block) {  // block-uniform
       backward_v_rows<Geom, Policy::rows_per_group()>(p, Policy::kThreads);
       return;
     }
@@ -407,7 +421,7 @@ __global__ void __launch_bounds__(BackwardPolicy<Config, Geom, AngleT>::kThreads
   const int D = rope::row_width<Geom, kExactWidth>(p.in.dims.head_dim);
   // The inputs with what the configuration fixes as constants (a token-wide norm: the kernel
   // below).
-  const rope::RopeInputs in = rope::per_head(Fix::known(p.in, D));
+  const rope::RopeInputs in = Fix::known(p.in, D);
   const int lane = int(threadIdx.x) % G;
   const int group = int(threadIdx.x) / G;
   const rope::LaneChunks<Geom> lanes(lane, D, in.dims.rotary_dim, Fix::kAllRotary);
@@ -426,8 +440,7 @@ __global__ void __launch_bounds__(BackwardPolicy<Config, Geom, AngleT>::kThreads
   } else {
     const bool weighted = Fix::kSpec.weights.only(rope::Weights::kWeighted) || p.partials != nullptr;
     // Null rows without weights: one object either way, so that it stays in registers.
-    const rope::WeightGradSums sums{weighted ? group_sums + group * 2 * D : nullptr,
-                                    rope::WeightLanes::of(in, D)};
+    const rope::WeightGradSums sums{weighted ? group_sums + group * 2 * D : nullptr};
     if (weighted) sums.clear(lanes, D);
     // The block's units, in turns of kGroups; the trip count is the same for every group, so the
     // loop stays warp-uniform (units past the block's end load nothing).
@@ -439,18 +452,18 @@ __global__ void __launch_bounds__(BackwardPolicy<Config, Geom, AngleT>::kThreads
 #pragma unroll 1
     for (int64_t turn = 0; turn < turns; ++turn) {
       const int64_t unit = first + turn * kGroups + group;
-      backward_unit<Config, Geom, AngleT, K, kExactWidth>(p, in, unit < last ? unit : p.units,
-                                                         lane, lanes, partners, shared_rows,
-                                                         turn == 0, &sums, nullptr, no_sums);
+      backward_unit<Config, Geom, AngleT, K, kExactWidth>(
+          p, in, unit < last ? unit : p.units, lane, lanes, partners, shared_rows, turn == 0,
+          &sums, nullptr, no_sums);
     }
     if (weighted) {
-      rope::write_partial_row<kGroups, Policy::kThreads>(2 * D, group_sums, p.partials);
+      rope::write_partial_row<kGroups, Policy::kThreads>(2, D, group_sums, p.partials);
     }
   }
 }
 
-/// A token-wide norm's kernel (backward_token_rows): the general configuration's geometries only,
-/// the angles' dtype read at run time (one kernel for both).
+/// A token-wide norm's kernel (backward_token_rows): the Section9 configuration's geometries, the
+/// angles' dtype read at run time (one kernel for both).
 template <class Config, class Geom>
 __global__ void __launch_bounds__(
     BackwardPolicy<Config, Geom, rope::RunTimeAngles>::kThreads,
@@ -476,7 +489,8 @@ void launch_backward_tokens(BackwardArgs args, cudaStream_t stream) {
   if (!rope::has_weights_args(args.in)) args.partials = nullptr;
   args.tokens_per_block = rope::kTokensPerTokenBlock;
   const int64_t blocks = (args.in.tokens + args.tokens_per_block - 1) / args.tokens_per_block;
-  const size_t weight_floats = size_t(rope::weight_floats(args.in, args.in.dims.head_dim));
+  const size_t weight_floats =
+      size_t(rope::WeightLanes::per_token(args.in.dims, args.in.dims.head_dim).floats);
   const size_t smem =
       (weight_floats * (args.partials != nullptr ? 2 : 1) + 4 * size_t(kGroups) + 4) *
       sizeof(float);
@@ -489,7 +503,7 @@ void launch_backward_tokens(BackwardArgs args, cudaStream_t stream) {
 template <class Config, class Geom, typename AngleT, bool kExactWidth>
 void launch_backward(BackwardArgs args, cudaStream_t stream) {
   if constexpr (!rope::Fixed<Config>::kHeadScope) {
-    if (args.in.token_scope) return launch_backward_tokens<Config, Geom>(args, stream);
+    if (args.s9.token_scope) return launch_backward_tokens<Config, Geom>(args, stream);
   }
   using Policy = BackwardPolicy<Config, Geom, AngleT>;
   constexpr int kGroups = Policy::kThreads / Geom::G;
@@ -512,12 +526,14 @@ void launch_backward(BackwardArgs args, cudaStream_t stream) {
     args.tokens_per_block = 0;
     blocks = (work.units + kGroups - 1) / kGroups;
   }
-  if (args.in.normalize_v) {
-    // The V rows' blocks after the Q/K blocks (K rows per lane group).
-    args.v_first_block = blocks;
-    constexpr int64_t kRows = Policy::rows_per_group();
-    const int64_t v_units = (args.in.tokens * args.in.dims.kv_heads + kRows - 1) / kRows;
-    blocks += (v_units + kGroups - 1) / kGroups;
+  if constexpr (!rope::Fixed<Config>::kNoVNorm) {
+    if (args.s9.normalize_v) {
+      // The V rows' blocks after the Q/K blocks (K rows per lane group).
+      args.v_first_block = blocks;
+      constexpr int64_t kRows = Policy::rows_per_group();
+      const int64_t v_units = (args.in.tokens * args.in.dims.kv_heads + kRows - 1) / kRows;
+      blocks += (v_units + kGroups - 1) / kGroups;
+    }
   }
   kernel<<<dim3(rope::grid_size("qk_norm_rope_backward", blocks, args.in.tokens)),
            dim3(Policy::kThreads), smem, stream>>>(args);
@@ -564,13 +580,14 @@ void qk_norm_rope_backward(const QkNormRopeBackwardParams& params) {
     if (weighted) reduce_weight_grads(params, 0, stream);
     return;
   }
-  const BackwardArgs args{.in = rope::make_rope_inputs(layout, params.qk, params.v),
+  const BackwardArgs args{.in = rope::make_rope_inputs(layout, params.qk),
                           .grad = rope::make_grad_rows(params.grad_q, params.grad_k),
                           .grad_qk = static_cast<uint16_t*>(params.grad_qk.data),
                           .partials = workspace,
                           .row_sets = 0,
                           .units = 0,
                           .tokens_per_block = 0,
+                          .s9 = rope::make_section9_inputs(layout, params.v),
                           .grad_v_out = static_cast<const uint16_t*>(params.grad_v_out.data),
                           .grad_v_out_stride_t = params.grad_v_out.strides[0],
                           .grad_v_out_stride_h = params.grad_v_out.strides[1],

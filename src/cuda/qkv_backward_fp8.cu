@@ -94,6 +94,9 @@ struct Fp8Args {
   int tile_pitch;          ///< bytes per token row of the shared tile: roundup(2D + Dv, 128)
   int resident_blocks;     ///< CTAs the device holds at once for this launch (>= 1)
   float* partials;         ///< weighted kernels: [CTAs][2][D], one row per CTA
+  // SPEC.md section 9 (the Section9 configuration's kernels only; after what the kernels of
+  // sections 1-8 read, which so keep their parameter offsets): the V norm's saved v.
+  rope::Section9Inputs s9;
 };
 
 int jobs_per_tile(const RopeLayout& layout) {
@@ -301,7 +304,7 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
   // The inputs with what the configuration fixes as constants.
   // (A token-wide norm never reaches this kernel: qkv_backward_fp8 below runs the bf16 backward
   // for it.)
-  const rope::RopeInputs in = rope::per_head(Fix::known(p.in, D));
+  const rope::RopeInputs in = Fix::known(p.in, D);
   const int Dv = p.v_dim;
   const auto width = rope::row_width_divisor<Geom, kExactWidth>(D);
   const int pitch = p.tile_pitch;
@@ -318,15 +321,14 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
   // weights) the lane groups' weight-gradient sums [kGroups][2][D] (fp8_shared_bytes).
   float* weight_rows = reinterpret_cast<float*>(tile + size_t(kTileTokens) * size_t(pitch));
   float* group_sums = weight_rows + 2 * D;
-  const rope::SharedWeights weights{weight_rows, rope::WeightLanes::of(in, D)};
+  const rope::SharedWeights weights{weight_rows, rope::WeightLanes::per_head(D)};
   // Weight gradients to sum: a block-uniform value (a constant where the configuration fixes it).
   const bool weighted = Fix::kSpec.weights.only(rope::Weights::kWeighted) ||
                         (!Fix::kWeightless && p.partials != nullptr);
   // Null rows without weights: one object either way, so that it stays in registers.
-  const rope::WeightGradSums sums{weighted ? group_sums + group * 2 * D : nullptr,
-                                  rope::WeightLanes::of(in, D)};
+  const rope::WeightGradSums sums{weighted ? group_sums + group * 2 * D : nullptr};
   if constexpr (!Fix::kWeightless) {
-    rope::SharedWeights::fill(in, D, weight_rows);
+    rope::SharedWeights::fill(in, weights.at, weight_rows);
     if (weighted) sums.clear(lanes, D);
     __syncthreads();
   }
@@ -462,12 +464,16 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
   if (job.has_v) {
     const uint16_t* gv_base = p.grad_v + int64_t(job.j) * p.grad_v_stride_h;
     const int64_t v_feature = job.packed_feature(p, job.v_start, part1.h2);
-    if (in.normalize_v) {
+    // The V norm: only in the kernels of a configuration that serves it (a constant false in the
+    // others).
+    bool v_norm = false;
+    if constexpr (!Fix::kNoVNorm) v_norm = p.s9.normalize_v;
+    if (v_norm) {
       // The V norm (SPEC.md section 9): a lane group per token as in phase A1, in the Q/K rows'
       // geometry (its width class covers Dv); dv rounded to bf16, then coded as dx is.
       const rope::LaneChunks<Geom> v_lanes(lane, Dv, 0);
       const UniformDivisor v_width{float(Dv)};
-      const uint16_t* v_base = in.v + int64_t(job.j) * in.v_stride_h;
+      const uint16_t* v_base = p.s9.v + int64_t(job.j) * p.s9.v_stride_h;
 #pragma unroll 1
       for (int step = 0; step < kTokensPerGroup; ++step) {  // block-uniform trip count
         const int row = group + kGroups * step;
@@ -480,7 +486,7 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
           g[c] = rope::load_chunk_if<rope::Load::kStreamEvictFirst, V>(
               ok, gv_base + t * p.grad_v_stride_t + v_lanes.d0[c]);
           x[c] = rope::load_chunk_if<rope::Load::kStreamEvictFirst, V>(
-              ok, v_base + t * in.v_stride_t + v_lanes.d0[c]);
+              ok, v_base + t * p.s9.v_stride_t + v_lanes.d0[c]);
         }
         float dv[C][V];
         rope::v_norm_backward<Geom>(g, x, v_width, in.eps, dv);  // all lanes: shuffles
@@ -603,7 +609,7 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
   }
 
   // ---- The weight gradients: this CTA's partial row --------------------------------------------
-  if (weighted) rope::write_partial_row<kGroups, kFp8Threads>(2 * D, group_sums, p.partials);
+  if (weighted) rope::write_partial_row<kGroups, kFp8Threads>(2, D, group_sums, p.partials);
 }
 
 /// Config: the configuration (rope_dispatch.hpp); kExactWidth: rows of exactly Geom's full width.
@@ -819,7 +825,7 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
   const int width = rope::chunk_width(params);
   const int64_t features = qkv_dim(layout, head_dim, v_dim);
   const Fp8Args args{
-      .in = rope::make_rope_inputs(layout, params.qk, params.v),
+      .in = rope::make_rope_inputs(layout, params.qk),
       .grad = rope::make_grad_rows(params.grad_q, params.grad_k),
       .grad_v = static_cast<const uint16_t*>(params.grad_v.data),
       .grad_v_stride_t = params.grad_v.strides[0],
@@ -836,6 +842,7 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
       .tile_pitch = int((2 * head_dim + v_dim + 127) / 128 * 128),
       .resident_blocks = 1,
       .partials = weighted ? workspace : nullptr,
+      .s9 = rope::make_section9_inputs(layout, params.v),
   };
   const int device = params.qk.device.index;
   rope::dispatch<Op::kBackwardFp8>(

@@ -4,6 +4,10 @@
 // RopeInputs is the part every rope kernel reads: the saved qk rows, the layout's integer shape
 // and flags, the angle source and the norm weights. make_rope_inputs() is the one place that
 // translates a validated RopeLayout into it; each op's launcher adds its own outputs.
+// Section9Inputs is what SPEC.md section 9's options add (the token-wide norm, the V norm): its
+// own struct at the end of each kernel's arguments, after everything the kernels of sections 1-8
+// read, so that those kernels keep their parameters where they were (their SASS is the code that
+// ran on a GPU; docs/perf_notes.md, "Section 9 on CUDA").
 #pragma once
 
 #include <cstdint>
@@ -53,7 +57,12 @@ struct RopeInputs {
   float eps;
   Angles angles;
   NormWeights weights;
-  // SPEC.md section 9 (what a token-wide norm and the V norm read)
+};
+
+/// What SPEC.md section 9's options add to RopeInputs (QKVFUSE_CUDA_SECTION9=1): read only by the
+/// kernels of the configuration that serves them (rope_dispatch.hpp Section9) and by the
+/// launchers.
+struct Section9Inputs {
   bool token_scope;    ///< norm_scope kToken: one RMS over a token's rows of each kind
   bool normalize_v;    ///< the V rows' weightless RMS norm
   const uint16_t* v;   ///< normalize_v: [T, Hkv, Dv], (t, h, d) at t*v_stride_t + h*v_stride_h + d
@@ -72,11 +81,8 @@ struct GradRows {
   int64_t k_stride_h;
 };
 
-/// `v`: the V norm's input (layout.normalize_v), else absent.
-inline RopeInputs make_rope_inputs(const RopeLayout& layout, const TensorView& qk,
-                                   const TensorView& v = {}) {
+inline RopeInputs make_rope_inputs(const RopeLayout& layout, const TensorView& qk) {
   const bool cache = !is_absent(layout.cos_sin);
-  const bool v_rows = layout.normalize_v && !is_absent(v);
   const Angles angles =
       cache ? Angles{.cache = true,
                      .factor1 = nullptr,
@@ -115,8 +121,13 @@ inline RopeInputs make_rope_inputs(const RopeLayout& layout, const TensorView& q
                       .k = layout.k_weight.data,
                       .q_fp32 = layout.q_weight.dtype == DType::kFloat32,
                       .k_fp32 = layout.k_weight.dtype == DType::kFloat32,
-                      .offset = layout.weight_offset},
-          .token_scope = layout.norm_scope == NormScope::kToken,
+                      .offset = layout.weight_offset}};
+}
+
+/// `v`: the V norm's input (layout.normalize_v), else absent.
+inline Section9Inputs make_section9_inputs(const RopeLayout& layout, const TensorView& v) {
+  const bool v_rows = layout.normalize_v && !is_absent(v);
+  return {.token_scope = layout.norm_scope == NormScope::kToken,
           .normalize_v = v_rows,
           .v = v_rows ? static_cast<const uint16_t*>(v.data) : nullptr,
           .v_stride_t = v_rows ? v.strides[0] : 0,
@@ -131,13 +142,6 @@ inline GradRows make_grad_rows(const TensorView& grad_q, const TensorView& grad_
           .k = static_cast<const uint16_t*>(grad_k.data),
           .k_stride_t = grad_k.strides[0],
           .k_stride_h = grad_k.strides[1]};
-}
-
-/// Floats of the weights' shared copy and of one partial row of their gradients: [2][D], or
-/// [Hq*D + Hkv*D] under a token-wide norm (SPEC.md section 9). `D` the row width the kernel
-/// computes with (the inputs' head_dim).
-QKVF_HOST_DEVICE int weight_floats(const RopeInputs& in, int D) {
-  return in.token_scope ? (in.dims.q_heads + in.dims.kv_heads) * D : 2 * D;
 }
 
 /// Lanes of the query (`key` false) or key weight and of its gradient: D, or H*D of the kind

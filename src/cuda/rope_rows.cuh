@@ -49,7 +49,9 @@ struct Fixed {
   static constexpr bool kCacheNeoxWhole = kSpec.angles.only(AngleSource::kCache) &&
                                           kSpec.rotary.only(Rotary::kNeox) &&
                                           kSpec.span.only(RotarySpan::kWhole);
-  /// One RMS per head row (no token-wide norm) and no V rows: the rows written for sections 1-8.
+  /// One RMS per head row (no token-wide norm) and no V rows: the kernels of sections 1-8, which
+  /// hold no code of section 9's (its token-wide kernels, its V rows) and never read the
+  /// arguments' Section9Inputs.
   static constexpr bool kHeadScope = kSpec.scope.only(NormScope::kHead);
   static constexpr bool kNoVNorm = kSpec.v_norm.only(VNorm::kNone);
   /// Interleaved pairs, RMS, no weights: the forward rotates chunk by chunk (forward_chunk).
@@ -76,8 +78,6 @@ struct Fixed {
     if constexpr (kSpec.placement.only(Placement::kPaired)) out.dims.paired = true;
     if constexpr (!kSpec.placement.contains(Placement::kKeyOffset)) out.key_offset = false;
     if constexpr (kKeyOffset) out.key_offset = true;
-    if constexpr (kHeadScope) out.token_scope = false;
-    if constexpr (kNoVNorm) out.normalize_v = false;
     out.dims.head_dim = D;  // the row width: a constant in the exact-width kernels
     return out;
   }
@@ -426,16 +426,17 @@ struct TokenAngles {
 // ------------------------------------------------------------------------------------------------
 
 /// Where a row's weights (and their gradient sums) start in the kinds' rows [query | key]: the
-/// key rows at `key_start` (D, or Hq*D under a token-wide norm, SPEC.md section 9) and head h of
-/// a kind at h * head_stride (0, or D under a token-wide norm: weights [H*D] of the kind). From
-/// the inputs as the kernel sees them (Fixed::known): constants where the configuration fixes
-/// the per-head norm.
+/// key rows at `key_start` and head h of a kind at h * head_stride, `floats` in all. Per head:
+/// [2][D] (every head of a kind shares its D weights); under SPEC.md section 9's token-wide norm
+/// (its own kernels) [Hq*D + Hkv*D], weights [H*D] of each kind.
 struct WeightLanes {
   int key_start;
   int head_stride;
+  int floats;
 
-  __device__ __forceinline__ static WeightLanes of(const RopeInputs& in, int D) {
-    return {in.token_scope ? in.dims.q_heads * D : D, in.token_scope ? D : 0};
+  QKVF_HOST_DEVICE static WeightLanes per_head(int D) { return {D, 0, 2 * D}; }
+  QKVF_HOST_DEVICE static WeightLanes per_token(const Dims& dims, int D) {
+    return {dims.q_heads * D, D, (dims.q_heads + dims.kv_heads) * D};
   }
   /// The first float of head `head` of a kind.
   __device__ __forceinline__ int row(bool is_key, int head) const {
@@ -444,21 +445,20 @@ struct WeightLanes {
 };
 
 /// The norm weights as the rows use them: fp32 w + offset for query rows and key rows (D floats
-/// each; Hq*D and Hkv*D under a token-wide norm: weight_floats), 1 where a kind has no weight, in
+/// each; Hq*D and Hkv*D under a token-wide norm: WeightLanes), 1 where a kind has no weight, in
 /// the block's shared memory. The block fills them once (fill, then a barrier) and a row reads its
 /// own values per chunk (two 16-byte shared loads at V = 8): per-lane registers for both kinds
 /// took 2 x C x V registers and a select per element, and their load and conversion ran once per
 /// work unit.
 struct SharedWeights {
-  const float* rows;  ///< [weight_floats] shared memory: query rows, then key rows
+  const float* rows;  ///< [at.floats] shared memory: query rows, then key rows
   WeightLanes at;
 
-  /// Writes the weight_floats(in, D) floats at `rows`; every thread of the block takes part (a
-  /// barrier must follow before any row reads them).
-  __device__ __forceinline__ static void fill(const RopeInputs& in, int D, float* rows) {
-    const WeightLanes lanes = WeightLanes::of(in, D);
-    const int floats = weight_floats(in, D);
-    for (int i = int(threadIdx.x); i < floats; i += int(blockDim.x)) {
+  /// Writes the lanes.floats floats at `rows`; every thread of the block takes part (a barrier
+  /// must follow before any row reads them).
+  __device__ __forceinline__ static void fill(const RopeInputs& in, const WeightLanes& lanes,
+                                              float* rows) {
+    for (int i = int(threadIdx.x); i < lanes.floats; i += int(blockDim.x)) {
       const int kind = i >= lanes.key_start ? 1 : 0;
       const void* weight = kind ? in.weights.k : in.weights.q;
       const bool fp32 = kind ? in.weights.k_fp32 : in.weights.q_fp32;
@@ -503,11 +503,12 @@ struct SharedWeights {
 /// The lane group's weight-gradient sums in shared memory: [2][D] floats (query rows, key rows)
 /// per lane group, each lane adding into its own columns only, in the group's row order (so no
 /// barrier until the block adds its groups, write_partial_row, and the same bits on every run).
-/// Under a token-wide norm the block has one row of weight_floats: each head's columns belong to
-/// one lane group (the block's work plan, qk_norm_rope_backward.cu).
+/// Under a token-wide norm the block has one row of WeightLanes::per_token's floats: each head's
+/// columns belong to one lane group (the block's work plan, qk_norm_rope_backward.cu). The sums
+/// are laid out as the weights are: add() takes the row's place from the weights' WeightLanes
+/// (one value for both: a second copy here, though equal, changed the per-head kernels' SASS).
 struct WeightGradSums {
-  float* rows;  ///< the group's [2][D] (the block's [weight_floats] under a token-wide norm)
-  WeightLanes at;
+  float* rows;  ///< the group's [2][D] (the block's [Hq*D + Hkv*D] under a token-wide norm)
 
   /// Zeroes the lane's columns (before the group's first row).
   template <class Geom>
@@ -524,9 +525,11 @@ struct WeightGradSums {
     }
   }
 
-  /// sums[kind][head][d] += gw[i] * n[i] (one fma) for the V elements of chunk slot c.
+  /// sums[kind][head][d] += gw[i] * n[i] (one fma) for the V elements of chunk slot c; `at` the
+  /// weights' layout (SharedWeights::at).
   template <class Geom>
-  __device__ __forceinline__ void add(bool is_key, int head, const LaneChunks<Geom>& lanes, int c,
+  __device__ __forceinline__ void add(const WeightLanes& at, bool is_key, int head,
+                                      const LaneChunks<Geom>& lanes, int c,
                                       const float (&gw)[Geom::V], const float (&n)[Geom::V]) const {
     if (!lanes.ok[c]) return;
     float* row = rows + at.row(is_key, head) + lanes.d0[c];
@@ -625,14 +628,6 @@ __device__ __forceinline__ void forward_chunk(const RopeInputs& in,
   for (int i = 0; i < V; ++i) out[i] = rotate_lane(in, angles, c, i, n[i], n[i ^ 1], lanes.rot_end[c]);
   y = to_bf16<V>(out);
   if (n_out != nullptr) *n_out = to_bf16<V>(n);
-}
-
-/// The inputs of a kernel that takes rows one head at a time: a token-wide norm runs its own
-/// kernels (SPEC.md section 9; the launchers route it there), so the per-head kernels hold its
-/// paths as constants off.
-__device__ __forceinline__ RopeInputs per_head(RopeInputs in) {
-  in.token_scope = false;
-  return in;
 }
 
 /// Forward of a whole row of a general layout: nw = n * w for every chunk first (n = x * rstd, or
@@ -750,7 +745,7 @@ __device__ __forceinline__ void backward_row(
     if (weights != nullptr) {
       // Absent rows add nothing to the sums (see row_present above).
       if (sums != nullptr && sums->rows != nullptr && row_present) {
-        sums->add(is_key, head, lanes, c, gw, n);
+        sums->add(weights->at, is_key, head, lanes, c, gw, n);
       }
       float w[V];
       weights->chunk(is_key, head, lanes, c, w);
@@ -828,20 +823,20 @@ __device__ __forceinline__ void v_norm_backward(const Chunk<Geom::V> (&g)[Geom::
 }
 
 /// The block's partial row of the norm weights' gradients (weight_grad.hpp): after a barrier the
-/// block adds its lane groups' sums (WeightGradSums, `group_sums` [kGroups][row_floats] in shared
-/// memory: row_floats = 2D, or weight_floats under a token-wide norm with one row for the block)
-/// in group order (fixed, so the bits do not depend on scheduling) into partials[blockIdx.x].
-/// partials == nullptr (a layout without weights on the weighted kernel) writes nothing. Every
-/// thread of the block must call it (barrier).
+/// block adds its lane groups' sums (WeightGradSums, `group_sums` [kGroups][d_rows][D] in shared
+/// memory: d_rows = 2, the query and key weights; Hq + Hkv under a token-wide norm, with one group
+/// row for the block) in group order (fixed, so the bits do not depend on scheduling) into
+/// partials[blockIdx.x]. partials == nullptr (a layout without weights on the weighted kernel)
+/// writes nothing. Every thread of the block must call it (barrier).
 template <int kGroups, int kThreads>
-__device__ __forceinline__ void write_partial_row(int row_floats, const float* group_sums,
+__device__ __forceinline__ void write_partial_row(int d_rows, int D, const float* group_sums,
                                                   float* partials) {
   __syncthreads();
   if (partials == nullptr) return;
-  float* partial = partials + int64_t(blockIdx.x) * row_floats;
-  for (int column = int(threadIdx.x); column < row_floats; column += kThreads) {
+  float* partial = partials + int64_t(blockIdx.x) * d_rows * D;
+  for (int column = int(threadIdx.x); column < d_rows * D; column += kThreads) {
     float total = 0.0f;
-    for (int g = 0; g < kGroups; ++g) total = __fadd_rn(total, group_sums[g * row_floats + column]);
+    for (int g = 0; g < kGroups; ++g) total = __fadd_rn(total, group_sums[g * d_rows * D + column]);
     partial[column] = total;
   }
 }
