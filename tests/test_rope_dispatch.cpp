@@ -164,7 +164,9 @@ constexpr bool spec_without_placement() {
       .v_norm = {VNorm::kNone},
       .heads = {Heads::kQueryAndKey},
       .exact_width = Served<Op>::none(),
-      .neox_pairs_in_lane = false};
+      .neox_pairs_in_lane = false,
+      .angle_dtype_at_run_time = false,
+      .fewest_geometries = false};
   };
 }
 template <class T>
@@ -184,7 +186,9 @@ constexpr bool spec_without_knob() {
       .scope = {NormScope::kHead},
       .v_norm = {VNorm::kNone},
       .heads = {Heads::kQueryAndKey},
-      .exact_width = Served<Op>::none()};
+      .exact_width = Served<Op>::none(),
+      .angle_dtype_at_run_time = false,
+      .fewest_geometries = false};
   };
 }
 template <class T>
@@ -205,7 +209,9 @@ constexpr bool spec_complete() {
       .v_norm = {VNorm::kNone},
       .heads = {Heads::kQueryAndKey},
       .exact_width = Served<Op>::none(),
-      .neox_pairs_in_lane = false};
+      .neox_pairs_in_lane = false,
+      .angle_dtype_at_run_time = false,
+      .fewest_geometries = false};
   };
 }
 static_assert(spec_complete<Spec>(), "a row that states every property compiles");
@@ -252,36 +258,72 @@ std::vector<std::pair<std::string, RopeKey>> keys_with_a_new_value(const RopeKey
   return out;
 }
 
-// SPEC.md section 9's options, each on every named shape: values no row names, so the general
-// kernel serves them (the rows' kernels fix a per-head norm, no V rows, key heads and an angle
-// source as constants).
-TEST(RopeDispatch, SectionNineOptionsTakeTheGeneralKernel) {
-  for (const Shape& shape : named_shapes()) {
-    std::vector<std::pair<std::string, Shape>> variants;
-    Shape token = shape;
-    token.token_norm = true;
-    variants.emplace_back("norm_scope token", token);
+/// The general configurations (rope_dispatch.hpp Generals): General, whose kernels are those of
+/// SPEC.md sections 1-8, and Section9, which serves every key with a value of section 9.
+constexpr const char* kGeneral = "general";
+constexpr const char* kSection9 = "general/section-9";
+
+/// `shape` with each of SPEC.md section 9's options (those its layout takes).
+std::vector<std::pair<std::string, Shape>> section9_variants(const Shape& shape) {
+  std::vector<std::pair<std::string, Shape>> variants;
+  Shape token = shape;
+  token.token_norm = true;
+  variants.emplace_back("norm_scope token", token);
+  for (const int64_t dim : {264, 512}) {
     Shape wide = shape;
-    wide.dim = 512;
-    variants.emplace_back("D = 512", wide);
-    Shape v_norm = shape;
-    v_norm.v_dim = shape.dim;
-    variants.emplace_back("normalize_v", v_norm);
-    if (!shape.paired && !shape.key_offset) {
-      Shape query = shape;
-      query.query_only = true;
-      variants.emplace_back("query_only", query);
-    }
-    if (!shape.paired) {
-      Shape no_angles = shape;
-      no_angles.no_angles = true;
-      no_angles.rotary = -1;
-      variants.emplace_back("no angle source", no_angles);
-    }
-    for (const auto& [what, variant] : variants) {
-      const RopeKey key = variant.key();
-      for (const Op op : kOps) {
-        EXPECT_STREQ(config_name(op, key), "general") << describe(shape) << ", " << what;
+    wide.dim = dim;
+    variants.emplace_back("D = " + std::to_string(dim), wide);
+  }
+  Shape v_norm = shape;
+  v_norm.v_dim = shape.dim;
+  variants.emplace_back("normalize_v", v_norm);
+  Shape wide_v = shape;
+  wide_v.v_dim = 512;
+  variants.emplace_back("normalize_v, Dv = 512", wide_v);
+  if (!shape.paired && !shape.key_offset) {
+    Shape query = shape;
+    query.query_only = true;
+    variants.emplace_back("query_only", query);
+  }
+  if (!shape.paired) {
+    Shape no_angles = shape;
+    no_angles.no_angles = true;
+    no_angles.rotary = -1;
+    variants.emplace_back("no angle source", no_angles);
+  }
+  return variants;
+}
+
+// General lists only the values of SPEC.md sections 1-8 of the properties section 9 extends: its
+// kernels fix a per-head norm, no V rows, key heads and an angle source as constants and keep the
+// code that ran on a GPU before section 9. Section9 lists every value of every property.
+static_assert(!cuda::rope::General::kSpec.width.contains(HeadWidth::kUpTo512) &&
+              !cuda::rope::General::kSpec.width.contains(HeadWidth::k512) &&
+              !cuda::rope::General::kSpec.angles.contains(AngleSource::kNone) &&
+              cuda::rope::General::kSpec.scope.only(NormScope::kHead) &&
+              cuda::rope::General::kSpec.v_norm.only(VNorm::kNone) &&
+              cuda::rope::General::kSpec.heads.only(Heads::kQueryAndKey));
+static_assert(cuda::rope::Section9::kSpec.access.contains(cuda::rope::Access::k2B) &&
+              cuda::rope::Section9::kSpec.width.contains(HeadWidth::kUpTo32) &&
+              cuda::rope::Section9::kSpec.angles.contains(AngleSource::kTables) &&
+              cuda::rope::Section9::kSpec.scope.contains(NormScope::kHead) &&
+              cuda::rope::Section9::kSpec.ops.contains(Op::kBackwardFp8));
+
+// SPEC.md section 9's options, each on every named shape and at every access width: values no
+// specialization and not General names, so Section9's kernels serve them (also with the
+// specializations off, QKVFUSE_ROPE_GENERAL_ONLY=1), never one that would hold them as constants.
+TEST(RopeDispatch, SectionNineOptionsTakeTheSectionNineKernels) {
+  for (const Shape& shape : named_shapes()) {
+    for (const auto& [what, variant] : section9_variants(shape)) {
+      for (const int chunk : {8, 2, 1}) {
+        const RopeKey key =
+            cuda::rope::rope_key(variant.layout(), variant.dim, chunk, variant.v_dim);
+        for (const Op op : kOps) {
+          EXPECT_STREQ(config_name(op, key), kSection9)
+              << describe(shape) << ", " << what << ", chunk " << chunk << ", op " << int(op);
+          EXPECT_STREQ(config_name(op, key, /*general_only=*/true), kSection9)
+              << describe(shape) << ", " << what << ", chunk " << chunk << ", op " << int(op);
+        }
       }
     }
   }
@@ -301,13 +343,24 @@ TEST(RopeDispatch, SectionNineOptionsTakeTheGeneralKernel) {
   EXPECT_EQ(v_norm.key().width, HeadWidth::k128) << "Dv <= D: the width class of D";
   v_norm.v_dim = 256;
   EXPECT_EQ(v_norm.key().width, HeadWidth::k256) << "the V rows share the row geometry";
+  v_norm.v_dim = 512;
+  EXPECT_EQ(v_norm.key().width, HeadWidth::k512);
+  EXPECT_STREQ(config_name(Op::kForward, v_norm.key()), kSection9) << "Dv past 256";
+}
+
+// The properties whose section 9 values General does not list (its kernels hold them as
+// constants): a value added to one of them later runs Section9's kernels, which read it at run
+// time; a new value of any other property runs General's.
+bool general_fixes(const std::string& property) {
+  return property == "width" || property == "angles" || property == "scope" ||
+         property == "v_norm" || property == "heads";
 }
 
 TEST(RopeDispatch, AValueNoRowNamesTakesTheGeneralKernel) {
   for (const Shape& shape : named_shapes()) {
     for (const auto& [property, key] : keys_with_a_new_value(shape.key())) {
       for (const Op op : kOps) {
-        EXPECT_STREQ(config_name(op, key), "general")
+        EXPECT_STREQ(config_name(op, key), general_fixes(property) ? kSection9 : kGeneral)
             << describe(shape) << ", a new value of " << property << ", op " << int(op);
       }
     }
@@ -383,7 +436,7 @@ Expected expected_for(const Shape& s) {
     return {"cache/neox/rms/weighted/pairs-in-lane", "cache/neox/rms/weighted/pairs-in-lane",
             "cache/neox/rms/weighted"};
   }
-  return {"general", "general", "general"};
+  return {kGeneral, kGeneral, kGeneral};
 }
 
 TEST(RopeDispatch, NamedShapesSelectTheirConfiguration) {
@@ -443,7 +496,7 @@ TEST(RopeDispatch, OneValueOffARowTakesTheGeneralKernel) {
   misses.emplace_back("Qwen3, paired", paired);
   for (const auto& [what, shape] : misses) {
     for (const Op op : kOps) {
-      EXPECT_STREQ(config_name(op, shape.key()), "general") << what << ", op " << int(op);
+      EXPECT_STREQ(config_name(op, shape.key()), kGeneral) << what << ", op " << int(op);
     }
   }
 }
@@ -453,7 +506,7 @@ TEST(RopeDispatch, NarrowAccessTakesTheGeneralKernel) {
     for (const int chunk : {2, 1}) {
       const RopeKey key = cuda::rope::rope_key(shape.layout(), shape.dim, chunk);
       for (const Op op : kOps) {
-        EXPECT_STREQ(config_name(op, key), "general") << describe(shape) << ", chunk " << chunk;
+        EXPECT_STREQ(config_name(op, key), kGeneral) << describe(shape) << ", chunk " << chunk;
       }
     }
   }

@@ -3,14 +3,15 @@
 // also read by the kernels, as constants).
 //
 // dispatch<kOp>(key, f) is the one dispatcher of the family: the configuration that serves the key
-// (rope_dispatch.hpp visit_config: the first matching row of the table, else General), then the
-// compile-time parameters that shape a kernel's registers, each switched once from the key:
+// (rope_dispatch.hpp visit_config: the first matching row of the table, else General or
+// Section9), then the compile-time parameters that shape a kernel's registers, each switched once
+// from the key:
 //   access width  V = 8, 2 or 1 (16-byte, 4-byte, 2-byte chunks)
 //   head width    the lane geometry of its width class (lanes_for), with the configuration's
 //                 NeoX-pairs form where it asks for it, and D as a constant at the power-of-two
 //                 widths of the ops its exact_width lists
 //   angle dtype   bf16 or fp32 for 16-byte kernels (their angle registers), a run-time value in
-//                 the narrow ones (RunTimeAngles)
+//                 the narrow ones and in a configuration that asks for it (RunTimeAngles)
 // and calls f(Config{}, Geom{}, TypeTag<AngleT>{}, std::bool_constant<kExactWidth>{}). Only the
 // values a configuration lists are instantiated: the table decides which kernels exist.
 // Everything else (rotary style and span, norm, weights, angle source, placement) is a run-time
@@ -54,7 +55,17 @@ struct Lanes {
 /// load together within 64 registers; 4 x 3 measured slower there, perf_notes.md).
 /// V = 2: 16 or 32 lanes, up to 16 elements per lane; V = 1: 32 lanes of 8 elements, 16 past 256
 /// (rows that start on an odd element: rare, one geometry per range).
-constexpr Lanes lanes_for(Op op, int V, HeadWidth width) {
+/// `fewest` (Spec::fewest_geometries): D = 96 on 16 x 1 in every op; the row kernels' narrow rows
+/// on one geometry per access width, the widest (V = 2: 32 x 8, V = 1: 32 x 16); the FP8
+/// backward's V = 2 rows on 32 x 4 up to 256 and 32 x 8 past it (its tile follows the geometry's
+/// width, the host's plan the call's: the split stays at 256).
+constexpr Lanes lanes_for(Op op, int V, HeadWidth width, bool fewest = false) {
+  const bool past_256 = width == HeadWidth::kUpTo512 || width == HeadWidth::k512;
+  if (fewest && V == 8 && width == HeadWidth::k96) return {16, 1};
+  if (fewest && V == 2) {
+    return op == Op::kBackwardFp8 && !past_256 ? Lanes{32, 4} : Lanes{32, 8};
+  }
+  if (fewest && V == 1 && op != Op::kBackwardFp8) return {32, 16};
   if (V == 8) {
     switch (width) {
       case HeadWidth::kUpTo32: return {0, 0};
@@ -77,14 +88,15 @@ constexpr Lanes lanes_for(Op op, int V, HeadWidth width) {
     }
     return {0, 0};
   }
-  return width == HeadWidth::kUpTo512 || width == HeadWidth::k512 ? Lanes{32, 16} : Lanes{32, 8};
+  return past_256 ? Lanes{32, 16} : Lanes{32, 8};
 }
 
 /// The row geometry of (op, V, width class) for Config: its NeoX-pairs form where the
 /// configuration asks for it (rope_common.cuh NeoxPairGeometry).
 template <Op kOp, int V, HeadWidth kWidth, class Config>
 struct GeometryOf {
-  static constexpr Lanes kLanes = lanes_for(kOp, V, kWidth);
+  static constexpr Lanes kLanes =
+      lanes_for(kOp, V, kWidth, Config::kSpec.fewest_geometries.value);
   static constexpr bool kValid = kLanes.G > 0;
   using Base = RowGeometry<V, kValid ? kLanes.G : 32, kValid ? kLanes.C : 1>;
   using type = std::conditional_t<Config::kSpec.neox_pairs_in_lane.value,
@@ -144,11 +156,11 @@ void access_switch(const char* op, const RopeKey& key, F&& f) {
 }
 
 /// f(TypeTag<AngleT>{}): bf16 or float for 16-byte kernels, among the dtypes Config lists;
-/// RunTimeAngles for the narrow ones.
+/// RunTimeAngles for the narrow ones and where Config reads the dtype at run time.
 template <class Config, int V, typename F>
 void angle_type_switch(const char* op, const RopeKey& key, F&& f) {
   constexpr Served<AngleType> kListed = Config::kSpec.angle_type;
-  if constexpr (V != 8) {
+  if constexpr (V != 8 || Config::kSpec.angle_dtype_at_run_time.value) {
     f(TypeTag<RunTimeAngles>{});
   } else {
     switch (key.angle_type) {
@@ -180,9 +192,10 @@ void allow_shared_memory(const char* op, Kernel kernel, size_t smem) {
                                        int(smem)));
 }
 
-/// QKVFUSE_ROPE_GENERAL_ONLY=1 (read once per process): every call runs the general kernel, the
-/// specializations unused. The A/B of each specialization against the general kernel in one build
-/// and run (scripts/device_run.sh ab); the rows compute the same bits either way.
+/// QKVFUSE_ROPE_GENERAL_ONLY=1 (read once per process): every call runs a general kernel
+/// (rope_dispatch.hpp Generals), the specializations unused. The A/B of each specialization
+/// against the general kernel in one build and run (scripts/device_run.sh ab); the rows compute
+/// the same bits either way.
 inline bool general_only() {
   static const bool value = [] {
     const char* v = std::getenv("QKVFUSE_ROPE_GENERAL_ONLY");
@@ -221,10 +234,8 @@ void dispatch(const char* op, const RopeKey& key, F&& f) {
       });
     });
   };
-  if (general_only()) {
-    run(General{});
-  } else {
-    visit_config<kOp>(key, run);
+  if (!visit_config<kOp>(key, run, general_only())) {
+    QKVF_FAIL(op, " (CUDA): no kernel configuration serves this layout");
   }
 }
 
@@ -253,8 +264,10 @@ struct Policy {
   static constexpr int V = Geom::V;
   static constexpr int G = Geom::G;
   static constexpr int C = Geom::C;
-  /// fp32 angle chunks take twice the registers of bf16 ones.
-  static constexpr bool kWideAngles = std::is_same_v<AngleT, float>;
+  /// fp32 angle chunks take twice the registers of bf16 ones; 16-byte kernels that read the dtype
+  /// at run time hold fp32 values (kAngleValues: Section9's).
+  static constexpr bool kAngleValues = V == 8 && std::is_same_v<AngleT, RunTimeAngles>;
+  static constexpr bool kWideAngles = std::is_same_v<AngleT, float> || kAngleValues;
   static constexpr bool kKeyOffset = Fixed<Config>::kKeyOffset;
   /// The kernels that may hold norm weights (their shared-memory copy and, in the backward, their
   /// gradient sums) and the partners' exchange: General and the weighted configurations.
@@ -302,6 +315,9 @@ struct Policy {
       // wider rows, 3 at C = 3 and more; 2 for 4-byte chunks past D = 256 (8 of them per lane
       // spilled 20 bytes at 3).
       if constexpr (V == 2 && C == 8) return 2;
+      // 16-byte rows with the angles as fp32 values (Section9's kernels): 4 (5 spilled 32 bytes
+      // at one chunk per lane).
+      if constexpr (kAngleValues) return C >= 3 ? 3 : 4;
       if constexpr (kWeightCode || V != 8) return C >= 3 ? 3 : (V == 8 && C == 1 ? 5 : 4);
       // Interleaved pairs without weights: 8 (<= 64 registers) for one chunk per lane, key
       // offset included; C = 3 (D = 96 on 4 lanes) holds g, x (and g_next) and 6 factor chunks

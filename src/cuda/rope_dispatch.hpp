@@ -5,13 +5,23 @@
 // - A call's layout is reduced ONCE, from its validated arguments, to a small key of properties
 //   (RopeKey: access width, head-width class, rotary style and span, norm, weights, angle source
 //   and dtype, placement).
-// - The general configuration (General) serves every key. A specialization is a row of the table
-//   below (Specializations): the properties it fixes, each as the list of values it serves, the
-//   ops it serves, and two kernel knobs. The first row that serves (op, key) wins; no row: General.
+// - Two general configurations serve what no specialization serves (Generals): General every key
+//   of SPEC.md sections 1-8, Section9 the keys with a value of section 9 (D past 256, the V norm,
+//   a token-wide norm, query-only heads, no angle source; QKVFUSE_CUDA_SECTION9=1, validate.hpp).
+//   General lists only sections 1-8's values of those properties, so its kernels hold none of
+//   section 9's code: they are the kernels that ran on a GPU before section 9 (SASS-identical,
+//   docs/perf_notes.md), and a section 9 value never reaches them. Section9 lists every value
+//   (present and future) of every property: it serves what General does not, on fewer
+//   geometries (Spec::fewest_geometries).
+// - A specialization is a row of the table below (Specializations): the properties it fixes, each
+//   as the list of values it serves, the ops it serves, and four kernel knobs. The first row that
+//   serves (op, key) wins; no row: the first of Generals that serves it.
 // - Matching is conservative by construction: a row lists values (Served<E> has no "any" and no
 //   default, so a row that omits a property does not compile), and a value added to a property
-//   later is in no existing row's list, so it runs the general kernel until a row names it.
-//   A property added to RopeKey must be added to Spec, and then every row must state it.
+//   later is in no existing row's list, so it runs a general kernel until a row names it:
+//   General's where General reads the property at run time, else Section9's (General fixes
+//   the properties section 9 extends). A property added to RopeKey must be added to Spec, and
+//   then every row must state it.
 // - The kernels read the row too (rope_rows.cuh, Fixed<Config>): a property a row fixes to one
 //   value is a compile-time constant in that row's kernels, every other one a run-time value read
 //   through the code all kernels share. So a kernel can never treat as constant what its row does
@@ -155,6 +165,14 @@ struct Spec {
   /// NeoX pairs in one lane (rope_common.cuh NeoxPairGeometry): both halves of each pair in the
   /// same thread, no partner shuffles; needs NeoX, r = D and exact widths of 64, 128 or 256.
   Knob<bool> neox_pairs_in_lane;
+  /// The 16-byte kernels read the angles' dtype at run time (one kernel for bf16 and fp32, their
+  /// values held as fp32, as the narrow kernels always do) instead of one kernel per dtype.
+  Knob<bool> angle_dtype_at_run_time;
+  /// Fewer row geometries (rope_config.cuh lanes_for), for layouts too rare to pay a kernel per
+  /// width class: D = 96 on 16 lanes (as the FP8 backward always), and the narrow rows of the
+  /// row kernels on their access width's widest geometry, masked below it (the FP8 backward keeps
+  /// its narrow split at 256, where its tile shrinks: fp8_tile_tokens).
+  Knob<bool> fewest_geometries;
 
   constexpr bool serves(Op op, const RopeKey& key) const {
     return ops.contains(op) && access.contains(key.access) && width.contains(key.width) &&
@@ -175,13 +193,49 @@ inline constexpr Served<HeadWidth> kVectorWidths{
     HeadWidth::k32,      HeadWidth::kUpTo64, HeadWidth::k64,      HeadWidth::k96,
     HeadWidth::kUpTo128, HeadWidth::k128,    HeadWidth::kUpTo256, HeadWidth::k256};
 
-/// Every layout: each property a run-time value (access width, geometry and the 16-byte kernels'
-/// angle dtype excepted: they shape the registers, so each has its own kernel). SPEC.md section
-/// 9's options (a token-wide norm, the V norm, query-only calls, no angles, D up to 512) run here
-/// only: no row names them.
+/// The widths of SPEC.md sections 1-8: D up to 256.
+inline constexpr Served<HeadWidth> kWidthsTo256{
+    HeadWidth::kUpTo32, HeadWidth::k32,   HeadWidth::kUpTo64,  HeadWidth::k64,
+    HeadWidth::k96,     HeadWidth::kUpTo128, HeadWidth::k128, HeadWidth::kUpTo256,
+    HeadWidth::k256};
+
+/// Every layout of SPEC.md sections 1-8: each property a run-time value (access width, geometry
+/// and the 16-byte kernels' angle dtype excepted: they shape the registers, so each has its own
+/// kernel). It lists sections 1-8's values of the properties section 9 extends (width, angle
+/// source, norm scope, V norm, heads), so its kernels hold a per-head norm and no V rows as
+/// constants (rope_rows.cuh Fixed): the code that ran on a GPU.
 struct General {
   static constexpr Spec kSpec{
       .name = "general",
+      .ops = Served<Op>::every(),
+      .access = Served<Access>::every(),
+      .width = kWidthsTo256,
+      .rotary = Served<Rotary>::every(),
+      .span = Served<RotarySpan>::every(),
+      .norm = Served<Norm>::every(),
+      .weights = Served<Weights>::every(),
+      .angles = {AngleSource::kTables, AngleSource::kCache},
+      .angle_type = Served<AngleType>::every(),
+      .placement = Served<Placement>::every(),
+      .scope = {NormScope::kHead},
+      .v_norm = {VNorm::kNone},
+      .heads = {Heads::kQueryAndKey},
+      .exact_width = Served<Op>::none(),
+      .neox_pairs_in_lane = false,
+      .angle_dtype_at_run_time = false,
+      .fewest_geometries = false,
+  };
+};
+
+/// Every value of every property, present and future, each a run-time value (as General's):
+/// what General does not serve, which is every key with a value of SPEC.md section 9 (D past
+/// 256, a token-wide norm in its own kernels, the V norm, query-only heads, no angle source).
+/// Reached only with QKVFUSE_CUDA_SECTION9=1 (validation refuses section 9's options without
+/// it); its kernels have not run on a GPU. Fewer kernels than General's, to keep the family's
+/// entries in budget (docs/STATUS.md): the angles' dtype at run time and the fewest geometries.
+struct Section9 {
+  static constexpr Spec kSpec{
+      .name = "general/section-9",
       .ops = Served<Op>::every(),
       .access = Served<Access>::every(),
       .width = Served<HeadWidth>::every(),
@@ -197,6 +251,8 @@ struct General {
       .heads = Served<Heads>::every(),
       .exact_width = Served<Op>::none(),
       .neox_pairs_in_lane = false,
+      .angle_dtype_at_run_time = true,
+      .fewest_geometries = true,
   };
 };
 
@@ -226,6 +282,8 @@ struct TablesInterleavedRms {
       .heads = {Heads::kQueryAndKey},
       .exact_width = Served<Op>::none(),
       .neox_pairs_in_lane = false,
+      .angle_dtype_at_run_time = false,
+      .fewest_geometries = false,
   };
 };
 
@@ -250,6 +308,8 @@ struct TablesInterleavedRmsKeyOffset {
       .heads = {Heads::kQueryAndKey},
       .exact_width = {Op::kBackward},
       .neox_pairs_in_lane = false,
+      .angle_dtype_at_run_time = false,
+      .fewest_geometries = false,
   };
 };
 
@@ -277,6 +337,8 @@ struct CacheNeoxRmsWeightedPairs {
       .heads = {Heads::kQueryAndKey},
       .exact_width = {Op::kForward, Op::kBackward},
       .neox_pairs_in_lane = true,
+      .angle_dtype_at_run_time = false,
+      .fewest_geometries = false,
   };
 };
 
@@ -303,6 +365,8 @@ struct CacheNeoxRmsWeighted {
       .heads = {Heads::kQueryAndKey},
       .exact_width = {Op::kBackwardFp8},
       .neox_pairs_in_lane = false,
+      .angle_dtype_at_run_time = false,
+      .fewest_geometries = false,
   };
 };
 
@@ -316,11 +380,13 @@ using Specializations = Table<TablesInterleavedRms, TablesInterleavedRmsKeyOffse
 // Selection
 // ------------------------------------------------------------------------------------------------
 
-/// Calls f(Row{}) for the configuration that serves (kOp, key): the first row of Specializations
-/// whose every property lists the key's value and whose ops list kOp, else General. Rows that do
-/// not serve kOp are not instantiated.
+/// The configurations that serve what no specialization serves, in the order they are tried.
+using Generals = Table<General, Section9>;
+
+/// Calls f(Row{}) for the first row of `table` that serves (kOp, key); false when none does. Rows
+/// that do not serve kOp are not instantiated.
 template <Op kOp, class... Rows, typename F>
-void visit_config(Table<Rows...>, const RopeKey& key, F&& f) {
+bool visit_first(Table<Rows...>, const RopeKey& key, F&& f) {
   bool done = false;
   const auto try_row = [&](auto row) {
     using Row = decltype(row);
@@ -332,22 +398,27 @@ void visit_config(Table<Rows...>, const RopeKey& key, F&& f) {
     }
   };
   (try_row(Rows{}), ...);
-  if (!done) f(General{});
+  return done;
 }
 
+/// Calls f(Row{}) for the configuration that serves (kOp, key): the first row of Specializations
+/// whose every property lists the key's value and whose ops list kOp, else the first of Generals
+/// that serves it (`general_only`: Generals alone). False when none serves (Section9 serves every
+/// key: none so far).
 template <Op kOp, typename F>
-void visit_config(const RopeKey& key, F&& f) {
-  visit_config<kOp>(Specializations{}, key, static_cast<F&&>(f));
+bool visit_config(const RopeKey& key, F&& f, bool general_only = false) {
+  if (!general_only && visit_first<kOp>(Specializations{}, key, f)) return true;
+  return visit_first<kOp>(Generals{}, key, f);
 }
 
-/// The name of the configuration that serves (op, key) (tests, error messages).
-inline const char* config_name(Op op, const RopeKey& key) {
+/// The name of the configuration that serves (op, key), or nullptr (tests, error messages).
+inline const char* config_name(Op op, const RopeKey& key, bool general_only = false) {
   const char* name = nullptr;
   const auto take = [&](auto row) { name = decltype(row)::kSpec.name; };
   switch (op) {
-    case Op::kForward: visit_config<Op::kForward>(key, take); break;
-    case Op::kBackward: visit_config<Op::kBackward>(key, take); break;
-    case Op::kBackwardFp8: visit_config<Op::kBackwardFp8>(key, take); break;
+    case Op::kForward: visit_config<Op::kForward>(key, take, general_only); break;
+    case Op::kBackward: visit_config<Op::kBackward>(key, take, general_only); break;
+    case Op::kBackwardFp8: visit_config<Op::kBackwardFp8>(key, take, general_only); break;
   }
   return name;
 }
