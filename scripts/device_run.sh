@@ -3,7 +3,7 @@
 # sanitizers and the benchmarks, and print a short table last. Logs and result files go to $OUT.
 #
 #   scripts/device_run.sh [stage ...]     stages: build test sanitize fuzz python profile ncu train train2
-#                                         train2hf train1hf ab general bench hfstep
+#                                         train2hf train1hf ab general bench hfstep section9
 #                                         (default: build test python bench)
 # Needs, carried next to the tree (git-ignored): .gtest/ (GoogleTest sources; the GPU machine has
 # no network), .seed/reference_triton.py (the reference implementation, for side-by-side runs),
@@ -161,6 +161,59 @@ if has fuzz; then
   seed=${QKVFUSE_FUZZ_SEED:-$RANDOM}
   $build/tests/fuzz/qkvfuse_fuzz --cases "${QKVFUSE_FUZZ_CASES:-10000}" --seed "$seed" >"$LOG/fuzz.log" 2>&1
   note "fuzz: rc=$? seed $seed: $(grep -E '^fuzz:' "$LOG/fuzz.log" | tail -1) in $((SECONDS - start)) s"
+fi
+
+if has section9; then
+  # SPEC.md section 9 on CUDA (D up to 512, the V norm, the token-wide norm, query-only calls, no
+  # angles): kernels that run only with QKVFUSE_CUDA_SECTION9=1 and had not run on a GPU before
+  # this stage. Needs the build stage (this call's or an earlier one's on the same machine). Parts
+  # (QKVFUSE_SECTION9_PARTS, default all, in this order): tests (the GPU tests of the families,
+  # whose fixture sets the switch, and the dispatcher's), memcheck (compute-sanitizer over those
+  # tests), fuzz (QKVFUSE_SECTION9_FUZZ_CASES, default 3000, the switch set: every GPU case may
+  # draw section 9's options), python (the families' ops and models on CUDA with the switch, and
+  # the refusals without it), bench (bench/bench_families.py: Gemma 4's global layers and
+  # Qwen3-Next at T = 32768 against torch.compile of their chains).
+  start=$SECONDS
+  parts=" ${QKVFUSE_SECTION9_PARTS:-tests memcheck fuzz python bench} "
+  if [[ $parts == *" tests "* ]]; then
+    $build/tests/qkvfuse_tests --gtest_filter='*CudaFamilies*:RopeDispatch*:RopePaths*:ValidationFamilies*' \
+      >"$LOG/section9_gtest.log" 2>&1
+    note "section9 gtests: rc=$? $(grep -cE '^\[       OK' "$LOG/section9_gtest.log") OK, $(grep -cE '^\[  SKIPPED \] [A-Z]' "$LOG/section9_gtest.log") skipped, $(grep -cE '^\[  FAILED  \] [A-Z]' "$LOG/section9_gtest.log") failed"
+    grep -E '^\[  FAILED  \] [A-Z]' "$LOG/section9_gtest.log" | head -20 | tee -a "$summary"
+  fi
+  if [[ $parts == *" memcheck "* ]]; then
+    timeout "${QKVFUSE_SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 \
+      $build/tests/qkvfuse_tests --gtest_filter='*CudaFamilies*-*ManyTokens*' \
+      >"$LOG/section9_memcheck.log" 2>&1
+    note "section9 memcheck: rc=$? $(grep -E 'ERROR SUMMARY' "$LOG/section9_memcheck.log" | tail -1) $(grep -cE '^\[       OK' "$LOG/section9_memcheck.log") tests OK"
+  fi
+  if [[ $parts == *" fuzz "* ]]; then
+    seed=${QKVFUSE_FUZZ_SEED:-$RANDOM}
+    QKVFUSE_CUDA_SECTION9=1 $build/tests/fuzz/qkvfuse_fuzz --cases "${QKVFUSE_SECTION9_FUZZ_CASES:-3000}" \
+      --seed "$seed" >"$LOG/section9_fuzz.log" 2>&1
+    note "section9 fuzz: rc=$? seed $seed: $(grep -E '^fuzz:' "$LOG/section9_fuzz.log" | tail -1); $(grep -oE 'section 9 options: [^;]*' "$LOG/section9_fuzz.log" | tail -1)"
+    grep -E '^MISMATCH' "$LOG/section9_fuzz.log" | head -10 | tee -a "$summary"
+  fi
+  if [[ $parts == *" python "* ]]; then
+    use_build_tree_python
+    for file in test_families_ops test_transformers_families test_errors; do
+      (cd tests/python && QKVFUSE_CUDA_SECTION9=1 python3 -m pytest -q -ra "$file.py" -k cuda \
+        >"$LOG/section9_pytest_$file.log" 2>&1)
+      note "section9 pytest $file -k cuda (switch on): rc=$? $(tail -1 "$LOG/section9_pytest_$file.log")"
+      (cd tests/python && python3 -m pytest -q -ra "$file.py" -k cuda \
+        >"$LOG/section9_pytest_${file}_off.log" 2>&1)
+      note "section9 pytest $file -k cuda (switch off): rc=$? $(tail -1 "$LOG/section9_pytest_${file}_off.log")"
+    done
+  fi
+  if [[ $parts == *" bench "* ]]; then
+    use_build_tree_python
+    QKVFUSE_CUDA_SECTION9=1 python3 bench/bench_families.py --commit "$commit" \
+      --out "$LOG/bench_families.csv" >"$LOG/bench_families.txt" 2>&1
+    note "bench_families: rc=$?"
+    cp "$LOG/bench_families.csv" "$OUT"/ 2>/dev/null
+    grep -E "^families |^check" "$LOG/bench_families.txt" | tee -a "$summary"
+  fi
+  note "section9: $((SECONDS - start)) s"
 fi
 
 if has profile; then

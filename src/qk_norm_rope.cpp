@@ -22,7 +22,7 @@ Device validate_qk_norm_rope(const QkNormRopeParams& p, const std::string& op) {
   const Device device = check.same_device(concat(inputs, outputs));
   const RopeShape shape = rope_inputs(check, p.qk, p.layout, device, /*wide_qk_on_cpu=*/true);
   rope_output_pair(check, outputs[0], outputs[1], shape, p.qk.dtype, /*contiguous=*/true);
-  const int64_t v_dim = rope_v_input(check, p.layout, inputs[1], shape, p.qk.dtype);
+  const int64_t v_dim = rope_v_input(check, p.layout, inputs[1], shape, p.qk.dtype, device);
   rope_v_output(check, p.layout, outputs[2], shape, v_dim, p.qk.dtype, /*contiguous=*/true);
   check.no_overlap(outputs, inputs);
   return device;
@@ -48,7 +48,7 @@ Device validate_qk_norm_rope_backward(const QkNormRopeBackwardParams& p) {
   const Device device = check.same_device(concat(inputs, outputs));
   const RopeShape shape = rope_inputs(check, p.qk, p.layout, device, /*wide_qk_on_cpu=*/true);
   rope_output_pair(check, inputs[0], inputs[1], shape, p.qk.dtype, /*contiguous=*/false);
-  const int64_t v_dim = rope_v_input(check, p.layout, inputs[4], shape, p.qk.dtype);
+  const int64_t v_dim = rope_v_input(check, p.layout, inputs[4], shape, p.qk.dtype, device);
   rope_v_output(check, p.layout, inputs[3], shape, v_dim, p.qk.dtype, /*contiguous=*/false);
   rope_v_output(check, p.layout, outputs[4], shape, v_dim, p.qk.dtype, /*contiguous=*/true);
   check.dtype(p.grad_qk, "grad_qk", p.qk.dtype);

@@ -44,7 +44,7 @@ Device validate_qkv_backward_fp8(const QkvBackwardFp8Params& p, const std::strin
   check.last_dim_contiguous(p.grad_v, "grad_v");
   check.element_aligned(p.grad_v, "grad_v");
   // The V norm's saved input: grad_v's shape (rope_v_input checks presence and the layout).
-  const int64_t v_dim = rope_v_input(check, p.layout, inputs[5], shape, DType::kBFloat16);
+  const int64_t v_dim = rope_v_input(check, p.layout, inputs[5], shape, DType::kBFloat16, device);
   QKVF_CHECK(!p.layout.normalize_v || v_dim == p.grad_v.sizes[2], op,
              ": v: expected grad_v's V head width Dv = ", p.grad_v.sizes[2], ", got ",
              p.v.describe());
@@ -82,7 +82,11 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
 
 int64_t backward_workspace_size(const QkvBackwardFp8Params& params) {
   const bool weighted = !is_absent(params.layout.q_weight) || !is_absent(params.layout.k_weight);
-  if (!weighted || params.qk.device.type != DeviceType::kCUDA || params.qk.ndim != 3) return 0;
+  // CUDA runs a token-wide norm through a bf16 dx in the workspace (src/cuda/qkv_backward_fp8.cu).
+  const bool token = params.layout.norm_scope == NormScope::kToken;
+  if (!(weighted || token) || params.qk.device.type != DeviceType::kCUDA || params.qk.ndim != 3) {
+    return 0;
+  }
   if (!validate::cuda_pending_option(params.layout, params.qk.sizes[2]).empty()) return 0;
   return cuda::backward_workspace_size(params);
 }

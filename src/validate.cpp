@@ -1,6 +1,7 @@
 // validate.cpp: the argument checks shared by the public entry points (see validate.hpp).
 #include "validate.hpp"
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -190,18 +191,43 @@ void Checker::no_overlap(const std::vector<Arg>& outputs, const std::vector<Arg>
   }
 }
 
-std::string cuda_pending_option(const RopeLayout& layout, int64_t head_dim) {
-  // Past kMaxHeadDim no backend takes it: rope_options refuses it as unsupported.
-  if (head_dim > kMaxCudaHeadDim && head_dim <= kMaxHeadDim) {
-    return "qk: head width D = " + std::to_string(head_dim) + " (above " +
-           std::to_string(kMaxCudaHeadDim) + ")";
+namespace {
+
+/// The switch's state: -1 not read yet, else 0 or 1.
+std::atomic<int> cuda_section9_state{-1};
+
+}  // namespace
+
+bool cuda_section9_enabled() {
+  int state = cuda_section9_state.load(std::memory_order_acquire);
+  if (state < 0) {
+    const char* value = std::getenv("QKVFUSE_CUDA_SECTION9");
+    const int read = value != nullptr && std::strcmp(value, "1") == 0 ? 1 : 0;
+    // The first reader's value stands (a test's override may have come first).
+    cuda_section9_state.compare_exchange_strong(state, read, std::memory_order_acq_rel);
+    state = cuda_section9_state.load(std::memory_order_acquire);
   }
-  if (layout.normalize_v) return "layout.normalize_v";
-  if (layout.norm_scope != NormScope::kHead) {
+  return state == 1;
+}
+
+void set_cuda_section9_for_testing(bool enabled) {
+  cuda_section9_state.store(enabled ? 1 : 0, std::memory_order_release);
+}
+
+std::string cuda_pending_option(const RopeLayout& layout, int64_t head_dim) {
+  // With the switch: the general kernel takes them (untested on a GPU).
+  const bool untested_kernels = cuda_section9_enabled();
+  // Past kMaxHeadDim no backend takes it: rope_options refuses it as unsupported.
+  if (head_dim > kMaxCudaTestedHeadDim && head_dim <= kMaxHeadDim && !untested_kernels) {
+    return "qk: head width D = " + std::to_string(head_dim) + " (above " +
+           std::to_string(kMaxCudaTestedHeadDim) + ")";
+  }
+  if (layout.normalize_v && !untested_kernels) return "layout.normalize_v";
+  if (layout.norm_scope != NormScope::kHead && !untested_kernels) {
     return "layout.norm_scope: NormScope::kToken (one RMS over the token)";
   }
-  if (layout.query_only) return "layout.query_only";
-  if (!rope::has_angles(layout)) {
+  if (layout.query_only && !untested_kernels) return "layout.query_only";
+  if (!rope::has_angles(layout) && !untested_kernels) {
     return "layout.factor1, layout.cos_sin: none (a call without rotary)";
   }
   return {};
@@ -211,7 +237,8 @@ void Checker::not_pending_on_cuda(const RopeLayout& layout, const TensorView& qk
   if (qk.device.type != DeviceType::kCUDA || qk.ndim != 3) return;
   const std::string option = cuda_pending_option(layout, qk.sizes[2]);
   QKVF_CHECK(option.empty(), op_, ": ", option,
-             ": not yet on the CUDA backend (the CPU backend runs it; SPEC.md section 9)");
+             ": not yet on the CUDA backend (the CPU backend runs it; SPEC.md section 9); set "
+             "QKVFUSE_CUDA_SECTION9=1 to try the untested kernels");
 }
 
 void Checker::rope_options(const RopeLayout& layout, int64_t head_dim) const {
@@ -421,7 +448,7 @@ std::string weight_shape_why(const RopeLayout& layout, bool key, const char* als
 }
 
 int64_t rope_v_input(const Checker& check, const RopeLayout& layout, Arg v,
-                     const RopeShape& shape, DType dtype) {
+                     const RopeShape& shape, DType dtype, Device device) {
   if (!layout.normalize_v) {
     QKVF_CHECK(is_absent(v.view), check.op(), ": ", v.name,
                ": given, but layout.normalize_v is false (the V tensors go with the V norm)");
@@ -432,8 +459,12 @@ int64_t rope_v_input(const Checker& check, const RopeLayout& layout, Arg v,
   check.dtype(v.view, v.name, dtype);
   check.shape(v.view, v.name, {shape.tokens, shape.kv_heads, Dim::any("Dv")},
               "(T from qk, num_kv_heads)");
-  QKVF_CHECK(v.view.sizes[2] >= 1, check.op(), ": ", v.name,
-             ": expected a V head width Dv >= 1, got ", v.view.describe());
+  const bool cuda = device.type == DeviceType::kCUDA;
+  QKVF_CHECK(v.view.sizes[2] >= 1 && (!cuda || v.view.sizes[2] <= cuda::kMaxVWidth), check.op(),
+             ": ", v.name, ": expected a V head width Dv ",
+             cuda ? "in [1, " + std::to_string(cuda::kMaxVWidth) + "] on " + device_name(device)
+                  : std::string(">= 1"),
+             ", got ", v.view.describe());
   check.last_dim_contiguous(v.view, v.name);
   check.element_aligned(v.view, v.name);
   return v.view.sizes[2];

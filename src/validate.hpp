@@ -62,14 +62,25 @@ struct RopeShape {
   int64_t k_out_heads;  ///< Hkv, or Hkv/2 when paired
 };
 
-/// The widest head the rope ops take (D), and the widest the CUDA kernels take so far.
+/// The widest head the rope ops take (D), on both backends; the CUDA kernels' widest tested one
+/// (section 9's wider heads run only with the switch below).
 inline constexpr int64_t kMaxHeadDim = 512;
-inline constexpr int64_t kMaxCudaHeadDim = 256;
+inline constexpr int64_t kMaxCudaTestedHeadDim = 256;
+
+/// QKVFUSE_CUDA_SECTION9=1 in the environment (read once per process, here and nowhere else):
+/// the CUDA backend takes SPEC.md section 9's options (D up to 512, normalize_v, norm_scope
+/// kToken, query_only, no angle source) on kernels that have not yet run on a GPU. Off by
+/// default: they are refused by name (cuda_pending_option).
+bool cuda_section9_enabled();
+/// Tests only: sets the switch for the rest of the process (overriding the environment), so that
+/// one test process can check both the refusals and the kernels.
+void set_cuda_section9_for_testing(bool enabled);
 
 /// The first layout option (SPEC.md section 9) the CUDA backend does not take yet, as the error
 /// names it: the argument, then what of it where that is not the argument itself
 /// ("layout.normalize_v", "layout.norm_scope: NormScope::kToken (...)"); empty when there is none.
-/// A head width past kMaxHeadDim is no pending option: no backend takes it.
+/// With cuda_section9_enabled() the options whose kernels exist are not pending. A head width past kMaxHeadDim is no pending option: no
+/// backend takes it.
 std::string cuda_pending_option(const RopeLayout& layout, int64_t head_dim);
 
 /// The checks of one op; every message starts with the op's name.
@@ -138,10 +149,11 @@ int64_t weight_width(const RopeLayout& layout, const RopeShape& shape, bool key)
 std::string weight_shape_why(const RopeLayout& layout, bool key, const char* also = "");
 
 /// A V input of the V norm (v, or the backward's grad_v_out): present exactly when
-/// layout.normalize_v; `dtype`, [T, Hkv, Dv] with Dv >= 1, last dim contiguous. Returns Dv
-/// (0 without the V norm).
+/// layout.normalize_v; `dtype`, [T, Hkv, Dv] with Dv >= 1 (on CUDA at most cuda::kMaxVWidth: its
+/// rows take the kernels' row geometry, 512 wide at most), last dim contiguous. Returns Dv (0
+/// without the V norm).
 int64_t rope_v_input(const Checker& check, const RopeLayout& layout, Arg v,
-                     const RopeShape& shape, DType dtype);
+                     const RopeShape& shape, DType dtype, Device device);
 /// A V tensor of v's shape [T, Hkv, v_dim] present exactly when layout.normalize_v: the
 /// outputs v_out, grad_v (`contiguous`) or the backward's grad_v_out (last dim contiguous).
 void rope_v_output(const Checker& check, const RopeLayout& layout, Arg out, const RopeShape& shape,

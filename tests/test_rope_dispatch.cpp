@@ -20,6 +20,7 @@ namespace {
 using cuda::rope::AngleSource;
 using cuda::rope::AngleType;
 using cuda::rope::config_name;
+using cuda::rope::Heads;
 using cuda::rope::HeadWidth;
 using cuda::rope::Norm;
 using cuda::rope::Op;
@@ -29,6 +30,7 @@ using cuda::rope::Rotary;
 using cuda::rope::RotarySpan;
 using cuda::rope::Served;
 using cuda::rope::Spec;
+using cuda::rope::VNorm;
 using cuda::rope::Weights;
 
 const Device kGpu{DeviceType::kCUDA, 0};
@@ -50,6 +52,11 @@ struct Shape {
   bool paired = false;
   bool key_offset = false;
   DType angle_dtype = DType::kBFloat16;
+  // SPEC.md section 9
+  bool token_norm = false;
+  int64_t v_dim = 0;  ///< > 0: the V norm on rows of this width
+  bool query_only = false;
+  bool no_angles = false;
 
   RopeLayout layout() const {
     RopeLayout l;
@@ -61,8 +68,14 @@ struct Shape {
     l.paired = paired;
     l.key_offset = key_offset;
     l.weight_offset = weight_offset;
+    l.norm_scope = token_norm ? NormScope::kToken : NormScope::kHead;
+    l.normalize_v = v_dim > 0;
+    l.query_only = query_only;
+    if (query_only) l.num_kv_heads = 0;
     const int64_t tokens = 64;
-    if (cache) {
+    if (no_angles) {
+      // nothing rotates
+    } else if (cache) {
       l.cos_sin = make_view(at(uintptr_t(1) << 28), angle_dtype, kGpu, {4096, dim});
       l.positions = make_view(at(uintptr_t(2) << 28), DType::kInt64, kGpu, {tokens});
     } else {
@@ -71,13 +84,18 @@ struct Shape {
       l.factor2 = make_view(at(uintptr_t(2) << 28), angle_dtype, kGpu, {tokens, width});
     }
     if (weights) {
-      l.q_weight = make_view(at(uintptr_t(3) << 28), DType::kBFloat16, kGpu, {dim});
-      l.k_weight = make_view(at(uintptr_t(4) << 28), DType::kBFloat16, kGpu, {dim});
+      const int64_t kv = query_only ? 0 : kv_heads;
+      l.q_weight = make_view(at(uintptr_t(3) << 28), DType::kBFloat16, kGpu,
+                             {token_norm ? heads * dim : dim});
+      if (!query_only) {
+        l.k_weight = make_view(at(uintptr_t(4) << 28), DType::kBFloat16, kGpu,
+                               {token_norm ? kv * dim : dim});
+      }
     }
     return l;
   }
   /// The key of a call whose rows take 16-byte chunks (the access every model shape gets).
-  RopeKey key() const { return cuda::rope::rope_key(layout(), dim, 8); }
+  RopeKey key() const { return cuda::rope::rope_key(layout(), dim, 8, v_dim); }
 };
 
 Shape speedrun(int64_t dim, Placement placement) {
@@ -142,8 +160,13 @@ constexpr bool spec_without_placement() {
       .weights = {Weights::kNone},
       .angles = {AngleSource::kCache},
       .angle_type = {AngleType::kBf16},
+      .scope = {NormScope::kHead},
+      .v_norm = {VNorm::kNone},
+      .heads = {Heads::kQueryAndKey},
       .exact_width = Served<Op>::none(),
-      .neox_pairs_in_lane = false};
+      .neox_pairs_in_lane = false,
+      .angle_dtype_at_run_time = false,
+      .fewest_geometries = false};
   };
 }
 template <class T>
@@ -160,7 +183,12 @@ constexpr bool spec_without_knob() {
       .angles = {AngleSource::kCache},
       .angle_type = {AngleType::kBf16},
       .placement = {Placement::kPlain},
-      .exact_width = Served<Op>::none()};
+      .scope = {NormScope::kHead},
+      .v_norm = {VNorm::kNone},
+      .heads = {Heads::kQueryAndKey},
+      .exact_width = Served<Op>::none(),
+      .angle_dtype_at_run_time = false,
+      .fewest_geometries = false};
   };
 }
 template <class T>
@@ -177,8 +205,13 @@ constexpr bool spec_complete() {
       .angles = {AngleSource::kCache},
       .angle_type = {AngleType::kBf16},
       .placement = {Placement::kPlain},
+      .scope = {NormScope::kHead},
+      .v_norm = {VNorm::kNone},
+      .heads = {Heads::kQueryAndKey},
       .exact_width = Served<Op>::none(),
-      .neox_pairs_in_lane = false};
+      .neox_pairs_in_lane = false,
+      .angle_dtype_at_run_time = false,
+      .fewest_geometries = false};
   };
 }
 static_assert(spec_complete<Spec>(), "a row that states every property compiles");
@@ -211,22 +244,123 @@ std::vector<std::pair<std::string, RopeKey>> keys_with_a_new_value(const RopeKey
     out.emplace_back(property, k);
   };
   add("access", [](RopeKey& k) { k.access = static_cast<cuda::rope::Access>(3); });
-  add("width", [](RopeKey& k) { k.width = static_cast<HeadWidth>(9); });
+  add("width", [](RopeKey& k) { k.width = static_cast<HeadWidth>(11); });
   add("rotary", [](RopeKey& k) { k.rotary = static_cast<Rotary>(2); });
   add("span", [](RopeKey& k) { k.span = static_cast<RotarySpan>(2); });
   add("norm", [](RopeKey& k) { k.norm = static_cast<Norm>(2); });
   add("weights", [](RopeKey& k) { k.weights = static_cast<Weights>(2); });
-  add("angles", [](RopeKey& k) { k.angles = static_cast<AngleSource>(2); });
+  add("angles", [](RopeKey& k) { k.angles = static_cast<AngleSource>(3); });
   add("angle_type", [](RopeKey& k) { k.angle_type = static_cast<AngleType>(2); });
   add("placement", [](RopeKey& k) { k.placement = static_cast<Placement>(3); });
+  add("scope", [](RopeKey& k) { k.scope = static_cast<NormScope>(2); });
+  add("v_norm", [](RopeKey& k) { k.v_norm = static_cast<VNorm>(2); });
+  add("heads", [](RopeKey& k) { k.heads = static_cast<Heads>(2); });
   return out;
+}
+
+/// The general configurations (rope_dispatch.hpp Generals): General, whose kernels are those of
+/// SPEC.md sections 1-8, and Section9, which serves every key with a value of section 9.
+constexpr const char* kGeneral = "general";
+constexpr const char* kSection9 = "general/section-9";
+
+/// `shape` with each of SPEC.md section 9's options (those its layout takes).
+std::vector<std::pair<std::string, Shape>> section9_variants(const Shape& shape) {
+  std::vector<std::pair<std::string, Shape>> variants;
+  Shape token = shape;
+  token.token_norm = true;
+  variants.emplace_back("norm_scope token", token);
+  for (const int64_t dim : {264, 512}) {
+    Shape wide = shape;
+    wide.dim = dim;
+    variants.emplace_back("D = " + std::to_string(dim), wide);
+  }
+  Shape v_norm = shape;
+  v_norm.v_dim = shape.dim;
+  variants.emplace_back("normalize_v", v_norm);
+  Shape wide_v = shape;
+  wide_v.v_dim = 512;
+  variants.emplace_back("normalize_v, Dv = 512", wide_v);
+  if (!shape.paired && !shape.key_offset) {
+    Shape query = shape;
+    query.query_only = true;
+    variants.emplace_back("query_only", query);
+  }
+  if (!shape.paired) {
+    Shape no_angles = shape;
+    no_angles.no_angles = true;
+    no_angles.rotary = -1;
+    variants.emplace_back("no angle source", no_angles);
+  }
+  return variants;
+}
+
+// General lists only the values of SPEC.md sections 1-8 of the properties section 9 extends: its
+// kernels fix a per-head norm, no V rows, key heads and an angle source as constants and keep the
+// code that ran on a GPU before section 9. Section9 lists every value of every property.
+static_assert(!cuda::rope::General::kSpec.width.contains(HeadWidth::kUpTo512) &&
+              !cuda::rope::General::kSpec.width.contains(HeadWidth::k512) &&
+              !cuda::rope::General::kSpec.angles.contains(AngleSource::kNone) &&
+              cuda::rope::General::kSpec.scope.only(NormScope::kHead) &&
+              cuda::rope::General::kSpec.v_norm.only(VNorm::kNone) &&
+              cuda::rope::General::kSpec.heads.only(Heads::kQueryAndKey));
+static_assert(cuda::rope::Section9::kSpec.access.contains(cuda::rope::Access::k2B) &&
+              cuda::rope::Section9::kSpec.width.contains(HeadWidth::kUpTo32) &&
+              cuda::rope::Section9::kSpec.angles.contains(AngleSource::kTables) &&
+              cuda::rope::Section9::kSpec.scope.contains(NormScope::kHead) &&
+              cuda::rope::Section9::kSpec.ops.contains(Op::kBackwardFp8));
+
+// SPEC.md section 9's options, each on every named shape and at every access width: values no
+// specialization and not General names, so Section9's kernels serve them (also with the
+// specializations off, QKVFUSE_ROPE_GENERAL_ONLY=1), never one that would hold them as constants.
+TEST(RopeDispatch, SectionNineOptionsTakeTheSectionNineKernels) {
+  for (const Shape& shape : named_shapes()) {
+    for (const auto& [what, variant] : section9_variants(shape)) {
+      for (const int chunk : {8, 2, 1}) {
+        const RopeKey key =
+            cuda::rope::rope_key(variant.layout(), variant.dim, chunk, variant.v_dim);
+        for (const Op op : kOps) {
+          EXPECT_STREQ(config_name(op, key), kSection9)
+              << describe(shape) << ", " << what << ", chunk " << chunk << ", op " << int(op);
+          EXPECT_STREQ(config_name(op, key, /*general_only=*/true), kSection9)
+              << describe(shape) << ", " << what << ", chunk " << chunk << ", op " << int(op);
+        }
+      }
+    }
+  }
+  Shape no_angles = qwen3(32);
+  no_angles.no_angles = true;
+  EXPECT_EQ(no_angles.key().angles, AngleSource::kNone);
+  EXPECT_EQ(no_angles.key().span, RotarySpan::kPartial);  // r = 0
+  Shape token = qwen3(32);
+  token.token_norm = true;
+  EXPECT_EQ(token.key().scope, NormScope::kToken);
+  Shape query = qwen3(32);
+  query.query_only = true;
+  EXPECT_EQ(query.key().heads, Heads::kQueryOnly);
+  Shape v_norm = qwen3(32);
+  v_norm.v_dim = 64;
+  EXPECT_EQ(v_norm.key().v_norm, VNorm::kRms);
+  EXPECT_EQ(v_norm.key().width, HeadWidth::k128) << "Dv <= D: the width class of D";
+  v_norm.v_dim = 256;
+  EXPECT_EQ(v_norm.key().width, HeadWidth::k256) << "the V rows share the row geometry";
+  v_norm.v_dim = 512;
+  EXPECT_EQ(v_norm.key().width, HeadWidth::k512);
+  EXPECT_STREQ(config_name(Op::kForward, v_norm.key()), kSection9) << "Dv past 256";
+}
+
+// The properties whose section 9 values General does not list (its kernels hold them as
+// constants): a value added to one of them later runs Section9's kernels, which read it at run
+// time; a new value of any other property runs General's.
+bool general_fixes(const std::string& property) {
+  return property == "width" || property == "angles" || property == "scope" ||
+         property == "v_norm" || property == "heads";
 }
 
 TEST(RopeDispatch, AValueNoRowNamesTakesTheGeneralKernel) {
   for (const Shape& shape : named_shapes()) {
     for (const auto& [property, key] : keys_with_a_new_value(shape.key())) {
       for (const Op op : kOps) {
-        EXPECT_STREQ(config_name(op, key), "general")
+        EXPECT_STREQ(config_name(op, key), general_fixes(property) ? kSection9 : kGeneral)
             << describe(shape) << ", a new value of " << property << ", op " << int(op);
       }
     }
@@ -246,6 +380,9 @@ TEST(RopeDispatch, KeysOfRealShapes) {
   EXPECT_EQ(qwen.angles, AngleSource::kCache);
   EXPECT_EQ(qwen.angle_type, AngleType::kBf16);
   EXPECT_EQ(qwen.placement, Placement::kPlain);
+  EXPECT_EQ(qwen.scope, NormScope::kHead);
+  EXPECT_EQ(qwen.v_norm, VNorm::kNone);
+  EXPECT_EQ(qwen.heads, Heads::kQueryAndKey);
   const RopeKey shifted = speedrun(128, Placement::kKeyOffset).key();
   EXPECT_EQ(shifted.span, RotarySpan::kPartial);
   EXPECT_EQ(shifted.placement, Placement::kKeyOffset);
@@ -262,7 +399,10 @@ TEST(RopeDispatch, KeysOfRealShapes) {
                                                   {100, HeadWidth::kUpTo128},
                                                   {128, HeadWidth::k128},
                                                   {136, HeadWidth::kUpTo256},
-                                                  {256, HeadWidth::k256}}) {
+                                                  {256, HeadWidth::k256},
+                                                  {258, HeadWidth::kUpTo512},
+                                                  {504, HeadWidth::kUpTo512},
+                                                  {512, HeadWidth::k512}}) {
     EXPECT_EQ(cuda::rope::head_width_class(dim), width) << "D = " << dim;
   }
   Shape fp32 = qwen3(16);
@@ -296,7 +436,7 @@ Expected expected_for(const Shape& s) {
     return {"cache/neox/rms/weighted/pairs-in-lane", "cache/neox/rms/weighted/pairs-in-lane",
             "cache/neox/rms/weighted"};
   }
-  return {"general", "general", "general"};
+  return {kGeneral, kGeneral, kGeneral};
 }
 
 TEST(RopeDispatch, NamedShapesSelectTheirConfiguration) {
@@ -356,7 +496,7 @@ TEST(RopeDispatch, OneValueOffARowTakesTheGeneralKernel) {
   misses.emplace_back("Qwen3, paired", paired);
   for (const auto& [what, shape] : misses) {
     for (const Op op : kOps) {
-      EXPECT_STREQ(config_name(op, shape.key()), "general") << what << ", op " << int(op);
+      EXPECT_STREQ(config_name(op, shape.key()), kGeneral) << what << ", op " << int(op);
     }
   }
 }
@@ -366,7 +506,7 @@ TEST(RopeDispatch, NarrowAccessTakesTheGeneralKernel) {
     for (const int chunk : {2, 1}) {
       const RopeKey key = cuda::rope::rope_key(shape.layout(), shape.dim, chunk);
       for (const Op op : kOps) {
-        EXPECT_STREQ(config_name(op, key), "general") << describe(shape) << ", chunk " << chunk;
+        EXPECT_STREQ(config_name(op, key), kGeneral) << describe(shape) << ", chunk " << chunk;
       }
     }
   }

@@ -105,7 +105,8 @@ int widths(const Call& c) {
 }
 
 TEST(RopePaths, ModelShapesTakeSixteenByteChunks) {
-  for (const int64_t dim : {32, 64, 96, 128, 256}) {
+  // SPEC.md section 9's widths up to 512 (Gemma 4's global layers) too.
+  for (const int64_t dim : {32, 64, 96, 128, 256, 264, 384, 512}) {
     Call c;
     c.dim = dim;
     EXPECT_EQ(widths(c), 8) << "D = " << dim;
@@ -128,7 +129,7 @@ TEST(RopePaths, ModelShapesTakeSixteenByteChunks) {
 }
 
 TEST(RopePaths, WidthsOffTheVectorGeometriesTakePairs) {
-  for (const int64_t dim : {2, 8, 24, 34, 100, 254}) {
+  for (const int64_t dim : {2, 8, 24, 34, 100, 254, 258, 510}) {
     Call c;
     c.dim = dim;
     EXPECT_EQ(widths(c), 2) << "D = " << dim;
@@ -204,6 +205,34 @@ TEST(RopePaths, Fp8BackwardAlsoNeedsAlignedOutputs) {
   v_width.v_dim = 12;
   v_width.qk_row_pad = (8 - v_width.qkv_dim() % 8) % 8;
   EXPECT_FALSE(cuda::rope::fp8_v_vectors(v_width.fp8(), chunk_width(v_width.fp8())));
+}
+
+TEST(RopePaths, TheVNormsRowsTakeTheChunksOfTheQkRows) {
+  // SPEC.md section 9's V norm: v (and v_out, grad_v_out, grad_v) take the kernel's chunks, so
+  // Dv must be a multiple of the chunk and their rows aligned for it.
+  const auto with_v = [](const Call& c, int64_t v_dim, uintptr_t v_offset) {
+    QkNormRopeParams f = c.forward();
+    f.layout.normalize_v = true;
+    f.v = make_view(at((uintptr_t(13) << 28) + v_offset), DType::kBFloat16, kGpu,
+                    {c.tokens, c.kv_heads, v_dim});
+    f.v_out = make_view(at(uintptr_t(14) << 28), DType::kBFloat16, kGpu,
+                        {c.tokens, c.kv_heads, v_dim});
+    return f;
+  };
+  const Call c;
+  EXPECT_EQ(chunk_width(with_v(c, 128, 0)), 8);
+  EXPECT_EQ(chunk_width(with_v(c, 512, 0)), 8);
+  EXPECT_EQ(chunk_width(with_v(c, 12, 0)), 2) << "Dv not a multiple of 8";
+  EXPECT_EQ(chunk_width(with_v(c, 13, 0)), 1) << "Dv odd";
+  EXPECT_EQ(chunk_width(with_v(c, 128, 4)), 2) << "v 4-byte aligned only";
+  EXPECT_EQ(chunk_width(with_v(c, 128, 2)), 1) << "v 2-byte aligned only";
+  // The FP8 backward: grad_v and v take the Q/K rows' chunks under the V norm.
+  QkvBackwardFp8Params p = c.fp8();
+  p.layout.normalize_v = true;
+  p.v = make_view(at(uintptr_t(13) << 28), DType::kBFloat16, kGpu, {c.tokens, c.kv_heads, 128});
+  EXPECT_EQ(chunk_width(p), 8);
+  p.grad_v.data = at((uintptr_t(8) << 28) + 4);
+  EXPECT_EQ(chunk_width(p), 2) << "grad_v 4-byte aligned only";
 }
 
 }  // namespace

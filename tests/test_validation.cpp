@@ -1895,6 +1895,7 @@ TEST(ValidationFamilies, HeadWidthUpTo512) {
                            {"qk_norm_rope: qk: head width D = 514 is not supported: expected an "
                             "even D in [2, 512]"}));
   EXPECT_EQ(validate::cuda_pending_option(args.layout(), 514), "");
+  validate::set_cuda_section9_for_testing(false);  // the refusal: the switch's off state
   EXPECT_EQ(validate::cuda_pending_option(args.layout(), 512), "qk: head width D = 512 (above 256)");
 }
 
@@ -1907,6 +1908,8 @@ TensorView on_cuda(TensorView view) {
 
 TEST(ValidationFamilies, CudaRefusesEachPendingOptionByName) {
   // Checked on the host before any CUDA call, so a build without CUDA (CI) gives the message too.
+  // The refusals are the switch's off state (whatever QKVFUSE_CUDA_SECTION9 says).
+  validate::set_cuda_section9_for_testing(false);
   struct Pending {
     std::function<void(RopeLayout&, TensorView&)> set;
     std::string name;
@@ -1956,6 +1959,38 @@ TEST(ValidationFamilies, CudaRefusesEachPendingOptionByName) {
             "layout.factor1, layout.cos_sin: none (a call without rotary)");
   LayoutArgs args;
   EXPECT_EQ(validate::cuda_pending_option(args.layout(), 256), "");
+  // The refusal says how to opt in.
+  auto f = args.forward();
+  f.qk = on_cuda(f.qk);
+  f.layout.query_only = true;
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(f); },
+                           {"set QKVFUSE_CUDA_SECTION9=1 to try the untested kernels"}));
+}
+
+TEST(ValidationFamilies, CudaSection9SwitchLetsEachOptionPass) {
+  // QKVFUSE_CUDA_SECTION9=1 (here its test hook): none of section 9's options is pending on CUDA;
+  // a head wider than 512 stays unsupported everywhere. Off again: each is refused as before.
+  RopeLayout layout;
+  layout.num_heads = 2;
+  layout.normalize_v = true;
+  layout.norm_scope = NormScope::kToken;
+  layout.query_only = true;
+  EXPECT_NE(validate::cuda_pending_option(layout, 512), "");
+  validate::set_cuda_section9_for_testing(true);
+  EXPECT_TRUE(validate::cuda_section9_enabled());
+  EXPECT_EQ(validate::cuda_pending_option(layout, 512), "");
+  EXPECT_EQ(validate::cuda_pending_option(layout, 384), "");
+  EXPECT_EQ(validate::cuda_pending_option(RopeLayout{}, 256), "");  // no angle source
+  LayoutArgs args;
+  auto f = args.forward();
+  f.qk.sizes[2] = 514;
+  EXPECT_TRUE(throws_error([&] { qk_norm_rope(f); },
+                           {"qk_norm_rope: qk: head width D = 514 is not supported"}));
+  validate::set_cuda_section9_for_testing(false);
+  EXPECT_FALSE(validate::cuda_section9_enabled());
+  EXPECT_EQ(validate::cuda_pending_option(layout, 512), "qk: head width D = 512 (above 256)");
+  EXPECT_EQ(validate::cuda_pending_option(RopeLayout{}, 256),
+            "layout.factor1, layout.cos_sin: none (a call without rotary)");
 }
 
 }  // namespace

@@ -55,7 +55,8 @@ enum class NormScope : int8_t {
 /// query heads only (Hkv = 0, k is [T, 0, D]), for layers whose keys come from another layer.
 ///
 /// On CUDA, D > 256, normalize_v, norm_scope kToken, query_only and a call without angles are
-/// refused ("not yet on the CUDA backend") until its kernels take them.
+/// refused ("not yet on the CUDA backend") unless the environment variable
+/// QKVFUSE_CUDA_SECTION9=1 lets them run on kernels that have not yet run on a GPU.
 struct RopeLayout {
   int64_t num_heads = 0;     ///< Hq >= 1: query heads
   int64_t num_kv_heads = 0;  ///< Hkv: key heads, Hq % Hkv == 0; 0 means Hq (none: query_only)
@@ -159,7 +160,8 @@ struct QkNormRopeBackwardParams {
 void qk_norm_rope(const QkNormRopeParams& params);
 void qk_norm_rope_backward(const QkNormRopeBackwardParams& params);
 
-/// Float32 elements the backward's workspace must hold: 0 without norm weights or on the CPU.
+/// Float32 elements the backward's workspace must hold: 0 without norm weights or on the CPU
+/// (qkv_backward_fp8's: also on CUDA a norm_scope kToken call's bf16 gradient, T*(Hq+Hkv)*D/2).
 /// Reads the shapes, the layout and the device of params (its other tensors may be absent).
 int64_t backward_workspace_size(const QkNormRopeBackwardParams& params);
 

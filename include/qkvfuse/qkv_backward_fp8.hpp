@@ -22,7 +22,8 @@ namespace qkvfuse {
 ///                   features [Q: h*D+d | K: (Hq+h)*D+d | V: (Hq+Hkv)*D + h*Dv + d]
 ///   grad_t          output e4m3 [qkv_dim, T] row-major contiguous (grad_row transposed)
 ///   grad_q_weight, grad_k_weight, workspace: as qk_norm_rope_backward
-///                   (workspace size: backward_workspace_size of these params)
+///                   (workspace size: backward_workspace_size of these params; on CUDA a
+///                   token-wide norm also keeps its bf16 Q/K gradient there)
 ///   v               with layout.normalize_v only: bf16 [T, Hkv, Dv], the forward's pre-norm V
 ///                   (last dim contiguous); the V features are then the V norm's gradient,
 ///                   rounded to bf16 first as the Q/K features are (SPEC.md section 9)

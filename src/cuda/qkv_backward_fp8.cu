@@ -5,19 +5,21 @@
 //   Q and K rows: dx of the norm/rotary backward (rope_rows.cuh backward_row, as
 //                 qk_norm_rope_backward.cu) rounded to bf16, then e4m3(dx_bf16 / grad_scale)
 //                 (true division, satfinite); with norm weights also their gradient sums
-//   V rows:       e4m3(grad_v[t, h] / grad_scale)
+//   V rows:       e4m3(grad_v[t, h] / grad_scale); with the V norm (SPEC.md section 9) the V
+//                 norm's gradient of grad_v at the saved v, rounded to bf16 first, as dx
 //   grad_row[t, f] and grad_t[f, t] for f = [Q h*D+d | K (Hq+h)*D+d | V (Hq+Hkv)*D + h*Dv + d].
 //
 // Design. Bytes at the speedrun's T = 49152, H = 6, D = Dv = 128: read grad q/k/v and qk (377 MB)
 // and the angle rows, write the two e4m3 copies (226 MB); the kernel touches each once, coalesced.
-// - One CTA (256 threads) owns a tile of kTileTokens = 128 tokens x one job: QK input rows j and
-//   j + NJ (NJ = ceil((Hq + Hkv) / 2) jobs per tile) and V row j when j < Hkv. With as many query
-//   as key heads that is exactly the Q, K and V rows of head j. The grid runs job-fastest, so the
-//   CTAs that read a token's angle rows run together and the rows come from L2 after the first.
+// - One CTA (256 threads) owns a tile of 128 tokens (64 for rows wider than 256) x one job: QK
+//   input rows j and j + NJ (NJ = ceil((Hq + Hkv) / 2) jobs per tile) and V row j when j < Hkv.
+//   With as many query as key heads that is exactly the Q, K and V rows of head j. The grid runs
+//   job-fastest, so the CTAs that read a token's angle rows run together and the rows come from
+//   L2 after the first.
 // - QK rows are computed in registers by lane groups of G lanes (rope_common.cuh; the two rows of
 //   a token share its angles). V is an element-wise convert over the tile. Each lane's e4m3 codes
 //   of a chunk go straight to grad_row and into a shared-memory copy of the tile, [token][feature]
-//   e4m3, 128 x roundup(2D + Dv, 128) bytes (48 KB at 384 features).
+//   e4m3, tile x roundup(2D + Dv, 128) bytes (48 KB at 128 tokens of 384 features).
 // - After one barrier the tile leaves transposed, as TransformerEngine's cast-transpose does: a
 //   thread reads a 16 token x 4 feature block (16 x 4-byte reads), transposes it in registers
 //   (8 byte-permutes per 4x4), and writes 4 feature rows of 16 tokens with 16-byte stores; the 8
@@ -66,11 +68,10 @@ using rope::Chunk;
 using rope::kFp8Threads;
 using rope::Op;
 
-constexpr int kTileTokens = 128;  // tokens per CTA: one full 128-byte line of grad_t
+// Tokens per CTA tile: the launch policy's (rope_config.cuh fp8_tile_tokens: 128, 64 for rows
+// wider than 256). Up to 8 blocks of 16 tokens, which the shared-memory swizzle spreads over the
+// 32 banks.
 constexpr int kTokenBlock = 16;   // tokens per 16-byte grad_t store
-constexpr int kTokenBlocks = kTileTokens / kTokenBlock;
-static_assert(kTileTokens % kTokenBlock == 0 && kTokenBlocks == 8,
-              "the shared-memory swizzle spreads 8 token blocks over the 32 banks");
 static_assert(kFp8Threads % 32 == 0, "whole warps");
 
 /// Everything the fused FP8 backward kernel reads. Strides in elements.
@@ -93,6 +94,9 @@ struct Fp8Args {
   int tile_pitch;          ///< bytes per token row of the shared tile: roundup(2D + Dv, 128)
   int resident_blocks;     ///< CTAs the device holds at once for this launch (>= 1)
   float* partials;         ///< weighted kernels: [CTAs][2][D], one row per CTA
+  // SPEC.md section 9 (the Section9 configuration's kernels only; after what the kernels of
+  // sections 1-8 read, which so keep their parameter offsets): the V norm's saved v.
+  rope::Section9Inputs s9;
 };
 
 int jobs_per_tile(const RopeLayout& layout) {
@@ -226,9 +230,10 @@ struct Job {
   int features;     ///< the CTA's features in the tile
   int v_start;      ///< tile feature of the V row's first
 
-  __device__ __forceinline__ Job(const Fp8Args& p, unsigned block, bool has_part1) {
+  __device__ __forceinline__ Job(const Fp8Args& p, unsigned block, bool has_part1,
+                                 int tile_tokens) {
     j = int(block % unsigned(p.jobs));
-    t0 = int64_t(block / unsigned(p.jobs)) * kTileTokens;
+    t0 = int64_t(block / unsigned(p.jobs)) * tile_tokens;
     has_v = j < p.in.dims.kv_heads;
     const int D = p.in.dims.head_dim;
     v_start = has_part1 ? 2 * D : D;
@@ -245,6 +250,34 @@ struct Job {
   }
 };
 
+/// The e4m3 codes of one chunk of V values already rounded to bf16 (a Q/K row's dx, or the V
+/// norm's dv): into grad_row at out_row + d, and into the tile (at `tile_base`, pitch `pitch`)
+/// at row `row`, byte `byte`.
+template <ScaleDivision kDivision, int V>
+__device__ __forceinline__ void store_codes(const Fp8Args& p, const E4m3Scaler& scale,
+                                            const float (&rounded)[V], uint8_t* out_row, int d,
+                                            uint32_t tile_base, int row, int byte, int pitch) {
+  if constexpr (V == 8) {
+    uint32_t lo, hi;
+    encode_e4m3<kDivision>(scale, rounded, lo, hi);
+    rope::st_u64_evict_first(out_row + d, lo, hi);
+    sts_u64(tile_base + tile_offset(row, byte, pitch), lo, hi);
+  } else {
+    const uint32_t codes = encode_e4m3_small<V>(scale, rounded);
+    if (V == 2 && p.code_pairs) {
+      rope::st_u16(out_row + d, codes);
+    } else {
+#pragma unroll
+      for (int e = 0; e < V; ++e) rope::st_u8(out_row + d + e, codes >> (8 * e));
+    }
+    if constexpr (V == 2) {
+      sts_u16(tile_base + tile_offset(row, byte, pitch), codes);
+    } else {
+      sts_u8(tile_base + tile_offset(row, byte, pitch), codes);
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------------------------
 // The kernel
 // ------------------------------------------------------------------------------------------------
@@ -259,6 +292,8 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
   constexpr int V = Geom::V;
   constexpr int C = Geom::C;
   constexpr int kGroups = kFp8Threads / G;
+  constexpr int kTileTokens = Fp8Policy<Config, Geom, AngleT>::kTileTokens;
+  constexpr int kTokenBlocks = kTileTokens / kTokenBlock;
   constexpr int kTokensPerGroup = kTileTokens / kGroups;
   static_assert(kTileTokens % kGroups == 0, "lane groups must tile the token tile evenly");
 
@@ -267,13 +302,15 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
 
   const int D = rope::row_width<Geom, kExactWidth>(p.in.dims.head_dim);
   // The inputs with what the configuration fixes as constants.
+  // (A token-wide norm never reaches this kernel: qkv_backward_fp8 below runs the bf16 backward
+  // for it.)
   const rope::RopeInputs in = Fix::known(p.in, D);
   const int Dv = p.v_dim;
   const auto width = rope::row_width_divisor<Geom, kExactWidth>(D);
   const int pitch = p.tile_pitch;
   const PartRows part0(p, in, int(blockIdx.x % unsigned(p.jobs)));
   const PartRows part1(p, in, part0.h2 + p.jobs);
-  const Job job(p, blockIdx.x, part1.present);
+  const Job job(p, blockIdx.x, part1.present, kTileTokens);
 
   const int group = int(threadIdx.x) / G;
   const int lane = int(threadIdx.x) % G;
@@ -284,14 +321,14 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
   // weights) the lane groups' weight-gradient sums [kGroups][2][D] (fp8_shared_bytes).
   float* weight_rows = reinterpret_cast<float*>(tile + size_t(kTileTokens) * size_t(pitch));
   float* group_sums = weight_rows + 2 * D;
-  const rope::SharedWeights weights{weight_rows};
+  const rope::SharedWeights weights{weight_rows, rope::WeightLanes::per_head(D)};
   // Weight gradients to sum: a block-uniform value (a constant where the configuration fixes it).
   const bool weighted = Fix::kSpec.weights.only(rope::Weights::kWeighted) ||
                         (!Fix::kWeightless && p.partials != nullptr);
   // Null rows without weights: one object either way, so that it stays in registers.
   const rope::WeightGradSums sums{weighted ? group_sums + group * 2 * D : nullptr};
   if constexpr (!Fix::kWeightless) {
-    rope::SharedWeights::fill(in, D, weight_rows);
+    rope::SharedWeights::fill(in, weights.at, weight_rows);
     if (weighted) sums.clear(lanes, D);
     __syncthreads();
   }
@@ -374,7 +411,8 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
         // An absent part (loads 0, the token's angles) adds nothing to the weight sums.
         rope::backward_row<Geom, Config, kBranchFree>(
             in, r.g, r.x, angles, r.g_next, lanes, partners, exchange,
-            Fix::kWeightless ? nullptr : &weights, &sums, D, part.is_key,
+            Fix::kWeightless ? nullptr : &weights, &sums,
+            part.is_key ? part.h2 - in.dims.q_heads : part.h2, part.is_key,
             token_ok && part.present, in.key_offset && slot == 1, t == 0, width, dx);
         if (!(token_ok && part.present)) return;
         uint8_t* out_row = p.grad_row + t * p.qkv_dim + int64_t(part.h2) * D;
@@ -384,26 +422,8 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
           // Round to bf16 first (the aten chain materialized the QK gradient in bf16).
           float rounded[V];
           rope::to_float<V>(rope::to_bf16<V>(dx[c]), rounded);
-          const int byte = slot * D + lanes.d0[c];
-          if constexpr (V == 8) {
-            uint32_t lo, hi;
-            encode_e4m3<kDivision>(scale, rounded, lo, hi);
-            rope::st_u64_evict_first(out_row + lanes.d0[c], lo, hi);
-            sts_u64(tile_base + tile_offset(row, byte, pitch), lo, hi);
-          } else {
-            const uint32_t codes = encode_e4m3_small<V>(scale, rounded);
-            if (V == 2 && p.code_pairs) {
-              rope::st_u16(out_row + lanes.d0[c], codes);
-            } else {
-#pragma unroll
-              for (int e = 0; e < V; ++e) rope::st_u8(out_row + lanes.d0[c] + e, codes >> (8 * e));
-            }
-            if constexpr (V == 2) {
-              sts_u16(tile_base + tile_offset(row, byte, pitch), codes);
-            } else {
-              sts_u8(tile_base + tile_offset(row, byte, pitch), codes);
-            }
-          }
+          store_codes<kDivision>(p, scale, rounded, out_row, lanes.d0[c], tile_base, row,
+                                 slot * D + lanes.d0[c], pitch);
         }
       };
       if constexpr (C == 1) {
@@ -440,11 +460,48 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
     }
   }
 
-  // ---- Phase A2: the V row, element-wise ------------------------------------------------------
+  // ---- Phase A2: the V row, element-wise (with the V norm: row by row) -------------------------
   if (job.has_v) {
     const uint16_t* gv_base = p.grad_v + int64_t(job.j) * p.grad_v_stride_h;
     const int64_t v_feature = job.packed_feature(p, job.v_start, part1.h2);
-    if (p.v_vectors) {
+    // The V norm: only in the kernels of a configuration that serves it (a constant false in the
+    // others).
+    bool v_norm = false;
+    if constexpr (!Fix::kNoVNorm) v_norm = p.s9.normalize_v;
+    if (v_norm) {
+      // The V norm (SPEC.md section 9): a lane group per token as in phase A1, in the Q/K rows'
+      // geometry (its width class covers Dv); dv rounded to bf16, then coded as dx is.
+      const rope::LaneChunks<Geom> v_lanes(lane, Dv, 0);
+      const UniformDivisor v_width{float(Dv)};
+      const uint16_t* v_base = p.s9.v + int64_t(job.j) * p.s9.v_stride_h;
+#pragma unroll 1
+      for (int step = 0; step < kTokensPerGroup; ++step) {  // block-uniform trip count
+        const int row = group + kGroups * step;
+        const int64_t t = job.t0 + row;
+        const bool token_ok = t < in.tokens;
+        Chunk<V> g[C], x[C];
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+          const bool ok = token_ok && v_lanes.ok[c];
+          g[c] = rope::load_chunk_if<rope::Load::kStreamEvictFirst, V>(
+              ok, gv_base + t * p.grad_v_stride_t + v_lanes.d0[c]);
+          x[c] = rope::load_chunk_if<rope::Load::kStreamEvictFirst, V>(
+              ok, v_base + t * p.s9.v_stride_t + v_lanes.d0[c]);
+        }
+        float dv[C][V];
+        rope::v_norm_backward<Geom>(g, x, v_width, in.eps, dv);  // all lanes: shuffles
+        if (!token_ok) continue;
+        uint8_t* out_row = p.grad_row + t * p.qkv_dim + v_feature;
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+          if (!v_lanes.ok[c]) continue;
+          float rounded[V];
+          rope::to_float<V>(rope::to_bf16<V>(dv[c]), rounded);
+          store_codes<kDivision>(p, scale, rounded, out_row, v_lanes.d0[c], tile_base, row,
+                                 job.v_start + v_lanes.d0[c], pitch);
+        }
+      }
+    } else if (p.v_vectors) {
       const int chunks_per_row = Dv / 8;
       const int tile_chunks = kTileTokens * chunks_per_row;
       // u / chunks_per_row as a multiply-shift: exact for u < 2^14 and divisors <= 64.
@@ -552,7 +609,7 @@ __device__ __forceinline__ void fp8_tile(const Fp8Args& p, const E4m3Scaler& sca
   }
 
   // ---- The weight gradients: this CTA's partial row --------------------------------------------
-  if (weighted) rope::write_partial_row<kGroups, kFp8Threads>(D, group_sums, p.partials);
+  if (weighted) rope::write_partial_row<kGroups, kFp8Threads>(2, D, group_sums, p.partials);
 }
 
 /// Config: the configuration (rope_dispatch.hpp); kExactWidth: rows of exactly Geom's full width.
@@ -577,9 +634,16 @@ __global__ void __launch_bounds__(Fp8Policy<Config, Geom, AngleT>::kThreads,
   }
 }
 
-/// Largest tile any launch can ask for: the widest features, 2*256 + 512 bytes per token (128 KB).
+/// Bytes of a tile of `tile_tokens` tokens of the widest features of heads up to `head_dim`.
+constexpr size_t widest_tile_bytes(int tile_tokens, int64_t head_dim) {
+  return size_t(tile_tokens) * size_t((2 * head_dim + kMaxVWidth + 127) / 128 * 128);
+}
+
+/// Largest tile any launch can ask for: 128 tokens of 2*256 + 512 bytes (128 KB; 64 tokens of
+/// 2*512 + 512 bytes take 96 KB).
 constexpr size_t kMaxTileBytes =
-    size_t(kTileTokens) * ((2 * rope::kMaxHeadWidth + kMaxVWidth + 127) / 128 * 128);
+    std::max(widest_tile_bytes(rope::fp8_tile_tokens(256), 256),
+             widest_tile_bytes(rope::fp8_tile_tokens(rope::kMaxHeadWidth), rope::kMaxHeadWidth));
 
 /// Dynamic shared memory of a launch: the tile, then for the kernels with weight code the norm
 /// weights ([2][D] floats) and, with weights, the lane groups' sums ([groups][2][D] floats).
@@ -589,9 +653,9 @@ constexpr size_t fp8_shared_bytes(size_t tile_bytes, bool general, bool weight_g
   return tile_bytes + (general ? rows : 0) + (weight_grad ? size_t(groups) * rows : 0);
 }
 
-/// Largest dynamic shared memory any launch can ask for: the widest tile, the weights at D = 256
-/// and 64 KB of sums, above every geometry's (the most: 64 groups of 4 lanes at D = 96, 48 KB);
-/// launch_fp8 checks each launch against it. 194 KB.
+/// Largest dynamic shared memory any launch can ask for: the widest tile, the weights at D = 512
+/// and 64 KB of sums, above every geometry's (the most: 64 groups of 4 lanes at D = 96, 48 KB;
+/// 8 groups of 32 at D = 512, 32 KB); launch_fp8 checks each launch against it. 196 KB.
 constexpr size_t kMaxSharedBytes =
     fp8_shared_bytes(kMaxTileBytes, true, false, 0, rope::kMaxHeadWidth) + 64 * 1024;
 static_assert(kMaxSharedBytes <= 227 * 1024, "an sm_90 CTA holds at most 227 KB");
@@ -605,12 +669,13 @@ static_assert(kMaxSharedBytes <= 227 * 1024, "an sm_90 CTA holds at most 227 KB"
 ///
 /// Returns the CTAs with `smem` bytes of shared memory the device holds at once (occupancy x
 /// SMs, under the carveout just set), for the next-CTA prefetch; cached per device and size class
-/// (16 KB: the tile's step, 128 bytes per token, and the weights and sums of one instantiation
-/// are the same for every launch of one head width).
+/// (16 KB: the tile's step, 128 bytes per token of a 128-token tile, and the weights and sums of
+/// one instantiation are the same for every launch of one head width).
 template <auto kKernel>
 int prepare_kernel(int device, size_t smem) {
   constexpr int kDevices = 64;
-  constexpr size_t kSizes = kMaxSharedBytes / (kTileTokens * 128) + 1;
+  constexpr size_t kSizeClass = 16 * 1024;
+  constexpr size_t kSizes = kMaxSharedBytes / kSizeClass + 1;
   static std::array<std::atomic<bool>, kDevices> opted_in{};
   static std::array<std::atomic<int>, kDevices * kSizes> resident{};
   QKVF_CHECK(device >= 0 && device < kDevices, "device ordinal ", device,
@@ -623,7 +688,7 @@ int prepare_kernel(int device, size_t smem) {
                                          int(cudaSharedmemCarveoutMaxShared)));
     opted_in[device].store(true, std::memory_order_release);
   }
-  std::atomic<int>& slot = resident[size_t(device) * kSizes + smem / (kTileTokens * 128)];
+  std::atomic<int>& slot = resident[size_t(device) * kSizes + smem / kSizeClass];
   int blocks = slot.load(std::memory_order_relaxed);
   if (blocks == 0) {
     int per_sm = 0;
@@ -635,37 +700,113 @@ int prepare_kernel(int device, size_t smem) {
   return blocks;
 }
 
+/// `planned_tokens`: the tokens per tile the host planned (tile_tokens(params)).
 template <class Config, class Geom, typename AngleT, bool kExactWidth>
-void launch_fp8(Fp8Args args, int device, cudaStream_t stream) {
+void launch_fp8(Fp8Args args, int planned_tokens, int device, cudaStream_t stream) {
   using Policy = Fp8Policy<Config, Geom, AngleT>;
   constexpr auto kernel = qkv_backward_fp8_kernel<Config, Geom, AngleT, kExactWidth>;
-  const size_t smem = fp8_shared_bytes(size_t(kTileTokens) * size_t(args.tile_pitch),
+  // The host's tiles (weight_ctas: the workspace) and the kernel's must agree.
+  QKVF_CHECK(Policy::kTileTokens == planned_tokens, "qkv_backward_fp8 (CUDA): tiles of ",
+             planned_tokens, " tokens planned, the kernel's are ", Policy::kTileTokens);
+  const size_t smem = fp8_shared_bytes(size_t(Policy::kTileTokens) * size_t(args.tile_pitch),
                                        !rope::Fixed<Config>::kWeightless, args.partials != nullptr,
                                        Policy::kThreads / Geom::G, args.in.dims.head_dim);
   QKVF_CHECK(smem <= kMaxSharedBytes, "qkv_backward_fp8 (CUDA): ", smem, " bytes of shared memory");
   // Above 48 KB a kernel must opt in to its dynamic shared memory; done for every kernel so that
   // the carveout preference applies at 48 KB too.
   args.resident_blocks = prepare_kernel<kernel>(device, smem);
-  const int64_t tiles = (args.in.tokens + kTileTokens - 1) / kTileTokens;
+  const int64_t tiles = (args.in.tokens + Policy::kTileTokens - 1) / Policy::kTileTokens;
   const unsigned blocks =
       rope::grid_size("qkv_backward_fp8", tiles * args.jobs, args.in.tokens);
   kernel<<<dim3(blocks), dim3(Policy::kThreads), smem, stream>>>(args);
   QKVF_CUDA_CHECK_LAUNCH("qkv_backward_fp8_kernel");
 }
 
+/// Tokens per tile of the call (rope::fp8_tile_tokens of its widest row).
+int tile_tokens(const QkvBackwardFp8Params& params) {
+  const int64_t head_dim = params.qk.sizes[2];
+  return rope::fp8_tile_tokens(std::max(head_dim, rope::v_width(params.layout, params.v)));
+}
+
 /// Partial rows with weights: one per CTA.
 int64_t weight_ctas(const QkvBackwardFp8Params& params) {
-  return (params.qk.sizes[0] + kTileTokens - 1) / kTileTokens * jobs_per_tile(params.layout);
+  const int64_t tile = tile_tokens(params);
+  return (params.qk.sizes[0] + tile - 1) / tile * jobs_per_tile(params.layout);
+}
+
+// ---- A token-wide norm (SPEC.md section 9) ------------------------------------------------------
+// Its rows' scalars span every head of a token, which this kernel's CTAs (two heads of a tile
+// each) do not see together. So the op runs in two steps, as the CPU backend defines it
+// (cpu/qkv_backward_fp8.cpp): the bf16 backward (qk_norm_rope_backward.cu's token-wide kernel,
+// and the weights' gradients) into a bf16 dx in the workspace, then this kernel on dx with a
+// layout whose rows pass through unchanged (no norm, no weights, no angles, plain placement):
+// e4m3(dx / grad_scale), dx already rounded to bf16; the V rows as always. It moves dx twice more
+// than a fused pass (written, read back); not measured.
+
+/// The bf16 backward's part of a token-wide norm's workspace: its weight-gradient partials, then
+/// up to 16 bytes of padding (dx starts on a 16-byte boundary when the workspace does).
+int64_t token_partial_floats(const QkvBackwardFp8Params& params) {
+  if (!rope::has_weights(params.layout)) return 0;
+  const QkNormRopeBackwardParams bf16{.qk = params.qk, .layout = params.layout};
+  return (qkvfuse::cuda::backward_workspace_size(bf16) + 3) / 4 * 4;
+}
+
+/// Floats of dx [T, Hq + Hkv, D] bf16.
+int64_t token_dx_floats(const QkvBackwardFp8Params& params) {
+  return (params.qk.numel() + 1) / 2;
+}
+
+void token_norm_fp8(const QkvBackwardFp8Params& params) {
+  const int64_t T = params.qk.sizes[0], heads2 = params.qk.sizes[1], D = params.qk.sizes[2];
+  const int64_t q_heads = params.layout.num_heads;
+  float* workspace = static_cast<float*>(params.workspace.data);
+  const int64_t partial_floats = token_partial_floats(params);
+  uint16_t* dx = reinterpret_cast<uint16_t*>(workspace + partial_floats);
+  const Device device = params.qk.device;
+  // Step 1: dx and the weights' gradients (the workspace's first part holds their partials).
+  QkNormRopeBackwardParams bf16{
+      .grad_q = params.grad_q,
+      .grad_k = params.grad_k,
+      .qk = params.qk,
+      .grad_qk = make_view(dx, DType::kBFloat16, device, {T, heads2, D}),
+      .grad_q_weight = params.grad_q_weight,
+      .grad_k_weight = params.grad_k_weight,
+      .workspace = partial_floats > 0
+                       ? make_view(workspace, DType::kFloat32, device, {partial_floats})
+                       : TensorView{},
+      .layout = params.layout,
+      .stream = params.stream};
+  qkvfuse::cuda::qk_norm_rope_backward(bf16);
+  // Step 2: the codes of dx's rows, each passing through as it is.
+  RopeLayout through;
+  through.num_heads = q_heads;
+  through.num_kv_heads = params.layout.num_kv_heads;
+  through.query_only = params.layout.query_only;
+  through.normalize = false;
+  through.rotary_dim = 0;
+  QkvBackwardFp8Params codes = params;
+  codes.layout = through;
+  codes.qk = bf16.grad_qk;
+  codes.grad_q = make_view(dx, DType::kBFloat16, device, {T, q_heads, D}, {heads2 * D, D, 1});
+  codes.grad_k = make_view(dx + q_heads * D, DType::kBFloat16, device, {T, heads2 - q_heads, D},
+                           {heads2 * D, D, 1});
+  codes.grad_q_weight = codes.grad_k_weight = codes.workspace = TensorView{};
+  qkvfuse::cuda::qkv_backward_fp8(codes);
 }
 
 }  // namespace
 
 int64_t backward_workspace_size(const QkvBackwardFp8Params& params) {
-  return weight_grad::workspace_floats(weight_ctas(params), params.qk.sizes[2]);
+  if (params.layout.norm_scope == NormScope::kToken) {
+    return token_partial_floats(params) + token_dx_floats(params);
+  }
+  if (!rope::has_weights(params.layout)) return 0;
+  return weight_grad::workspace_floats(weight_ctas(params), 2 * params.qk.sizes[2]);
 }
 
 void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
   DeviceGuard guard(params.qk.device);
+  if (params.layout.norm_scope == NormScope::kToken) return token_norm_fp8(params);
   const RopeLayout& layout = params.layout;
   const int64_t tokens = params.qk.size(0);
   const int64_t head_dim = params.qk.size(2);
@@ -676,8 +817,8 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
   if (tokens == 0) {
     // Nothing to compute; the weight gradients of no rows are zeros.
     if (weighted) {
-      weight_grad::reduce(workspace, 0, int(head_dim), params.grad_q_weight, params.grad_k_weight,
-                          stream);
+      weight_grad::reduce(workspace, 0, int(head_dim), int(head_dim), params.grad_q_weight,
+                          params.grad_k_weight, stream);
     }
     return;
   }
@@ -701,17 +842,18 @@ void qkv_backward_fp8(const QkvBackwardFp8Params& params) {
       .tile_pitch = int((2 * head_dim + v_dim + 127) / 128 * 128),
       .resident_blocks = 1,
       .partials = weighted ? workspace : nullptr,
+      .s9 = rope::make_section9_inputs(layout, params.v),
   };
   const int device = params.qk.device.index;
   rope::dispatch<Op::kBackwardFp8>(
-      "qkv_backward_fp8", rope::rope_key(layout, head_dim, width),
+      "qkv_backward_fp8", rope::rope_key(layout, head_dim, width, rope::v_width(layout, params.v)),
       [&](auto config, auto geometry, auto angle, auto exact) {
         launch_fp8<decltype(config), decltype(geometry), typename decltype(angle)::type,
-                   decltype(exact)::value>(args, device, stream);
+                   decltype(exact)::value>(args, tile_tokens(params), device, stream);
       });
   if (weighted) {
-    weight_grad::reduce(workspace, weight_ctas(params), int(head_dim), params.grad_q_weight,
-                        params.grad_k_weight, stream);
+    weight_grad::reduce(workspace, weight_ctas(params), int(head_dim), int(head_dim),
+                        params.grad_q_weight, params.grad_k_weight, stream);
   }
 }
 

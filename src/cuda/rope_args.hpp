@@ -4,6 +4,10 @@
 // RopeInputs is the part every rope kernel reads: the saved qk rows, the layout's integer shape
 // and flags, the angle source and the norm weights. make_rope_inputs() is the one place that
 // translates a validated RopeLayout into it; each op's launcher adds its own outputs.
+// Section9Inputs is what SPEC.md section 9's options add (the token-wide norm, the V norm): its
+// own struct at the end of each kernel's arguments, after everything the kernels of sections 1-8
+// read, so that those kernels keep their parameters where they were (their SASS is the code that
+// ran on a GPU; docs/perf_notes.md, "Section 9 on CUDA").
 #pragma once
 
 #include <cstdint>
@@ -34,8 +38,8 @@ struct Angles {
 
 /// The norm's learned weights: w + offset per lane, read as fp32 (bf16 or fp32 in memory).
 struct NormWeights {
-  const void* q;  ///< [D] or nullptr
-  const void* k;  ///< [D] or nullptr
+  const void* q;  ///< [D] ([Hq*D] under a token-wide norm) or nullptr
+  const void* k;  ///< [D] ([Hkv*D]) or nullptr
   bool q_fp32;
   bool k_fp32;
   float offset;
@@ -53,6 +57,18 @@ struct RopeInputs {
   float eps;
   Angles angles;
   NormWeights weights;
+};
+
+/// What SPEC.md section 9's options add to RopeInputs (QKVFUSE_CUDA_SECTION9=1): read only by the
+/// kernels of the configuration that serves them (rope_dispatch.hpp Section9) and by the
+/// launchers.
+struct Section9Inputs {
+  bool token_scope;    ///< norm_scope kToken: one RMS over a token's rows of each kind
+  bool normalize_v;    ///< the V rows' weightless RMS norm
+  const uint16_t* v;   ///< normalize_v: [T, Hkv, Dv], (t, h, d) at t*v_stride_t + h*v_stride_h + d
+  int64_t v_stride_t;
+  int64_t v_stride_h;
+  int v_dim;           ///< Dv (normalize_v), else 0
 };
 
 /// The gradients of q and k (backward kernels), in the forward's output layouts.
@@ -108,6 +124,17 @@ inline RopeInputs make_rope_inputs(const RopeLayout& layout, const TensorView& q
                       .offset = layout.weight_offset}};
 }
 
+/// `v`: the V norm's input (layout.normalize_v), else absent.
+inline Section9Inputs make_section9_inputs(const RopeLayout& layout, const TensorView& v) {
+  const bool v_rows = layout.normalize_v && !is_absent(v);
+  return {.token_scope = layout.norm_scope == NormScope::kToken,
+          .normalize_v = v_rows,
+          .v = v_rows ? static_cast<const uint16_t*>(v.data) : nullptr,
+          .v_stride_t = v_rows ? v.strides[0] : 0,
+          .v_stride_h = v_rows ? v.strides[1] : 0,
+          .v_dim = v_rows ? int(v.sizes[2]) : 0};
+}
+
 inline GradRows make_grad_rows(const TensorView& grad_q, const TensorView& grad_k) {
   return {.q = static_cast<const uint16_t*>(grad_q.data),
           .q_stride_t = grad_q.strides[0],
@@ -115,6 +142,13 @@ inline GradRows make_grad_rows(const TensorView& grad_q, const TensorView& grad_
           .k = static_cast<const uint16_t*>(grad_k.data),
           .k_stride_t = grad_k.strides[0],
           .k_stride_h = grad_k.strides[1]};
+}
+
+/// Lanes of the query (`key` false) or key weight and of its gradient: D, or H*D of the kind
+/// under a token-wide norm.
+inline int64_t weight_lanes(const RopeLayout& layout, int64_t head_dim, bool key) {
+  if (layout.norm_scope != NormScope::kToken) return head_dim;
+  return (key ? kv_heads(layout) : layout.num_heads) * head_dim;
 }
 
 inline bool has_weights(const RopeLayout& layout) {

@@ -287,11 +287,11 @@ struct RowGeometry {
   static_assert(G == 4 || G == 8 || G == 16 || G == 32,
                 "a lane group is 4, 8, 16 or 32 lanes: a power of two, so that the xor-shuffle "
                 "reduction stays inside the group and groups tile a warp");
-  static_assert(C >= 1 && C <= 8 && V * C <= 32, "up to 32 elements per lane (registers)");
+  static_assert(C >= 1 && C <= 16 && V * C <= 32, "up to 32 elements per lane (registers)");
 };
 
 /// Whether the kernels have a full-width form for Geom: 16-byte rows of exactly 8GC elements (32,
-/// 64, 128, 256: every model width but 96), a power of two. In that form D is a compile-time
+/// 64, 128, 256, 512: every model width but 96), a power of two. In that form D is a compile-time
 /// constant: no chunk is masked, the offsets that depend on D fold, and each division of a row sum
 /// by D is one FMUL (PowerOfTwoWidth) instead of UniformDivisor's 5-12 instructions.
 template <class Geom>
@@ -369,6 +369,20 @@ struct RowWork {
 inline RowWork plan_row_work(int64_t tokens, int64_t heads2, int rows_per_group) {
   int64_t sets = (heads2 + rows_per_group - 1) / rows_per_group;  // NS * K >= heads2
   sets = sets < 2 ? 2 : sets + (sets & 1);
+  return {int(sets), tokens * sets};
+}
+
+/// SPEC.md section 9's token-wide norm: a block takes kTokensPerTokenBlock tokens one after the
+/// other (its norm weights [Hq*D + Hkv*D] are filled once for them; in the backward one partial
+/// row of their gradients each), and its lane groups take each token's units in turns. NS is
+/// rounded up to a multiple of the block's `groups` lane groups, so set s of every token is lane
+/// group (s mod groups)'s: each weight-gradient column is one lane's, whatever the token (the
+/// sets past ceil((Hq + Hkv) / K) have no rows).
+inline constexpr int kTokensPerTokenBlock = 16;
+
+inline RowWork plan_token_work(int64_t tokens, int64_t heads2, int rows_per_group, int groups) {
+  int64_t sets = (heads2 + rows_per_group - 1) / rows_per_group;
+  sets = (sets + groups - 1) / groups * groups;
   return {int(sets), tokens * sets};
 }
 

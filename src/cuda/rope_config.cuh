@@ -3,14 +3,15 @@
 // also read by the kernels, as constants).
 //
 // dispatch<kOp>(key, f) is the one dispatcher of the family: the configuration that serves the key
-// (rope_dispatch.hpp visit_config: the first matching row of the table, else General), then the
-// compile-time parameters that shape a kernel's registers, each switched once from the key:
+// (rope_dispatch.hpp visit_config: the first matching row of the table, else General or
+// Section9), then the compile-time parameters that shape a kernel's registers, each switched once
+// from the key:
 //   access width  V = 8, 2 or 1 (16-byte, 4-byte, 2-byte chunks)
 //   head width    the lane geometry of its width class (lanes_for), with the configuration's
 //                 NeoX-pairs form where it asks for it, and D as a constant at the power-of-two
 //                 widths of the ops its exact_width lists
 //   angle dtype   bf16 or fp32 for 16-byte kernels (their angle registers), a run-time value in
-//                 the narrow ones (RunTimeAngles)
+//                 the narrow ones and in a configuration that asks for it (RunTimeAngles)
 // and calls f(Config{}, Geom{}, TypeTag<AngleT>{}, std::bool_constant<kExactWidth>{}). Only the
 // values a configuration lists are instantiated: the table decides which kernels exist.
 // Everything else (rotary style and span, norm, weights, angle source, placement) is a run-time
@@ -47,13 +48,24 @@ struct Lanes {
   int C;
 };
 
-/// V = 8: exact geometries for 32 (4 lanes x 1 chunk), 64 (8 x 1), 128 (16 x 1) and 256 (16 x 2);
-/// the widths between run on the next larger one, masked. D = 96: 4 lanes x 3 chunks in the row
-/// kernels (every lane busy), 16 x 1 with 12 lanes active in the FP8 backward (its Q/K rows of a
-/// token load together within 64 registers; 4 x 3 measured slower there, perf_notes.md).
-/// V = 2: 16 or 32 lanes, up to 8 elements per lane; V = 1: 32 lanes of 8 elements (rows that
-/// start on an odd element: rare, one geometry).
-constexpr Lanes lanes_for(Op op, int V, HeadWidth width) {
+/// V = 8: exact geometries for 32 (4 lanes x 1 chunk), 64 (8 x 1), 128 (16 x 1), 256 (16 x 2)
+/// and 512 (32 x 2: the whole warp on one row, 16 elements per lane as at 256); the widths
+/// between run on the next larger one, masked. D = 96: 4 lanes x 3 chunks in the row kernels
+/// (every lane busy), 16 x 1 with 12 lanes active in the FP8 backward (its Q/K rows of a token
+/// load together within 64 registers; 4 x 3 measured slower there, perf_notes.md).
+/// V = 2: 16 or 32 lanes, up to 16 elements per lane; V = 1: 32 lanes of 8 elements, 16 past 256
+/// (rows that start on an odd element: rare, one geometry per range).
+/// `fewest` (Spec::fewest_geometries): D = 96 on 16 x 1 in every op; the row kernels' narrow rows
+/// on one geometry per access width, the widest (V = 2: 32 x 8, V = 1: 32 x 16); the FP8
+/// backward's V = 2 rows on 32 x 4 up to 256 and 32 x 8 past it (its tile follows the geometry's
+/// width, the host's plan the call's: the split stays at 256).
+constexpr Lanes lanes_for(Op op, int V, HeadWidth width, bool fewest = false) {
+  const bool past_256 = width == HeadWidth::kUpTo512 || width == HeadWidth::k512;
+  if (fewest && V == 8 && width == HeadWidth::k96) return {16, 1};
+  if (fewest && V == 2) {
+    return op == Op::kBackwardFp8 && !past_256 ? Lanes{32, 4} : Lanes{32, 8};
+  }
+  if (fewest && V == 1 && op != Op::kBackwardFp8) return {32, 16};
   if (V == 8) {
     switch (width) {
       case HeadWidth::kUpTo32: return {0, 0};
@@ -62,6 +74,7 @@ constexpr Lanes lanes_for(Op op, int V, HeadWidth width) {
       case HeadWidth::k96: return op == Op::kBackwardFp8 ? Lanes{16, 1} : Lanes{4, 3};
       case HeadWidth::kUpTo128: case HeadWidth::k128: return {16, 1};
       case HeadWidth::kUpTo256: case HeadWidth::k256: return {16, 2};
+      case HeadWidth::kUpTo512: case HeadWidth::k512: return {32, 2};
     }
     return {0, 0};
   }
@@ -71,17 +84,19 @@ constexpr Lanes lanes_for(Op op, int V, HeadWidth width) {
       case HeadWidth::kUpTo64: case HeadWidth::k64: return {32, 1};
       case HeadWidth::k96: case HeadWidth::kUpTo128: case HeadWidth::k128: return {32, 2};
       case HeadWidth::kUpTo256: case HeadWidth::k256: return {32, 4};
+      case HeadWidth::kUpTo512: case HeadWidth::k512: return {32, 8};
     }
     return {0, 0};
   }
-  return {32, 8};
+  return past_256 ? Lanes{32, 16} : Lanes{32, 8};
 }
 
 /// The row geometry of (op, V, width class) for Config: its NeoX-pairs form where the
 /// configuration asks for it (rope_common.cuh NeoxPairGeometry).
 template <Op kOp, int V, HeadWidth kWidth, class Config>
 struct GeometryOf {
-  static constexpr Lanes kLanes = lanes_for(kOp, V, kWidth);
+  static constexpr Lanes kLanes =
+      lanes_for(kOp, V, kWidth, Config::kSpec.fewest_geometries.value);
   static constexpr bool kValid = kLanes.G > 0;
   using Base = RowGeometry<V, kValid ? kLanes.G : 32, kValid ? kLanes.C : 1>;
   using type = std::conditional_t<Config::kSpec.neox_pairs_in_lane.value,
@@ -116,6 +131,8 @@ void width_switch(const char* op, const RopeKey& key, F&& f) {
     case HeadWidth::k128: return take(WidthTag<HeadWidth::k128>{});
     case HeadWidth::kUpTo256: return take(WidthTag<HeadWidth::kUpTo256>{});
     case HeadWidth::k256: return take(WidthTag<HeadWidth::k256>{});
+    case HeadWidth::kUpTo512: return take(WidthTag<HeadWidth::kUpTo512>{});
+    case HeadWidth::k512: return take(WidthTag<HeadWidth::k512>{});
   }
   QKVF_FAIL(op, " (CUDA): no kernel for head width D = ", key.head_dim);
 }
@@ -139,11 +156,11 @@ void access_switch(const char* op, const RopeKey& key, F&& f) {
 }
 
 /// f(TypeTag<AngleT>{}): bf16 or float for 16-byte kernels, among the dtypes Config lists;
-/// RunTimeAngles for the narrow ones.
+/// RunTimeAngles for the narrow ones and where Config reads the dtype at run time.
 template <class Config, int V, typename F>
 void angle_type_switch(const char* op, const RopeKey& key, F&& f) {
   constexpr Served<AngleType> kListed = Config::kSpec.angle_type;
-  if constexpr (V != 8) {
+  if constexpr (V != 8 || Config::kSpec.angle_dtype_at_run_time.value) {
     f(TypeTag<RunTimeAngles>{});
   } else {
     switch (key.angle_type) {
@@ -158,9 +175,27 @@ void angle_type_switch(const char* op, const RopeKey& key, F&& f) {
   }
 }
 
-/// QKVFUSE_ROPE_GENERAL_ONLY=1 (read once per process): every call runs the general kernel, the
-/// specializations unused. The A/B of each specialization against the general kernel in one build
-/// and run (scripts/device_run.sh ab); the rows compute the same bits either way.
+/// Lets `kernel` take `smem` bytes of dynamic shared memory (the current device): above the 48 KB
+/// every kernel may use, an opt-in (SPEC.md section 9's token-wide norm: its weights, and in the
+/// backward their gradient sums, are [Hq*D + Hkv*D] floats each); past the 227 KB a block may
+/// have, an error naming the layout's size.
+template <typename Kernel>
+void allow_shared_memory(const char* op, Kernel kernel, size_t smem) {
+  constexpr size_t kDefault = 48 * 1024;
+  constexpr size_t kMax = 227 * 1024;
+  if (smem <= kDefault) return;
+  QKVF_CHECK(smem <= kMax, op, " (CUDA): layout.norm_scope = NormScope::kToken needs ", smem,
+             " bytes of shared memory per block for its norm weights ([Hq*D + Hkv*D] floats, "
+             "and their gradients' sums in the backward), above the ", kMax,
+             " a block may have: fewer heads or a narrower D");
+  QKVF_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       int(smem)));
+}
+
+/// QKVFUSE_ROPE_GENERAL_ONLY=1 (read once per process): every call runs a general kernel
+/// (rope_dispatch.hpp Generals), the specializations unused. The A/B of each specialization
+/// against the general kernel in one build and run (scripts/device_run.sh ab); the rows compute
+/// the same bits either way.
 inline bool general_only() {
   static const bool value = [] {
     const char* v = std::getenv("QKVFUSE_ROPE_GENERAL_ONLY");
@@ -199,10 +234,8 @@ void dispatch(const char* op, const RopeKey& key, F&& f) {
       });
     });
   };
-  if (general_only()) {
-    run(General{});
-  } else {
-    visit_config<kOp>(key, run);
+  if (!visit_config<kOp>(key, run, general_only())) {
+    QKVF_FAIL(op, " (CUDA): no kernel configuration serves this layout");
   }
 }
 
@@ -215,6 +248,14 @@ void dispatch(const char* op, const RopeKey& key, F&& f) {
 inline constexpr int kRowThreads = 128;
 inline constexpr int kFp8Threads = 256;
 
+/// Tokens per CTA tile of the FP8 backward, by the widest row its geometry holds: 128 (one full
+/// 128-byte line of grad_t per feature and CTA), 64 past 256 (a 128-token tile of 2*512 + 512
+/// e4m3 bytes per token with the weights' gradient sums behind it would exceed the 227 KB of
+/// shared memory a CTA may have; 64 tokens take 132 KB at D = Dv = 512). The host sizes its grid
+/// and workspace with the row width of the call (D, or Dv of the V norm when wider), the kernel
+/// with its geometry's: the same class (rope_key's width class).
+constexpr int fp8_tile_tokens(int64_t row_width) { return row_width > 256 ? 64 : 128; }
+
 /// The launch policy of kernel (kOp, Config, Geom, AngleT): threads, resident blocks per SM (the
 /// register budget of __launch_bounds__) and rows per lane group (row kernels). One place for the
 /// three ops, so that configurations that share a geometry share their reasons.
@@ -223,14 +264,18 @@ struct Policy {
   static constexpr int V = Geom::V;
   static constexpr int G = Geom::G;
   static constexpr int C = Geom::C;
-  /// fp32 angle chunks take twice the registers of bf16 ones.
-  static constexpr bool kWideAngles = std::is_same_v<AngleT, float>;
+  /// fp32 angle chunks take twice the registers of bf16 ones; 16-byte kernels that read the dtype
+  /// at run time hold fp32 values (kAngleValues: Section9's).
+  static constexpr bool kAngleValues = V == 8 && std::is_same_v<AngleT, RunTimeAngles>;
+  static constexpr bool kWideAngles = std::is_same_v<AngleT, float> || kAngleValues;
   static constexpr bool kKeyOffset = Fixed<Config>::kKeyOffset;
   /// The kernels that may hold norm weights (their shared-memory copy and, in the backward, their
   /// gradient sums) and the partners' exchange: General and the weighted configurations.
   static constexpr bool kWeightCode = !Fixed<Config>::kWeightless;
 
   static constexpr int kThreads = kOp == Op::kBackwardFp8 ? kFp8Threads : kRowThreads;
+  /// FP8 backward: tokens per CTA tile.
+  static constexpr int kTileTokens = fp8_tile_tokens(Geom::kMaxWidth);
 
   /// Rows per lane group (row kernels). Forward: 3 rows of one 16-byte chunk in flight per
   /// thread (plus the angle chunks), wider rows 4 / C (one at C = 3); bf16 backward: each row
@@ -267,7 +312,12 @@ struct Policy {
       if constexpr (Geom::kNeoxPairsInLane) return 5 - (kWideAngles ? 1 : 0);
       // With weights, partners and key offset at run time (General): 5 at one 16-byte chunk per
       // lane (92-96 registers, no spill; add6545's weighted general kernel ran 5 with 94), 4 for
-      // wider rows, 3 at C = 3.
+      // wider rows, 3 at C = 3 and more; 2 for 4-byte chunks past D = 256 (8 of them per lane
+      // spilled 20 bytes at 3).
+      if constexpr (V == 2 && C == 8) return 2;
+      // 16-byte rows with the angles as fp32 values (Section9's kernels): 4 (5 spilled 32 bytes
+      // at one chunk per lane).
+      if constexpr (kAngleValues) return C >= 3 ? 3 : 4;
       if constexpr (kWeightCode || V != 8) return C >= 3 ? 3 : (V == 8 && C == 1 ? 5 : 4);
       // Interleaved pairs without weights: 8 (<= 64 registers) for one chunk per lane, key
       // offset included; C = 3 (D = 96 on 4 lanes) holds g, x (and g_next) and 6 factor chunks
@@ -291,7 +341,19 @@ struct Policy {
     }
   }
 
+  /// Resident blocks per SM of a token-wide norm's kernel (SPEC.md section 9, the row kernels:
+  /// qk_norm_rope.cu, qk_norm_rope_backward.cu): rows one at a time in a loop over the token's
+  /// rows, the angles as fp32 values (one kernel for both dtypes): the per-head budget less a
+  /// block. Not measured.
+  static constexpr int token_min_blocks() {
+    return min_blocks() > 2 ? min_blocks() - 1 : min_blocks();
+  }
+
   static_assert(kThreads % 32 == 0 && 32 % G == 0, "lane groups must tile whole warps");
+  static_assert(kOp != Op::kBackwardFp8 || (kTileTokens % 16 == 0 && kTileTokens <= 128 &&
+                                            kTileTokens % (kThreads / G) == 0),
+                "FP8 tiles: whole 16-token blocks, at most 8 of them (the tile's swizzle), and "
+                "the same token count for every lane group");
   static_assert(rows_per_group() >= 1 && rows_per_group() * V * C <= 64,
                 "rows per lane group: keep the loads in registers (64 elements: 32 registers)");
 };

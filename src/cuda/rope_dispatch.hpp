@@ -5,13 +5,23 @@
 // - A call's layout is reduced ONCE, from its validated arguments, to a small key of properties
 //   (RopeKey: access width, head-width class, rotary style and span, norm, weights, angle source
 //   and dtype, placement).
-// - The general configuration (General) serves every key. A specialization is a row of the table
-//   below (Specializations): the properties it fixes, each as the list of values it serves, the
-//   ops it serves, and two kernel knobs. The first row that serves (op, key) wins; no row: General.
+// - Two general configurations serve what no specialization serves (Generals): General every key
+//   of SPEC.md sections 1-8, Section9 the keys with a value of section 9 (D past 256, the V norm,
+//   a token-wide norm, query-only heads, no angle source; QKVFUSE_CUDA_SECTION9=1, validate.hpp).
+//   General lists only sections 1-8's values of those properties, so its kernels hold none of
+//   section 9's code: they are the kernels that ran on a GPU before section 9 (SASS-identical,
+//   docs/perf_notes.md), and a section 9 value never reaches them. Section9 lists every value
+//   (present and future) of every property: it serves what General does not, on fewer
+//   geometries (Spec::fewest_geometries).
+// - A specialization is a row of the table below (Specializations): the properties it fixes, each
+//   as the list of values it serves, the ops it serves, and four kernel knobs. The first row that
+//   serves (op, key) wins; no row: the first of Generals that serves it.
 // - Matching is conservative by construction: a row lists values (Served<E> has no "any" and no
 //   default, so a row that omits a property does not compile), and a value added to a property
-//   later is in no existing row's list, so it runs the general kernel until a row names it.
-//   A property added to RopeKey must be added to Spec, and then every row must state it.
+//   later is in no existing row's list, so it runs a general kernel until a row names it:
+//   General's where General reads the property at run time, else Section9's (General fixes
+//   the properties section 9 extends). A property added to RopeKey must be added to Spec, and
+//   then every row must state it.
 // - The kernels read the row too (rope_rows.cuh, Fixed<Config>): a property a row fixes to one
 //   value is a compile-time constant in that row's kernels, every other one a run-time value read
 //   through the code all kernels share. So a kernel can never treat as constant what its row does
@@ -42,8 +52,8 @@ enum class Access : uint8_t { k16B, k4B, k2B };
 
 /// The head width D as the kernels' row geometries see it (rope_config.cuh lanes_for): the
 /// exact widths each with its own geometry, and the ranges masked on the next geometry up.
-/// A new width class (D up to 512) is a new value here, in head_width_class, and a case of
-/// lanes_for and width_switch (rope_config.cuh; a value either misses throws, naming D).
+/// A new width class is a new value here, in head_width_class, and a case of lanes_for and
+/// width_switch (rope_config.cuh; a value either misses throws, naming D).
 enum class HeadWidth : uint8_t {
   kUpTo32,   ///< D < 32 (narrow access only)
   k32,
@@ -54,6 +64,8 @@ enum class HeadWidth : uint8_t {
   k128,
   kUpTo256,  ///< 128 < D < 256
   k256,
+  kUpTo512,  ///< 256 < D < 512 (SPEC.md section 9)
+  k512,      ///< Gemma 4's global layers
 };
 
 enum class Rotary : uint8_t { kInterleaved, kNeox };
@@ -62,11 +74,21 @@ enum class RotarySpan : uint8_t { kWhole, kPartial };
 enum class Norm : uint8_t { kNone, kRms };
 /// Norm weights: none, or q_weight and/or k_weight (any offset: a run-time value).
 enum class Weights : uint8_t { kNone, kWeighted };
-enum class AngleSource : uint8_t { kTables, kCache };
+/// Factor tables, a cos/sin cache, or none (SPEC.md section 9: nothing rotates, r = 0).
+enum class AngleSource : uint8_t { kTables, kCache, kNone };
+/// The angles' dtype (bf16 without angles: no kernel reads them).
 enum class AngleType : uint8_t { kBf16, kFp32 };
 enum class Placement : uint8_t { kPlain, kPaired, kKeyOffset };
+/// What one RMS of Q and K spans (SPEC.md section 9): the public qkvfuse::NormScope, a head row
+/// or a token's rows of one kind.
+using qkvfuse::NormScope;
+/// The V heads' weightless RMS norm in the same op (SPEC.md section 9: normalize_v).
+enum class VNorm : uint8_t { kNone, kRms };
+/// Query and key heads, or the query heads alone (SPEC.md section 9: query_only, Hkv = 0).
+enum class Heads : uint8_t { kQueryAndKey, kQueryOnly };
 
-/// A call's properties, computed once per call (rope_key) from validated arguments.
+/// A call's properties, computed once per call (rope_key) from validated arguments. A property
+/// added here is added to Spec too, and then every row states it.
 struct RopeKey {
   Access access;
   int head_dim;
@@ -78,6 +100,9 @@ struct RopeKey {
   AngleSource angles;
   AngleType angle_type;
   Placement placement;
+  NormScope scope;
+  VNorm v_norm;
+  Heads heads;
 };
 
 /// The values of one property that a row serves. No default and no "any": every row states every
@@ -130,19 +155,31 @@ struct Spec {
   Served<AngleSource> angles;
   Served<AngleType> angle_type;
   Served<Placement> placement;
+  Served<NormScope> scope;
+  Served<VNorm> v_norm;
+  Served<Heads> heads;
   /// The ops whose kernels take D as a compile-time constant at the row's power-of-two widths
-  /// (32, 64, 128, 256; the others run with D at run time): the masks and D-dependent offsets
+  /// (32, 64, 128, 256, 512; the others run with D at run time): the masks and D-dependent offsets
   /// fold and each division by D is one FMUL (PowerOfTwoWidth).
   Served<Op> exact_width;
   /// NeoX pairs in one lane (rope_common.cuh NeoxPairGeometry): both halves of each pair in the
   /// same thread, no partner shuffles; needs NeoX, r = D and exact widths of 64, 128 or 256.
   Knob<bool> neox_pairs_in_lane;
+  /// The 16-byte kernels read the angles' dtype at run time (one kernel for bf16 and fp32, their
+  /// values held as fp32, as the narrow kernels always do) instead of one kernel per dtype.
+  Knob<bool> angle_dtype_at_run_time;
+  /// Fewer row geometries (rope_config.cuh lanes_for), for layouts too rare to pay a kernel per
+  /// width class: D = 96 on 16 lanes (as the FP8 backward always), and the narrow rows of the
+  /// row kernels on their access width's widest geometry, masked below it (the FP8 backward keeps
+  /// its narrow split at 256, where its tile shrinks: fp8_tile_tokens).
+  Knob<bool> fewest_geometries;
 
   constexpr bool serves(Op op, const RopeKey& key) const {
     return ops.contains(op) && access.contains(key.access) && width.contains(key.width) &&
            rotary.contains(key.rotary) && span.contains(key.span) && norm.contains(key.norm) &&
            weights.contains(key.weights) && angles.contains(key.angles) &&
-           angle_type.contains(key.angle_type) && placement.contains(key.placement);
+           angle_type.contains(key.angle_type) && placement.contains(key.placement) &&
+           scope.contains(key.scope) && v_norm.contains(key.v_norm) && heads.contains(key.heads);
   }
 };
 
@@ -156,11 +193,49 @@ inline constexpr Served<HeadWidth> kVectorWidths{
     HeadWidth::k32,      HeadWidth::kUpTo64, HeadWidth::k64,      HeadWidth::k96,
     HeadWidth::kUpTo128, HeadWidth::k128,    HeadWidth::kUpTo256, HeadWidth::k256};
 
-/// Every layout: each property a run-time value (access width, geometry and the 16-byte kernels'
-/// angle dtype excepted: they shape the registers, so each has its own kernel).
+/// The widths of SPEC.md sections 1-8: D up to 256.
+inline constexpr Served<HeadWidth> kWidthsTo256{
+    HeadWidth::kUpTo32, HeadWidth::k32,   HeadWidth::kUpTo64,  HeadWidth::k64,
+    HeadWidth::k96,     HeadWidth::kUpTo128, HeadWidth::k128, HeadWidth::kUpTo256,
+    HeadWidth::k256};
+
+/// Every layout of SPEC.md sections 1-8: each property a run-time value (access width, geometry
+/// and the 16-byte kernels' angle dtype excepted: they shape the registers, so each has its own
+/// kernel). It lists sections 1-8's values of the properties section 9 extends (width, angle
+/// source, norm scope, V norm, heads), so its kernels hold a per-head norm and no V rows as
+/// constants (rope_rows.cuh Fixed): the code that ran on a GPU.
 struct General {
   static constexpr Spec kSpec{
       .name = "general",
+      .ops = Served<Op>::every(),
+      .access = Served<Access>::every(),
+      .width = kWidthsTo256,
+      .rotary = Served<Rotary>::every(),
+      .span = Served<RotarySpan>::every(),
+      .norm = Served<Norm>::every(),
+      .weights = Served<Weights>::every(),
+      .angles = {AngleSource::kTables, AngleSource::kCache},
+      .angle_type = Served<AngleType>::every(),
+      .placement = Served<Placement>::every(),
+      .scope = {NormScope::kHead},
+      .v_norm = {VNorm::kNone},
+      .heads = {Heads::kQueryAndKey},
+      .exact_width = Served<Op>::none(),
+      .neox_pairs_in_lane = false,
+      .angle_dtype_at_run_time = false,
+      .fewest_geometries = false,
+  };
+};
+
+/// Every value of every property, present and future, each a run-time value (as General's):
+/// what General does not serve, which is every key with a value of SPEC.md section 9 (D past
+/// 256, a token-wide norm in its own kernels, the V norm, query-only heads, no angle source).
+/// Reached only with QKVFUSE_CUDA_SECTION9=1 (validation refuses section 9's options without
+/// it); its kernels have not run on a GPU. Fewer kernels than General's, to keep the family's
+/// entries in budget (docs/STATUS.md): the angles' dtype at run time and the fewest geometries.
+struct Section9 {
+  static constexpr Spec kSpec{
+      .name = "general/section-9",
       .ops = Served<Op>::every(),
       .access = Served<Access>::every(),
       .width = Served<HeadWidth>::every(),
@@ -171,8 +246,13 @@ struct General {
       .angles = Served<AngleSource>::every(),
       .angle_type = Served<AngleType>::every(),
       .placement = Served<Placement>::every(),
+      .scope = Served<NormScope>::every(),
+      .v_norm = Served<VNorm>::every(),
+      .heads = Served<Heads>::every(),
       .exact_width = Served<Op>::none(),
       .neox_pairs_in_lane = false,
+      .angle_dtype_at_run_time = true,
+      .fewest_geometries = true,
   };
 };
 
@@ -197,8 +277,13 @@ struct TablesInterleavedRms {
       .angles = {AngleSource::kTables},
       .angle_type = {AngleType::kBf16},
       .placement = {Placement::kPlain, Placement::kPaired},
+      .scope = {NormScope::kHead},
+      .v_norm = {VNorm::kNone},
+      .heads = {Heads::kQueryAndKey},
       .exact_width = Served<Op>::none(),
       .neox_pairs_in_lane = false,
+      .angle_dtype_at_run_time = false,
+      .fewest_geometries = false,
   };
 };
 
@@ -218,8 +303,13 @@ struct TablesInterleavedRmsKeyOffset {
       .angles = {AngleSource::kTables},
       .angle_type = {AngleType::kBf16},
       .placement = {Placement::kKeyOffset},
+      .scope = {NormScope::kHead},
+      .v_norm = {VNorm::kNone},
+      .heads = {Heads::kQueryAndKey},
       .exact_width = {Op::kBackward},
       .neox_pairs_in_lane = false,
+      .angle_dtype_at_run_time = false,
+      .fewest_geometries = false,
   };
 };
 
@@ -242,8 +332,13 @@ struct CacheNeoxRmsWeightedPairs {
       .angles = {AngleSource::kCache},
       .angle_type = {AngleType::kBf16},
       .placement = {Placement::kPlain},
+      .scope = {NormScope::kHead},
+      .v_norm = {VNorm::kNone},
+      .heads = {Heads::kQueryAndKey},
       .exact_width = {Op::kForward, Op::kBackward},
       .neox_pairs_in_lane = true,
+      .angle_dtype_at_run_time = false,
+      .fewest_geometries = false,
   };
 };
 
@@ -265,8 +360,13 @@ struct CacheNeoxRmsWeighted {
       .angles = {AngleSource::kCache},
       .angle_type = {AngleType::kBf16},
       .placement = {Placement::kPlain},
+      .scope = {NormScope::kHead},
+      .v_norm = {VNorm::kNone},
+      .heads = {Heads::kQueryAndKey},
       .exact_width = {Op::kBackwardFp8},
       .neox_pairs_in_lane = false,
+      .angle_dtype_at_run_time = false,
+      .fewest_geometries = false,
   };
 };
 
@@ -280,11 +380,13 @@ using Specializations = Table<TablesInterleavedRms, TablesInterleavedRmsKeyOffse
 // Selection
 // ------------------------------------------------------------------------------------------------
 
-/// Calls f(Row{}) for the configuration that serves (kOp, key): the first row of Specializations
-/// whose every property lists the key's value and whose ops list kOp, else General. Rows that do
-/// not serve kOp are not instantiated.
+/// The configurations that serve what no specialization serves, in the order they are tried.
+using Generals = Table<General, Section9>;
+
+/// Calls f(Row{}) for the first row of `table` that serves (kOp, key); false when none does. Rows
+/// that do not serve kOp are not instantiated.
 template <Op kOp, class... Rows, typename F>
-void visit_config(Table<Rows...>, const RopeKey& key, F&& f) {
+bool visit_first(Table<Rows...>, const RopeKey& key, F&& f) {
   bool done = false;
   const auto try_row = [&](auto row) {
     using Row = decltype(row);
@@ -296,22 +398,27 @@ void visit_config(Table<Rows...>, const RopeKey& key, F&& f) {
     }
   };
   (try_row(Rows{}), ...);
-  if (!done) f(General{});
+  return done;
 }
 
+/// Calls f(Row{}) for the configuration that serves (kOp, key): the first row of Specializations
+/// whose every property lists the key's value and whose ops list kOp, else the first of Generals
+/// that serves it (`general_only`: Generals alone). False when none serves (Section9 serves every
+/// key: none so far).
 template <Op kOp, typename F>
-void visit_config(const RopeKey& key, F&& f) {
-  visit_config<kOp>(Specializations{}, key, static_cast<F&&>(f));
+bool visit_config(const RopeKey& key, F&& f, bool general_only = false) {
+  if (!general_only && visit_first<kOp>(Specializations{}, key, f)) return true;
+  return visit_first<kOp>(Generals{}, key, f);
 }
 
-/// The name of the configuration that serves (op, key) (tests, error messages).
-inline const char* config_name(Op op, const RopeKey& key) {
+/// The name of the configuration that serves (op, key), or nullptr (tests, error messages).
+inline const char* config_name(Op op, const RopeKey& key, bool general_only = false) {
   const char* name = nullptr;
   const auto take = [&](auto row) { name = decltype(row)::kSpec.name; };
   switch (op) {
-    case Op::kForward: visit_config<Op::kForward>(key, take); break;
-    case Op::kBackward: visit_config<Op::kBackward>(key, take); break;
-    case Op::kBackwardFp8: visit_config<Op::kBackwardFp8>(key, take); break;
+    case Op::kForward: visit_config<Op::kForward>(key, take, general_only); break;
+    case Op::kBackward: visit_config<Op::kBackward>(key, take, general_only); break;
+    case Op::kBackwardFp8: visit_config<Op::kBackwardFp8>(key, take, general_only); break;
   }
   return name;
 }
@@ -323,10 +430,10 @@ inline const char* config_name(Op op, const RopeKey& key) {
 /// The width classes of one power-of-two width each (Spec::exact_width).
 constexpr bool exact_power_of_two(HeadWidth width) {
   return width == HeadWidth::k32 || width == HeadWidth::k64 || width == HeadWidth::k128 ||
-         width == HeadWidth::k256;
+         width == HeadWidth::k256 || width == HeadWidth::k512;
 }
 
-/// The class of head width D (even, in [2, 256]).
+/// The class of head width D (even, in [2, 512]).
 inline HeadWidth head_width_class(int64_t D) {
   if (D < 32) return HeadWidth::kUpTo32;
   if (D == 32) return HeadWidth::k32;
@@ -336,38 +443,47 @@ inline HeadWidth head_width_class(int64_t D) {
   if (D < 128) return HeadWidth::kUpTo128;
   if (D == 128) return HeadWidth::k128;
   if (D < 256) return HeadWidth::kUpTo256;
-  return HeadWidth::k256;
+  if (D == 256) return HeadWidth::k256;
+  if (D < 512) return HeadWidth::kUpTo512;
+  return HeadWidth::k512;
 }
 
-/// The key of a validated layout with head width D whose rows take chunks of `chunk` elements.
-inline RopeKey rope_key(const RopeLayout& layout, int64_t D, int chunk) {
+/// The key of a validated layout with head width D whose rows take chunks of `chunk` elements;
+/// `v_dim` the V norm's Dv (its rows take the kernel's row geometry: the width class covers both).
+inline RopeKey rope_key(const RopeLayout& layout, int64_t D, int chunk, int64_t v_dim = 0) {
   const bool cache = !is_absent(layout.cos_sin);
+  const bool angles = qkvfuse::rope::has_angles(layout);
   const DType angle_dtype = cache ? layout.cos_sin.dtype : layout.factor1.dtype;
+  const int64_t row_width = layout.normalize_v && v_dim > D ? v_dim : D;
   return {
       .access = chunk == 8 ? Access::k16B : (chunk == 2 ? Access::k4B : Access::k2B),
       .head_dim = int(D),
-      .width = head_width_class(D),
+      .width = head_width_class(row_width),
       .rotary = layout.rotary_style == RotaryStyle::kNeox ? Rotary::kNeox : Rotary::kInterleaved,
       .span = qkvfuse::rope::resolved_rotary_dim(layout, D) == D ? RotarySpan::kWhole
                                                                   : RotarySpan::kPartial,
       .norm = layout.normalize ? Norm::kRms : Norm::kNone,
       .weights = is_absent(layout.q_weight) && is_absent(layout.k_weight) ? Weights::kNone
                                                                           : Weights::kWeighted,
-      .angles = cache ? AngleSource::kCache : AngleSource::kTables,
-      .angle_type = angle_dtype == DType::kFloat32 ? AngleType::kFp32 : AngleType::kBf16,
+      .angles = !angles ? AngleSource::kNone
+                        : (cache ? AngleSource::kCache : AngleSource::kTables),
+      .angle_type = angles && angle_dtype == DType::kFloat32 ? AngleType::kFp32 : AngleType::kBf16,
       .placement = layout.key_offset ? Placement::kKeyOffset
                                      : (layout.paired ? Placement::kPaired : Placement::kPlain),
+      .scope = layout.norm_scope,
+      .v_norm = layout.normalize_v ? VNorm::kRms : VNorm::kNone,
+      .heads = layout.query_only ? Heads::kQueryOnly : Heads::kQueryAndKey,
   };
 }
 
 inline RopeKey rope_key(const QkNormRopeParams& p) {
-  return rope_key(p.layout, p.qk.sizes[2], chunk_width(p));
+  return rope_key(p.layout, p.qk.sizes[2], chunk_width(p), v_width(p.layout, p.v));
 }
 inline RopeKey rope_key(const QkNormRopeBackwardParams& p) {
-  return rope_key(p.layout, p.qk.sizes[2], chunk_width(p));
+  return rope_key(p.layout, p.qk.sizes[2], chunk_width(p), v_width(p.layout, p.v));
 }
 inline RopeKey rope_key(const QkvBackwardFp8Params& p) {
-  return rope_key(p.layout, p.qk.sizes[2], chunk_width(p));
+  return rope_key(p.layout, p.qk.sizes[2], chunk_width(p), v_width(p.layout, p.v));
 }
 
 }  // namespace qkvfuse::cuda::rope

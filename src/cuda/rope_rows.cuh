@@ -49,6 +49,11 @@ struct Fixed {
   static constexpr bool kCacheNeoxWhole = kSpec.angles.only(AngleSource::kCache) &&
                                           kSpec.rotary.only(Rotary::kNeox) &&
                                           kSpec.span.only(RotarySpan::kWhole);
+  /// One RMS per head row (no token-wide norm) and no V rows: the kernels of sections 1-8, which
+  /// hold no code of section 9's (its token-wide kernels, its V rows) and never read the
+  /// arguments' Section9Inputs.
+  static constexpr bool kHeadScope = kSpec.scope.only(NormScope::kHead);
+  static constexpr bool kNoVNorm = kSpec.v_norm.only(VNorm::kNone);
   /// Interleaved pairs, RMS, no weights: the forward rotates chunk by chunk (forward_chunk).
   static constexpr bool kChunkRotation = kSpec.norm.only(Norm::kRms) && kWeightless &&
                                          kSpec.rotary.only(Rotary::kInterleaved);
@@ -236,7 +241,8 @@ __device__ __forceinline__ bool exchanges_partners(const RopeInputs& in) {
 ///
 /// V = 8 keeps the loaded words (tables: f1, f2, and f2 at the partner chunk for NeoX; cache: the
 /// cos and sin of the chunk's frequencies, 8 for NeoX, 4 interleaved), typed by AngleT. V <= 2
-/// keeps fp32 values, read with the dtype as a run-time value (AngleT = RunTimeAngles).
+/// keeps fp32 values, read with the dtype as a run-time value (AngleT = RunTimeAngles), and so
+/// does V = 8 with RunTimeAngles (the token-wide norm's kernels: one kernel for both dtypes).
 /// A position outside [0, P) loads nothing and leaves NaN everywhere (SPEC: never out of bounds).
 template <class Geom, typename AngleT, class Config>
 struct TokenAngles {
@@ -244,9 +250,9 @@ struct TokenAngles {
   static constexpr int C = Geom::C;
   using T = TableT<AngleT>;
   using Fix = Fixed<Config>;
-  static constexpr bool kWords = V == 8;
-  static_assert(kWords != std::is_same_v<AngleT, RunTimeAngles>,
-                "16-byte kernels type their angles; the narrow ones read the dtype at run time");
+  static constexpr bool kWords = V == 8 && !std::is_same_v<AngleT, RunTimeAngles>;
+  static_assert(V == 8 || std::is_same_v<AngleT, RunTimeAngles>,
+                "the narrow kernels read the angles' dtype at run time");
 
   // NeoX pairs in lane (a cos/sin cache, NeoX over the whole row): slot 1's frequencies are slot
   // 0's, loaded once.
@@ -419,32 +425,54 @@ struct TokenAngles {
 // Norm weights
 // ------------------------------------------------------------------------------------------------
 
-/// The norm weights as the rows use them: fp32 w + offset for query rows (row 0) and key rows
-/// (row 1), D floats each, 1 where a kind has no weight, in the block's shared memory. The block
-/// fills them once (fill, then a barrier) and a row reads its own kind's values per chunk (two
-/// 16-byte shared loads at V = 8): per-lane registers for both kinds took 2 x C x V registers and a
-/// select per element, and their load and conversion ran once per work unit.
-struct SharedWeights {
-  const float* rows;  ///< [2][D] shared memory
+/// Where a row's weights (and their gradient sums) start in the kinds' rows [query | key]: the
+/// key rows at `key_start` and head h of a kind at h * head_stride, `floats` in all. Per head:
+/// [2][D] (every head of a kind shares its D weights); under SPEC.md section 9's token-wide norm
+/// (its own kernels) [Hq*D + Hkv*D], weights [H*D] of each kind.
+struct WeightLanes {
+  int key_start;
+  int head_stride;
+  int floats;
 
-  /// Writes the [2][D] floats at `rows`; every thread of the block takes part (a barrier must
-  /// follow before any row reads them).
-  __device__ __forceinline__ static void fill(const RopeInputs& in, int D, float* rows) {
-    for (int i = int(threadIdx.x); i < 2 * D; i += int(blockDim.x)) {
-      const int kind = i >= D ? 1 : 0;
+  QKVF_HOST_DEVICE static WeightLanes per_head(int D) { return {D, 0, 2 * D}; }
+  QKVF_HOST_DEVICE static WeightLanes per_token(const Dims& dims, int D) {
+    return {dims.q_heads * D, D, (dims.q_heads + dims.kv_heads) * D};
+  }
+  /// The first float of head `head` of a kind.
+  __device__ __forceinline__ int row(bool is_key, int head) const {
+    return (is_key ? key_start : 0) + head * head_stride;
+  }
+};
+
+/// The norm weights as the rows use them: fp32 w + offset for query rows and key rows (D floats
+/// each; Hq*D and Hkv*D under a token-wide norm: WeightLanes), 1 where a kind has no weight, in
+/// the block's shared memory. The block fills them once (fill, then a barrier) and a row reads its
+/// own values per chunk (two 16-byte shared loads at V = 8): per-lane registers for both kinds
+/// took 2 x C x V registers and a select per element, and their load and conversion ran once per
+/// work unit.
+struct SharedWeights {
+  const float* rows;  ///< [at.floats] shared memory: query rows, then key rows
+  WeightLanes at;
+
+  /// Writes the lanes.floats floats at `rows`; every thread of the block takes part (a barrier
+  /// must follow before any row reads them).
+  __device__ __forceinline__ static void fill(const RopeInputs& in, const WeightLanes& lanes,
+                                              float* rows) {
+    for (int i = int(threadIdx.x); i < lanes.floats; i += int(blockDim.x)) {
+      const int kind = i >= lanes.key_start ? 1 : 0;
       const void* weight = kind ? in.weights.k : in.weights.q;
       const bool fp32 = kind ? in.weights.k_fp32 : in.weights.q_fp32;
-      rows[i] = weight == nullptr
-                    ? 1.0f
-                    : effective(load_value(weight, i - kind * D, fp32), in.weights.offset);
+      rows[i] = weight == nullptr ? 1.0f
+                                  : effective(load_value(weight, i - kind * lanes.key_start, fp32),
+                                              in.weights.offset);
     }
   }
 
-  /// The weights of chunk slot c of a row of that kind (1 in a chunk outside the row).
+  /// The weights of chunk slot c of row `head` of that kind (1 in a chunk outside the row).
   template <class Geom>
-  __device__ __forceinline__ void chunk(bool is_key, const LaneChunks<Geom>& lanes, int c, int D,
-                                        float (&w)[Geom::V]) const {
-    load_row_values<Geom::V>(rows + (is_key ? D : 0), lanes.d0[c], lanes.ok[c], 1.0f, w);
+  __device__ __forceinline__ void chunk(bool is_key, int head, const LaneChunks<Geom>& lanes,
+                                        int c, float (&w)[Geom::V]) const {
+    load_row_values<Geom::V>(rows + at.row(is_key, head), lanes.d0[c], lanes.ok[c], 1.0f, w);
   }
 
   /// V floats of a shared-memory row from element d0 (16-byte loads at V = 8), or `fill` when
@@ -475,8 +503,12 @@ struct SharedWeights {
 /// The lane group's weight-gradient sums in shared memory: [2][D] floats (query rows, key rows)
 /// per lane group, each lane adding into its own columns only, in the group's row order (so no
 /// barrier until the block adds its groups, write_partial_row, and the same bits on every run).
+/// Under a token-wide norm the block has one row of WeightLanes::per_token's floats: each head's
+/// columns belong to one lane group (the block's work plan, qk_norm_rope_backward.cu). The sums
+/// are laid out as the weights are: add() takes the row's place from the weights' WeightLanes
+/// (one value for both: a second copy here, though equal, changed the per-head kernels' SASS).
 struct WeightGradSums {
-  float* rows;  ///< the group's [2][D]
+  float* rows;  ///< the group's [2][D] (the block's [Hq*D + Hkv*D] under a token-wide norm)
 
   /// Zeroes the lane's columns (before the group's first row).
   template <class Geom>
@@ -493,12 +525,14 @@ struct WeightGradSums {
     }
   }
 
-  /// sums[kind][d] += gw[i] * n[i] (one fma) for the V elements of chunk slot c.
+  /// sums[kind][head][d] += gw[i] * n[i] (one fma) for the V elements of chunk slot c; `at` the
+  /// weights' layout (SharedWeights::at).
   template <class Geom>
-  __device__ __forceinline__ void add(bool is_key, const LaneChunks<Geom>& lanes, int c, int D,
+  __device__ __forceinline__ void add(const WeightLanes& at, bool is_key, int head,
+                                      const LaneChunks<Geom>& lanes, int c,
                                       const float (&gw)[Geom::V], const float (&n)[Geom::V]) const {
     if (!lanes.ok[c]) return;
-    float* row = rows + (is_key ? D : 0) + lanes.d0[c];
+    float* row = rows + at.row(is_key, head) + lanes.d0[c];
     float sums[Geom::V];
     SharedWeights::load_row_values<Geom::V>(row, 0, true, 0.0f, sums);
 #pragma unroll
@@ -597,13 +631,13 @@ __device__ __forceinline__ void forward_chunk(const RopeInputs& in,
 }
 
 /// Forward of a whole row of a general layout: nw = n * w for every chunk first (n = x * rstd, or
-/// x without the norm; w the row's kind's weights, D the row width), then per chunk the partners'
+/// x without the norm; w the weights of row `head` of its kind), then per chunk the partners'
 /// nw (from the chunk, or shuffled from the lane group) and the rotation; store(c, y, nw) receives
 /// each chunk's outputs as bf16. Every lane of the warp must call it (shuffles).
 template <class Geom, class Config, typename AngleT, typename Store>
 __device__ __forceinline__ void forward_row(const RopeInputs& in,
                                             const Chunk<Geom::V> (&x)[Geom::C], float rstd,
-                                            const SharedWeights& weights, bool is_key, int D,
+                                            const SharedWeights& weights, bool is_key, int head,
                                             const TokenAngles<Geom, AngleT, Config>& angles,
                                             const LaneChunks<Geom>& lanes,
                                             const Partners<Geom>& partners, bool exchange,
@@ -614,7 +648,7 @@ __device__ __forceinline__ void forward_row(const RopeInputs& in,
 #pragma unroll
   for (int c = 0; c < C; ++c) {
     float w[V];
-    weights.chunk(is_key, lanes, c, D, w);
+    weights.chunk(is_key, head, lanes, c, w);
 #pragma unroll
     for (int i = 0; i < V; ++i) {
       const float n = in.normalize ? __fmul_rn(x[c][i], rstd) : x[c][i];
@@ -637,6 +671,15 @@ __device__ __forceinline__ void forward_row(const RopeInputs& in,
   }
 }
 
+/// A token-wide norm's scalars of a row's token and kind (SPEC.md section 9): rstd over the
+/// token's rows of the kind and, in the backward, the correction sum(dn * n) / (H * D) over them.
+/// Not `given`: the row's own (a per-head norm), which the row functions compute.
+struct KindScalars {
+  bool given = false;
+  float rstd = 1.0f;
+  float correction = 0.0f;
+};
+
 /// Whether the backward reads the saved rows qk: for rstd and n (the norm, and the weights'
 /// gradients gw * n; validation gives weights only with the norm). Rotary alone (Llama's and
 /// Mistral's layout) needs only the incoming gradients, dx = gw: a third of the bf16 backward's
@@ -649,10 +692,12 @@ __device__ __forceinline__ bool reads_saved_rows(const RopeInputs& in) {
 /// Backward of one row (SPEC.md sections 2 and 8):
 ///   gw[d] = f1[d] * g[d] + f2p[d] * g[p(d)]                    (rotary lanes)
 ///   gw[d] = g[d], or for a key row under key offset g_next[d] + (t == 0 ? g[d] : 0)
-///   with a weight: grad_w[d] += gw[d] * n[d] (into `sums`, the row's kind's, when neither it
-///   nor its rows are null, and `row_present`), dn = gw * w (w of `weights`, when not null; D the
-///   row width)
+///   with a weight: grad_w[d] += gw[d] * n[d] (into `sums`, row `head` of the row's kind, when
+///   neither it nor its rows are null, and `row_present`), dn = gw * w (w of `weights`, when not
+///   null)
 ///   dx    = rstd * (dn - n * (sum(dn * n) / D))                (dx = dn without the norm)
+/// `kind`: under a token-wide norm the rstd and the correction sum(dn * n) / (H * D) of the row's
+/// token and kind (given: the row's own are not computed).
 /// `row_present`: the row is one of the op's (a real head of a real token). The kernels also run
 /// this on rows that are not (the slots past Hq + Hkv of a token's last unit or job, tokens past
 /// the end): their g and x loads are 0 but they share the token's angles, so an inf or NaN angle
@@ -663,16 +708,18 @@ __device__ __forceinline__ void backward_row(
     const RopeInputs& in, const Chunk<Geom::V> (&g)[Geom::C], const Chunk<Geom::V> (&x)[Geom::C],
     const TokenAngles<Geom, AngleT, Config>& angles, const Chunk<Geom::V> (&g_next)[Geom::C],
     const LaneChunks<Geom>& lanes, const Partners<Geom>& partners, bool exchange,
-    const SharedWeights* weights, const WeightGradSums* sums, int D,
+    const SharedWeights* weights, const WeightGradSums* sums, int head,
     bool is_key, bool row_present, bool shift_row, bool first_token, const Width& width,
-    float (&dx)[Geom::C][Geom::V]) {
+    float (&dx)[Geom::C][Geom::V], const KindScalars& kind = KindScalars{}) {
   constexpr int G = Geom::G;
   constexpr int V = Geom::V;
   constexpr int C = Geom::C;
   const bool normalize = in.normalize;
   // One chunk per lane: keep n (V registers); wider rows recompute it from the bf16 bits.
   constexpr bool kKeepN = C == 1;
-  const float rstd = normalize ? row_rstd<G, V, C, kBranchFree>(x, width, in.eps) : 1.0f;
+  const float rstd = kind.given ? kind.rstd
+                                : (normalize ? row_rstd<G, V, C, kBranchFree>(x, width, in.eps)
+                                             : 1.0f);
   float kept_n[kKeepN ? C : 1][V];
   float partial = 0.0f;
 #pragma unroll
@@ -698,10 +745,10 @@ __device__ __forceinline__ void backward_row(
     if (weights != nullptr) {
       // Absent rows add nothing to the sums (see row_present above).
       if (sums != nullptr && sums->rows != nullptr && row_present) {
-        sums->add(is_key, lanes, c, D, gw, n);
+        sums->add(weights->at, is_key, head, lanes, c, gw, n);
       }
       float w[V];
-      weights->chunk(is_key, lanes, c, D, w);
+      weights->chunk(is_key, head, lanes, c, w);
 #pragma unroll
       for (int i = 0; i < V; ++i) {
         dx[c][i] = __fmul_rn(gw[i], w[i]);  // dn for now
@@ -709,10 +756,12 @@ __device__ __forceinline__ void backward_row(
       }
     }
   }
-  const float sum = group_sum<G>(partial);
+  const float sum = kind.given ? 0.0f : group_sum<G>(partial);
   if (!normalize) return;
   float correction;
-  if constexpr (kBranchFree) {
+  if (kind.given) {
+    correction = kind.correction;
+  } else if constexpr (kBranchFree) {
     correction = divide_by_width(sum, width);
   } else {
     correction = width(sum);
@@ -727,20 +776,67 @@ __device__ __forceinline__ void backward_row(
   }
 }
 
+// ------------------------------------------------------------------------------------------------
+// The V norm (SPEC.md section 9): a weightless RMS norm of each V row, Dv wide
+// ------------------------------------------------------------------------------------------------
+//
+// A V row takes the kernel's row geometry (its width class covers Dv: rope_key), chunks past Dv
+// masked (loads 0). The same rounding as the Q/K rows and the CPU backend:
+//   rstd = 1 / sqrt(sum(v^2) / Dv + eps),  v_out = v * rstd
+//   dv   = rstd * (g - n * (sum(g * n) / Dv)),  n = v * rstd (v_out unrounded)
+
+/// v_out of the lane's chunks of one V row. Every lane of the warp must call it (shuffles).
+template <class Geom>
+__device__ __forceinline__ void v_norm_forward(const Chunk<Geom::V> (&x)[Geom::C],
+                                               const UniformDivisor& width, float eps,
+                                               float (&out)[Geom::C][Geom::V]) {
+  const float rstd = row_rstd<Geom::G, Geom::V, Geom::C>(x, width, eps);
+#pragma unroll
+  for (int c = 0; c < Geom::C; ++c) {
+#pragma unroll
+    for (int i = 0; i < Geom::V; ++i) out[c][i] = __fmul_rn(x[c][i], rstd);
+  }
+}
+
+/// dv of the lane's chunks of one V row from g (the gradient of v_out) and the saved v. Every lane
+/// of the warp must call it (shuffles).
+template <class Geom>
+__device__ __forceinline__ void v_norm_backward(const Chunk<Geom::V> (&g)[Geom::C],
+                                                const Chunk<Geom::V> (&x)[Geom::C],
+                                                const UniformDivisor& width, float eps,
+                                                float (&dv)[Geom::C][Geom::V]) {
+  const float rstd = row_rstd<Geom::G, Geom::V, Geom::C>(x, width, eps);
+  float partial = 0.0f;
+#pragma unroll
+  for (int c = 0; c < Geom::C; ++c) {
+#pragma unroll
+    for (int i = 0; i < Geom::V; ++i) partial = fmaf(g[c][i], __fmul_rn(x[c][i], rstd), partial);
+  }
+  const float correction = width(group_sum<Geom::G>(partial));
+#pragma unroll
+  for (int c = 0; c < Geom::C; ++c) {
+#pragma unroll
+    for (int i = 0; i < Geom::V; ++i) {
+      dv[c][i] = norm_grad(rstd, g[c][i], __fmul_rn(x[c][i], rstd), correction);
+    }
+  }
+}
+
 /// The block's partial row of the norm weights' gradients (weight_grad.hpp): after a barrier the
-/// block adds its lane groups' sums (WeightGradSums, `group_sums` [kGroups][2][D] in shared
-/// memory) in group order (fixed, so the bits do not depend on scheduling) into
+/// block adds its lane groups' sums (WeightGradSums, `group_sums` [kGroups][d_rows][D] in shared
+/// memory: d_rows = 2, the query and key weights; Hq + Hkv under a token-wide norm, with one group
+/// row for the block) in group order (fixed, so the bits do not depend on scheduling) into
 /// partials[blockIdx.x]. partials == nullptr (a layout without weights on the weighted kernel)
 /// writes nothing. Every thread of the block must call it (barrier).
 template <int kGroups, int kThreads>
-__device__ __forceinline__ void write_partial_row(int D, const float* group_sums,
+__device__ __forceinline__ void write_partial_row(int d_rows, int D, const float* group_sums,
                                                   float* partials) {
   __syncthreads();
   if (partials == nullptr) return;
-  float* partial = partials + int64_t(blockIdx.x) * 2 * D;
-  for (int column = int(threadIdx.x); column < 2 * D; column += kThreads) {
+  float* partial = partials + int64_t(blockIdx.x) * d_rows * D;
+  for (int column = int(threadIdx.x); column < d_rows * D; column += kThreads) {
     float total = 0.0f;
-    for (int g = 0; g < kGroups; ++g) total = __fadd_rn(total, group_sums[g * 2 * D + column]);
+    for (int g = 0; g < kGroups; ++g) total = __fadd_rn(total, group_sums[g * d_rows * D + column]);
     partial[column] = total;
   }
 }

@@ -26,6 +26,10 @@ struct Options {
   int64_t only_case = -1;  ///< --case K: run case K of the seed alone
   bool cpu_only = false;
   int64_t max_tokens = 100000;
+  /// QKVFUSE_CUDA_SECTION9=1 (validate::cuda_section9_enabled): GPU mode's cases inside the CUDA
+  /// rules draw SPEC.md section 9's options too (D up to 512, the token-wide norm, the V norm,
+  /// query-only calls, no angles), which the CUDA backend then takes.
+  bool section9 = false;
 };
 
 enum class Op : int {
@@ -69,6 +73,7 @@ struct Case {
   uint64_t seed = 0;
   int64_t index = 0;
   bool cpu_only = false;
+  bool section9 = false;  ///< Options::section9
   Op op = Op::kRopeForward;
 
   // rope ops (forward, backward, fp8 backward) and the packed op: SPEC.md sections 1 and 8
@@ -98,7 +103,8 @@ struct Case {
   bool packed_positions = false;  ///< documents restarting at position 0 (else random in [0, P))
   int64_t bad_positions = 0;      ///< tokens whose position lies outside [0, P) (NaN rotary lanes)
   // SPEC.md section 9, drawn in CPU-only cases and in GPU cases outside the CUDA rules (which
-  // the CUDA backend refuses by name until its kernels take them); D up to 512 there too.
+  // the CUDA backend refuses by name unless QKVFUSE_CUDA_SECTION9=1), and with that switch in
+  // every GPU case; D up to 512 there too.
   bool token_norm = false;
   bool query_only = false;   ///< no key heads: kv_heads is 0
   bool normalize_v = false;  ///< the V norm: v [T, Hkv, Dv] (placement v_in); Dv drawn for every op
@@ -150,7 +156,8 @@ struct Case {
   int64_t weight_width(bool key) const {
     return token_norm ? (key ? kv_heads : heads) * head_dim : head_dim;
   }
-  /// Whether the case takes an option of SPEC.md section 9 (CUDA refuses those so far).
+  /// Whether the case takes an option of SPEC.md section 9 (CUDA refuses those unless
+  /// QKVFUSE_CUDA_SECTION9=1).
   bool families_option() const {
     return token_norm || query_only || normalize_v || !angles || head_dim > 256;
   }

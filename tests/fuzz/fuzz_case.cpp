@@ -315,9 +315,11 @@ void draw_query_only(Case& c, Rng& rng) {
 }
 
 /// `cuda_rules`: a GPU-mode case inside the CUDA domain; `cuda_outside`: a GPU-mode case drawn
-/// outside it where anything is left outside (Dv past 512, section 9's options); neither: a
-/// CPU-only case.
-void draw_rope(Case& c, Rng& rng, bool cuda_rules, bool cuda_outside, int64_t max_tokens) {
+/// outside it where anything is left outside (Dv past 512, section 9's options without the
+/// switch); neither: a CPU-only case. `section9`: section 9's options are inside the CUDA domain
+/// (QKVFUSE_CUDA_SECTION9=1).
+void draw_rope(Case& c, Rng& rng, bool cuda_rules, bool cuda_outside, bool section9,
+               int64_t max_tokens) {
   const double mode = rng.unit();
   c.paired = mode >= 0.55 && mode < 0.7;
   c.key_offset = mode >= 0.7 && mode < 0.85;
@@ -334,6 +336,11 @@ void draw_rope(Case& c, Rng& rng, bool cuda_rules, bool cuda_outside, int64_t ma
                  : u < 0.55 ? 8 * rng.range(4, 32)
                  : u < 0.7  ? rng.pick<int64_t>({2, 4, 6, 8, 10, 16, 24, 30, 34, 98, 100, 254})
                             : 2 * rng.range(1, 128);
+    // With the switch, section 9's widths: 512 (Gemma 4), other multiples of 8 past 256 (the
+    // 16-byte kernels), odd ones (the narrow accesses).
+    if (section9 && rng.chance(0.15)) {
+      c.head_dim = rng.pick<int64_t>({512, 512, 264, 384, 504, 258, 300, 510});
+    }
   } else {
     const double u = rng.unit();
     c.head_dim = u < 0.4    ? 8 * rng.range(4, 32)
@@ -341,7 +348,7 @@ void draw_rope(Case& c, Rng& rng, bool cuda_rules, bool cuda_outside, int64_t ma
                  : u < 0.58 ? rng.pick<int64_t>({258, 320, 384, 510, 512})  // section 9
                             : 2 * rng.range(1, 128);
   }
-  draw_layout_options(c, rng, !cuda_rules);
+  draw_layout_options(c, rng, !cuda_rules || section9);
   if (c.normalize_v && c.op != Op::kQkvBackwardFp8) c.v_dim = rng.range(1, 160);
   if (c.op == Op::kQkvBackwardFp8) {
     if (cuda_rules) {
@@ -366,6 +373,8 @@ void draw_rope(Case& c, Rng& rng, bool cuda_rules, bool cuda_outside, int64_t ma
   const int64_t budget = element_budget(c.tokens);
   // A width of the CUDA vector kernels stays one when it shrinks.
   const bool vector_width = cuda_rules && c.head_dim % 8 == 0 && c.head_dim >= 32;
+  // (A width past 256 may shrink below it: the case stays one of section 9's by its other
+  // options, or becomes a section 8 case.)
   const int64_t min_dim = vector_width ? 32 : 2;
   while (c.tokens * c.qkv_dim() > budget) {
     if (c.paired ? c.heads > 2 : c.heads > 1) {
@@ -395,7 +404,7 @@ void draw_rope(Case& c, Rng& rng, bool cuda_rules, bool cuda_outside, int64_t ma
     }
   }
   if (c.kv_heads != c.heads) c.kv_heads_zero = false;
-  if (!cuda_rules) draw_query_only(c, rng);
+  if (!cuda_rules || section9) draw_query_only(c, rng);
   if (c.cache) {
     const double p = rng.unit();
     c.cache_rows = p < 0.5 ? c.tokens + rng.range(0, 16) : rng.range(1, 64);
@@ -410,16 +419,16 @@ void draw_rope(Case& c, Rng& rng, bool cuda_rules, bool cuda_outside, int64_t ma
 
 /// The packed op: its GEMM shapes (under the CUDA rules T, C, D and Dv multiples of 16, so every
 /// GEMM dimension is), the layout options, and the projection's scales.
-void draw_packed(Case& c, Rng& rng, bool cuda_rules, int64_t max_tokens) {
+void draw_packed(Case& c, Rng& rng, bool cuda_rules, bool section9, int64_t max_tokens) {
   const double mode = rng.unit();
   c.paired = mode >= 0.6 && mode < 0.75;
   c.key_offset = mode >= 0.75 && mode < 0.88;
   const int64_t heads = rng.range(1, 8);
   c.heads = c.paired ? std::max<int64_t>(2, heads / 2 * 2) : heads;
   const int64_t unit = cuda_rules ? 16 : 2;
-  c.head_dim = cuda_rules ? 16 * rng.range(2, 16)
+  c.head_dim = cuda_rules ? 16 * rng.range(2, section9 ? 32 : 16)
                           : rng.pick<int64_t>({2, 6, 16, 34, 64, 100, 128, 256, 512});
-  draw_layout_options(c, rng, !cuda_rules);
+  draw_layout_options(c, rng, !cuda_rules || section9);
   c.v_dim = cuda_rules ? 16 * rng.range(1, 16) : rng.range(1, 160);
   c.channels = cuda_rules ? 16 * rng.range(1, 24) : rng.range(1, 300);
   const double t = rng.unit();
@@ -442,7 +451,7 @@ void draw_packed(Case& c, Rng& rng, bool cuda_rules, int64_t max_tokens) {
       if (c.v_dim == unit) break;
     }
   }
-  if (!cuda_rules) draw_query_only(c, rng);
+  if (!cuda_rules || section9) draw_query_only(c, rng);
   if (c.cache) c.cache_rows = std::max<int64_t>(1, c.tokens + rng.range(0, 8));
   c.bad_positions = 0;  // NaN rotary lanes would reach every element of the GEMMs' outputs
   c.joined_qkv = !c.paired && rng.chance(0.7);
@@ -486,9 +495,9 @@ void draw_quantize(Case& c, Rng& rng, bool cuda_rules, int64_t max_tokens) {
 
 /// Why the case lies outside what the CUDA backend documents it takes; empty if inside.
 std::string cuda_domain_problem(const Case& c) {
-  if (is_rope_op(c.op) && c.families_option()) {
+  if (is_rope_op(c.op) && c.families_option() && !c.section9) {
     return "an option of SPEC.md section 9 (D > 256, token_norm, query_only, normalize_v or no "
-           "angles: not yet on the CUDA backend)";
+           "angles: not yet on the CUDA backend without QKVFUSE_CUDA_SECTION9=1)";
   }
   if (c.op == Op::kPacked) {
     // fp8_gemm's rules: T, C and qkv_dim (with two GEMMs also QK and Hkv*Dv) multiples of 16.
@@ -898,6 +907,7 @@ Case draw_case(const Options& options, int64_t index) {
   c.seed = options.seed;
   c.index = index;
   c.cpu_only = options.cpu_only;
+  c.section9 = options.section9 && !options.cpu_only;
   const double u = rng.unit();
   c.op = u < 0.22   ? Op::kRopeForward
          : u < 0.40 ? Op::kRopeBackward
@@ -910,9 +920,10 @@ Case draw_case(const Options& options, int64_t index) {
   // that what the CUDA backend does not take is refused with a clear error (or computed right).
   const bool cuda_rules = !options.cpu_only && !rng.chance(0.03);
   if (c.op == Op::kPacked) {
-    draw_packed(c, rng, cuda_rules, options.max_tokens);
+    draw_packed(c, rng, cuda_rules, c.section9, options.max_tokens);
   } else if (is_rope_op(c.op)) {
-    draw_rope(c, rng, cuda_rules, !options.cpu_only && !cuda_rules, options.max_tokens);
+    draw_rope(c, rng, cuda_rules, !options.cpu_only && !cuda_rules, c.section9,
+              options.max_tokens);
   } else {
     draw_quantize(c, rng, cuda_rules, options.max_tokens);
   }

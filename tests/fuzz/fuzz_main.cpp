@@ -44,6 +44,9 @@
 //   - NaN exactly where the CPU has NaN; outputs are poisoned (bf16 0x7fc1, e4m3 0xff, float
 //     -1234.5: values no computation produces) and guarded, so unwritten elements and writes out
 //     of bounds are caught.
+// With QKVFUSE_CUDA_SECTION9=1 in the environment (the CUDA backend's switch for SPEC.md section
+// 9's untested kernels) GPU mode draws section 9's options inside the CUDA rules too: D up to 512,
+// the token-wide norm, the V norm, query-only calls, no angles (the summary counts them).
 // About 3% of GPU cases are drawn outside the CUDA rules: quantize sources with misaligned strides
 // and, for qkv_backward_fp8, half the time Dv in [513, 1024], the rest of the rope cases as for
 // the CPU (which CUDA now takes too). Cases outside the CUDA backend's documented domain must be
@@ -78,6 +81,7 @@
 #include "fuzz.hpp"
 #include "qkvfuse/numeric.hpp"
 #include "reference.hpp"
+#include "validate.hpp"
 
 namespace qkvfuse::fuzz {
 namespace {
@@ -247,10 +251,10 @@ void compare_grad_row_gpu(Findings& findings, const Case& c, const std::vector<u
     for (int64_t row = 0; row < qk_rows + c.kv_heads; ++row) {
       // Rows the backward computes: Q/K, and V under the V norm (its rows' term scale is not
       // tracked here: their row noise covers them).
-      const bool qk_row = row < qk_rows || c.normalize_v;
       const bool term_row = row < qk_rows;
-      const int64_t begin = qk_row ? row * c.head_dim : qk_features + (row - qk_rows) * c.v_dim;
-      const int64_t end = begin + (qk_row ? c.head_dim : c.v_dim);
+      const bool qk_row = term_row || c.normalize_v;
+      const int64_t begin = term_row ? row * c.head_dim : qk_features + (row - qk_rows) * c.v_dim;
+      const int64_t end = begin + (term_row ? c.head_dim : c.v_dim);
       double row_max = 0;
       for (int64_t f = begin; f < end; ++f) {
         const double v = std::fabs(double(e4m3_to_float(cpu[size_t(t * qkv + f)])));
@@ -459,6 +463,16 @@ std::vector<Output> cpu_rope_of(const Case& c, const Inputs& in, const std::vect
     dense.insert(dense.end(), qk_bits.begin() + t * F, qk_bits.begin() + t * F + QK);
   }
   rope_in.qk.set_bf16(dense);
+  if (c.normalize_v) {
+    // The V norm's input is the GEMM's raw V, the same columns of the GPU's output.
+    rope_case.v_in = Placement{{c.tokens, c.kv_heads, c.v_dim}, {}, 0};
+    rope_in.v = HostBuffer(DType::kBFloat16, rope_case.v_in);
+    std::vector<uint16_t> v;
+    for (int64_t t = 0; t < c.tokens; ++t) {
+      v.insert(v.end(), qk_bits.begin() + t * F + QK, qk_bits.begin() + (t + 1) * F);
+    }
+    rope_in.v.set_bf16(v);
+  }
   const std::unique_ptr<Memory> memory = make_cpu_memory();
   return run_case(rope_case, rope_in, *memory);
 }
@@ -990,8 +1004,12 @@ int run(int argc, char** argv) {
   }
   if (!seeded) options.seed = (uint64_t(std::random_device{}()) << 32) ^ std::random_device{}();
 
+  // The switch of the CUDA backend, as the library reads it: its cases then draw section 9's
+  // options inside the CUDA rules (a replay needs the same environment).
+  options.section9 = validate::cuda_section9_enabled();
   std::string flags;
   if (options.cpu_only) flags += " --cpu-only";
+  if (options.section9 && !options.cpu_only) flags += " (with QKVFUSE_CUDA_SECTION9=1)";
   if (self_check) flags += " --self-check";
   if (options.max_tokens != 100000) flags += " --max-tokens " + std::to_string(options.max_tokens);
   const int64_t first = options.only_case >= 0 ? options.only_case : 0;

@@ -1,4 +1,5 @@
 """Shared fixtures: devices, seeded generators, tolerance helpers."""
+import os
 import sys
 import zlib
 from pathlib import Path
@@ -12,6 +13,14 @@ import qkvfuse  # noqa: E402,F401  (loads the op library once for the session)
 
 CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+# The CUDA backend's switch for SPEC.md section 9's untested kernels, read once per process by the
+# library: set in the environment before pytest starts (scripts/device_run.sh's section9 stage).
+CUDA_SECTION9 = os.environ.get("QKVFUSE_CUDA_SECTION9") == "1"
+requires_section9 = pytest.mark.skipif(
+    not CUDA_SECTION9, reason="QKVFUSE_CUDA_SECTION9=1 is not set: CUDA refuses section 9's "
+    "options (their refusal is tested instead)")
+without_section9 = pytest.mark.skipif(
+    CUDA_SECTION9, reason="QKVFUSE_CUDA_SECTION9=1: CUDA runs section 9's options (tested instead)")
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
 
 

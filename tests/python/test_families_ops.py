@@ -3,14 +3,16 @@ normalize_v=True) -> (q, k, v_out)), the token-wide norm, query-only calls, call
 D up to 512, against reference.rope / reference.v_norm in float64; gradcheck, opcheck of the new
 ops (qkv_norm_rope and its backward) and of the old ops with the new fields, torch.compile, the FP8
 backward's V features and the packed op with the new options, and the errors in Python terms.
-The CUDA backend refuses every new option by name until its kernels take them: that is tested
-where a GPU is."""
+On CUDA the new options run only with QKVFUSE_CUDA_SECTION9=1 in the environment (kernels not yet
+run on a GPU before): with it, each option on CUDA against the CPU backend on the same bf16 inputs
+(forward and backward, D = 32 and Gemma 4's 512); without it, each refused by name."""
 import pytest
 import torch
 
 import qkvfuse
 import reference
-from conftest import assert_bf16_close, rel_error, requires_cuda
+from conftest import (assert_bf16_close, rel_error, requires_cuda, requires_section9,
+                      without_section9)
 from qkvfuse._layout import RopeLayout
 from qkvfuse.rotary import rotary_cos_sin
 
@@ -332,15 +334,55 @@ def test_packed_fp8_qkv_new_options(variant):
 
 # ---- errors: tests/python/test_errors.py has a case for each refusal of these options ----
 
+def float_tables(kwargs):
+    """The weights and the cos/sin cache in float32 (CUDA takes bf16 or float32 tables)."""
+    return {k: val.float() if isinstance(val, torch.Tensor) and val.is_floating_point() and
+            k in ("q_weight", "k_weight", "cos_sin") else val for k, val in kwargs.items()}
+
+
 @requires_cuda
+@without_section9
 @pytest.mark.parametrize("name", list(CASES))
 def test_cuda_refuses_each_new_option_by_name(name):
     qk, v, kwargs = make(name, dtype=torch.bfloat16, device="cuda")
-    kwargs = {k: val.float() if isinstance(val, torch.Tensor) and val.is_floating_point() and
-              k in ("q_weight", "k_weight", "cos_sin") else val for k, val in kwargs.items()}
+    kwargs = float_tables(kwargs)
     if name == "partial_offset":
         qkvfuse.qk_norm_rope(qk, **kwargs)  # section 8: runs
         return
-    with pytest.raises(RuntimeError, match="not yet on the CUDA backend"):
+    with pytest.raises(RuntimeError, match="not yet on the CUDA backend.*QKVFUSE_CUDA_SECTION9=1"):
         qkvfuse.qk_norm_rope(qk, **kwargs)
+
+
+@requires_cuda
+@requires_section9
+@pytest.mark.parametrize("dim", [32, 512])
+@pytest.mark.parametrize("name", list(CASES))
+def test_cuda_runs_each_new_option(name, dim):
+    """QKVFUSE_CUDA_SECTION9=1: the option on CUDA against the CPU backend on the same bf16 inputs
+    (which the tests above judge against float64): outputs within two bf16 roundings, every
+    input's gradient within 1 % relative error (both round the backward's bf16 results)."""
+    qk, v, kwargs = make(name, dim=dim, tokens=37, dtype=torch.bfloat16, device="cuda",
+                         requires_grad=True)
+    kwargs = float_tables(kwargs)
+    for key in ("q_weight", "k_weight"):
+        if kwargs.get(key) is not None:
+            kwargs[key] = kwargs[key].detach().requires_grad_()
+    cpu_kwargs = {k: val.detach().cpu().requires_grad_(val.requires_grad)
+                  if isinstance(val, torch.Tensor) else val for k, val in kwargs.items()}
+    cpu_qk = qk.detach().cpu().requires_grad_()
+    if v is not None:
+        cpu_kwargs["v"] = v.detach().cpu().requires_grad_()
+    out = qkvfuse.qk_norm_rope(qk, **kwargs)
+    want = qkvfuse.qk_norm_rope(cpu_qk, **cpu_kwargs)
+    assert len(out) == len(want)
+    for got, ref in zip(out, want):
+        assert_bf16_close(got.cpu(), ref.detach())
+    grads = [torch.randn_like(o) for o in want]
+    inputs = [qk] + [t for t in (v, kwargs.get("q_weight"), kwargs.get("k_weight")) if t is not None]
+    cpu_inputs = [cpu_qk] + [t for t in (cpu_kwargs.get("v"), cpu_kwargs.get("q_weight"),
+                                         cpu_kwargs.get("k_weight")) if t is not None]
+    got = torch.autograd.grad(out, inputs, [g.cuda() for g in grads])
+    ref = torch.autograd.grad(want, cpu_inputs, grads)
+    for g, r in zip(got, ref):
+        assert rel_error(g.cpu(), r) < 1e-2, rel_error(g.cpu(), r)
 
