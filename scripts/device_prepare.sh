@@ -32,6 +32,8 @@ mkdir -p .seed && cp "${seed_files[0]}" .seed/reference_triton.py
 #   liger-kernel   bench_torch.py's side-by-side rows; bench_hf_step.py's Liger rows
 #   torchao        bench_hf_step.py's float8 row; 0.17.0 is the release torchao's compatibility
 #                  table pairs with torch 2.11, the machine's
+# TRL is not carried: its dependencies (datasets, pyarrow's 55 MB wheel, pandas 12 MB) do not fit
+# the carry's 64 MiB beside the rest; its SFTTrainer test runs in CI on the CPU.
 WHEELS=(
   "liger-kernel==0.8.5 60789cd576af073ab9b192b570d2597fd0cdad489cd62fb44fb16256d43754c9"
   "torchao==0.17.0 87a418ce0ec064a821ceab83c921b501acef0ce9a6ccd1be358fcd16c3ae8c58"
