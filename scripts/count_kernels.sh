@@ -6,7 +6,8 @@
 #   scripts/count_kernels.sh [--sass] [--max N] [BUILD_DIR]   (default build-device)
 #
 # --max N exits 1 when the total exceeds N (the kernel family's budget: docs/STATUS.md).
-# cuobjdump comes from PATH, /usr/local/cuda/bin, or $CUOBJDUMP.
+# cuobjdump comes from $CUOBJDUMP, PATH, /usr/local/cuda/bin, or the copy Triton's wheel carries
+# (the CI machine's CUDA toolkit has nvcc but no cuobjdump; PyTorch brings Triton).
 set -uo pipefail
 sass=0 max=
 while [ $# -gt 0 ]; do
@@ -18,6 +19,10 @@ while [ $# -gt 0 ]; do
 done
 build=${1:-build-device}
 cuobjdump=${CUOBJDUMP:-$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)}
+if [ ! -x "$cuobjdump" ] && [ -z "${CUOBJDUMP:-}" ]; then
+  cuobjdump=$(python3 -c 'import pathlib, triton
+print(pathlib.Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump")' 2>/dev/null)
+fi
 if [ ! -x "$cuobjdump" ]; then
   echo "count_kernels: no cuobjdump (set CUOBJDUMP)" >&2
   exit 2
