@@ -417,8 +417,36 @@ struct GeneralWeightless {
   };
 };
 
+/// The speedrun's layout (factor tables, interleaved pairs, RMS without weights; plain, paired and
+/// key offset in one kernel, key offset read at run time) on 4-byte chunks at 64 < D < 128
+/// (D = 100: rows not 16-byte aligned), all three ops: add6545's narrow speedrun kernels
+/// (8e30f53) on RowGeometry<2, 32, 2>, chunk by chunk (forward_chunk) with no weight, cache or
+/// partner code; General's narrow kernels hold all of it.
+struct TablesInterleavedRmsNarrow {
+  static constexpr Spec kSpec{
+      .name = "tables/interleaved/rms/no-weight/4-byte",
+      .ops = kEveryOp,
+      .access = {Access::k4B},
+      .width = {HeadWidth::kUpTo128},
+      .rotary = {Rotary::kInterleaved},
+      .span = {RotarySpan::kWhole, RotarySpan::kPartial},
+      .norm = {Norm::kRms},
+      .weights = {Weights::kNone},
+      .angles = {AngleSource::kTables},
+      .angle_type = {AngleType::kBf16},
+      .placement = {Placement::kPlain, Placement::kPaired, Placement::kKeyOffset},
+      .scope = {NormScope::kHead},
+      .v_norm = {VNorm::kNone},
+      .heads = {Heads::kQueryAndKey},
+      .exact_width = Served<Op>::none(),
+      .neox_pairs_in_lane = false,
+      .angle_dtype_at_run_time = false,
+      .fewest_geometries = false,
+  };
+};
+
 /// The restored rows, in the order they are tried (after Specializations, with the switch on).
-using RestoredRows = Table<GeneralWeightless>;
+using RestoredRows = Table<GeneralWeightless, TablesInterleavedRmsNarrow>;
 
 // ------------------------------------------------------------------------------------------------
 // Selection
