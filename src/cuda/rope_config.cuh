@@ -4,8 +4,8 @@
 //
 // dispatch<kOp>(key, f) is the one dispatcher of the family: the configuration that serves the key
 // (rope_dispatch.hpp visit_config: the first matching row of the table, the restored rows' with
-// QKVFUSE_ROPE_RESTORED_ROWS=1, else General or Section9), then the compile-time parameters that shape a kernel's registers, each switched once
-// from the key:
+// QKVFUSE_ROPE_RESTORED_ROWS=1, else General or Section9), then the compile-time parameters that
+// shape a kernel's registers, each switched once from the key:
 //   access width  V = 8, 2 or 1 (16-byte, 4-byte, 2-byte chunks)
 //   head width    the lane geometry of its width class (lanes_for), with the configuration's
 //                 NeoX-pairs form where it asks for it, and D as a constant at the power-of-two
