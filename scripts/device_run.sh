@@ -231,7 +231,11 @@ if has ab; then
   # variants run unless QKVFUSE_BENCH_VARIANTS=0 (Qwen3-8B/no-norm is Llama's rotary-only layer).
   # One more side, "general-only", is this build with QKVFUSE_ROPE_GENERAL_ONLY=1: every call on
   # the general kernel, so that its table says what each specialization earns (old / new > 1: the
-  # specialization is faster). QKVFUSE_AB_GENERAL=0 leaves it out.
+  # specialization is faster). QKVFUSE_AB_GENERAL=0 leaves it out. Another, "restored-rows", is
+  # this build with QKVFUSE_ROPE_RESTORED_ROWS=1 (rope_dispatch.hpp RestoredRows): its table is
+  # this build (old) against it (new), so > 1 there says a restored row is faster; the rows they
+  # do not serve run the same kernels on both sides (the noise). QKVFUSE_AB_RESTORED=0 leaves it
+  # out.
   start=$SECONDS
   wait_old_builds
   for i in "${!old_builders[@]}"; do
@@ -241,11 +245,13 @@ if has ab; then
   [ "$QKVFUSE_BENCH_VARIANTS" = 0 ] && unset QKVFUSE_BENCH_VARIANTS
   sides=("${old_bins[@]}")
   [ "${QKVFUSE_AB_GENERAL:-1}" = 1 ] && sides+=(general-only)
+  [ "${QKVFUSE_AB_RESTORED:-1}" = 1 ] && sides+=(restored-rows)
   sides+=("$build/bench/qkvfuse_bench_kernels")
   for round in $(seq 1 "${QKVFUSE_AB_ROUNDS:-2}"); do
     for i in "${!sides[@]}"; do
       bin=${sides[$i]} env=()
       [ "$bin" = general-only ] && bin=$build/bench/qkvfuse_bench_kernels env=(QKVFUSE_ROPE_GENERAL_ONLY=1)
+      [ "$bin" = restored-rows ] && bin=$build/bench/qkvfuse_bench_kernels env=(QKVFUSE_ROPE_RESTORED_ROWS=1)
       # shellcheck disable=SC2086
       env "${env[@]}" "$bin" --iters "${QKVFUSE_AB_ITERS:-100}" ${QKVFUSE_AB_ARGS:-} \
         --csv "$LOG/ab_${i}_$round.csv" >"$LOG/ab_${i}_$round.txt" 2>&1
@@ -254,6 +260,12 @@ if has ab; then
   done
   new=$((${#sides[@]} - 1))
   for i in $(seq 0 $((new - 1))); do
+    if [ "${sides[$i]}" = restored-rows ]; then
+      note "ab: this build (old) against restored-rows (new, QKVFUSE_ROPE_RESTORED_ROWS=1)"
+      python3 bench/ab_kernels.py --old "$LOG"/ab_"${new}"_*.csv --new "$LOG"/ab_"${i}"_*.csv \
+        --out "$LOG/ab_$i.md" | tee -a "$summary"
+      continue
+    fi
     note "ab: ${sides[$i]} (old) against this build (new)"
     python3 bench/ab_kernels.py --old "$LOG"/ab_"${i}"_*.csv --new "$LOG"/ab_"${new}"_*.csv \
       --out "$LOG/ab_$i.md" | tee -a "$summary"

@@ -512,5 +512,190 @@ TEST(RopeDispatch, NarrowAccessTakesTheGeneralKernel) {
   }
 }
 
+// ---- the restored rows (QKVFUSE_ROPE_RESTORED_ROWS=1) --------------------------------------------
+
+// rope_dispatch.hpp RestoredRows: add6545's kernels for the layouts the rebuilt family lost time
+// on, awaiting their A/B. config_name's last argument is the switch (rope_config.cuh
+// restored_rows reads the environment for the kernels' dispatcher).
+constexpr const char* kNoWeight = "general/no-weight";
+constexpr const char* kNarrow = "tables/interleaved/rms/no-weight/4-byte";
+
+const char* with_restored_rows(Op op, const RopeKey& key) {
+  return config_name(op, key, /*general_only=*/false, /*restored_rows=*/true);
+}
+
+Shape qwen3_no_weights(int64_t heads) {  // Qwen3-8B/no-weights: the norm without its weights
+  Shape s = qwen3(heads);
+  s.weights = false;
+  return s;
+}
+/// The speedrun's layer at D = 100 (H = 6): rows 200 bytes apart, 4-byte access.
+Shape speedrun_narrow(int64_t dim, Placement placement) {
+  Shape s = speedrun(dim, placement);
+  s.name = "speedrun (narrow)";
+  return s;
+}
+RopeKey narrow_key(const Shape& s) { return cuda::rope::rope_key(s.layout(), s.dim, 2); }
+
+/// The weightless layouts at D = 128 that the bf16 backward's general/no-weight row serves and
+/// no specialization does.
+std::vector<std::pair<std::string, Shape>> weightless_shapes() {
+  std::vector<std::pair<std::string, Shape>> shapes;
+  shapes.emplace_back("Qwen3-8B/no-norm (Llama's rotary only)", llama_rotary_only());
+  shapes.emplace_back("Qwen3-8B/no-weights", qwen3_no_weights(32));
+  shapes.emplace_back("Qwen3-0.6B/no-weights", qwen3_no_weights(16));
+  Shape tables = llama_rotary_only();
+  tables.cache = false;
+  shapes.emplace_back("rotary only, factor tables", tables);
+  Shape interleaved = qwen3_no_weights(32);
+  interleaved.neox = false;
+  shapes.emplace_back("no weights, interleaved cache", interleaved);
+  Shape partial = qwen3_no_weights(32);
+  partial.rotary = 64;
+  shapes.emplace_back("no weights, half the lanes rotate", partial);
+  Shape paired = qwen3_no_weights(8);
+  paired.kv_heads = 8;
+  paired.paired = true;
+  shapes.emplace_back("no weights, paired", paired);
+  Shape speedrun_cache = speedrun(128, Placement::kPlain);
+  speedrun_cache.cache = true;
+  shapes.emplace_back("speedrun, a cos/sin cache", speedrun_cache);
+  return shapes;
+}
+
+TEST(RopeDispatch, RestoredRowsNeverMatchWithoutTheSwitch) {
+  std::vector<std::pair<std::string, RopeKey>> keys;
+  for (const auto& [what, shape] : weightless_shapes()) keys.emplace_back(what, shape.key());
+  for (const Placement p : {Placement::kPlain, Placement::kPaired, Placement::kKeyOffset}) {
+    const Shape s = speedrun_narrow(100, p);
+    keys.emplace_back(describe(s), narrow_key(s));
+  }
+  for (const auto& [what, key] : keys) {
+    for (const Op op : kOps) {
+      EXPECT_STREQ(config_name(op, key), kGeneral) << what << ", op " << int(op);
+      EXPECT_STREQ(config_name(op, key, /*general_only=*/false, /*restored_rows=*/false),
+                   kGeneral)
+          << what << ", op " << int(op);
+      // QKVFUSE_ROPE_GENERAL_ONLY=1 wins over the switch.
+      EXPECT_STREQ(config_name(op, key, /*general_only=*/true, /*restored_rows=*/true), kGeneral)
+          << what << ", op " << int(op);
+    }
+  }
+}
+
+TEST(RopeDispatch, RestoredRowsServeTheirKeysWithTheSwitch) {
+  for (const auto& [what, shape] : weightless_shapes()) {
+    const RopeKey key = shape.key();
+    EXPECT_STREQ(with_restored_rows(Op::kBackward, key), kNoWeight) << what;
+    EXPECT_STREQ(with_restored_rows(Op::kForward, key), kGeneral) << what << ": backward only";
+    EXPECT_STREQ(with_restored_rows(Op::kBackwardFp8, key), kGeneral) << what;
+  }
+  for (const int64_t dim : {100, 66, 120}) {
+    for (const Placement p : {Placement::kPlain, Placement::kPaired, Placement::kKeyOffset}) {
+      const Shape s = speedrun_narrow(dim, p);
+      const RopeKey key = narrow_key(s);
+      EXPECT_EQ(key.access, cuda::rope::Access::k4B);
+      EXPECT_EQ(key.width, HeadWidth::kUpTo128);
+      for (const Op op : kOps) {
+        EXPECT_STREQ(with_restored_rows(op, key), kNarrow) << describe(s) << ", op " << int(op);
+      }
+    }
+  }
+}
+
+/// The restored row that serves `s` at chunk width `chunk` in `op` with the switch on, by the
+/// rows' documented layouts (nullptr: none, the call goes where it goes without the switch).
+const char* restored_row(const Shape& s, int chunk, Op op) {
+  const bool section9 = s.token_norm || s.v_dim > 0 || s.query_only || s.no_angles || s.dim > 256;
+  const bool bf16 = s.angle_dtype == DType::kBFloat16;
+  if (section9 || s.weights || !bf16) return nullptr;
+  const bool whole = s.rotary < 0 || s.rotary == s.dim;
+  const bool speedrun_layout = !s.cache && !s.neox && s.normalize;
+  // 16-byte rows of the speedrun's layout, r = D, plain or paired: its specialization first.
+  const bool speedrun_row = speedrun_layout && whole && !s.key_offset;
+  if (chunk == 8 && op == Op::kBackward && s.dim == 128 && !s.key_offset && !speedrun_row) {
+    return kNoWeight;
+  }
+  if (chunk == 2 && s.dim > 64 && s.dim < 128 && s.dim != 96 && speedrun_layout) return kNarrow;
+  return nullptr;
+}
+
+// Every key the earlier tests name, at every access width, with the switch on: the restored row
+// where one serves it, else exactly where it goes without the switch.
+TEST(RopeDispatch, KeysTheRestoredRowsDoNotNameGoWhereTheyGoToday) {
+  std::vector<std::pair<std::string, Shape>> shapes;
+  for (const Shape& shape : named_shapes()) {
+    shapes.emplace_back(describe(shape), shape);
+    for (const auto& [what, variant] : section9_variants(shape)) {
+      shapes.emplace_back(describe(shape) + ", " + what, variant);
+    }
+  }
+  for (const auto& entry : weightless_shapes()) shapes.push_back(entry);
+  for (const int64_t dim : {100, 80, 72, 96, 64, 40, 136}) {
+    for (const Placement p : {Placement::kPlain, Placement::kPaired, Placement::kKeyOffset}) {
+      const Shape s = speedrun_narrow(dim, p);
+      shapes.emplace_back(describe(s), s);
+      // One value off the narrow row's lists, each.
+      Shape fp32 = s;
+      fp32.angle_dtype = DType::kFloat32;
+      shapes.emplace_back(describe(s) + ", fp32 tables", fp32);
+      Shape weighted = s;
+      weighted.weights = true;
+      shapes.emplace_back(describe(s) + ", weights", weighted);
+      Shape no_norm = s;
+      no_norm.normalize = false;
+      shapes.emplace_back(describe(s) + ", no norm", no_norm);
+      Shape cache = s;
+      cache.cache = true;
+      shapes.emplace_back(describe(s) + ", a cos/sin cache", cache);
+      Shape neox = s;
+      neox.neox = true;
+      shapes.emplace_back(describe(s) + ", NeoX", neox);
+    }
+  }
+  // One value off general/no-weight's lists, each.
+  Shape fp32 = llama_rotary_only();
+  fp32.angle_dtype = DType::kFloat32;
+  shapes.emplace_back("rotary only, fp32 cache", fp32);
+  Shape weighted = llama_rotary_only();
+  weighted.weights = true;
+  shapes.emplace_back("rotary only, weights", weighted);
+  Shape shifted = qwen3_no_weights(32);
+  shifted.key_offset = true;
+  shifted.rotary = 64;
+  shapes.emplace_back("no weights, key offset", shifted);
+  for (const int64_t dim : {64, 96, 120, 256}) {
+    Shape other = llama_rotary_only();
+    other.dim = dim;
+    shapes.emplace_back("rotary only at D=" + std::to_string(dim), other);
+  }
+  int restored = 0;
+  for (const auto& [what, shape] : shapes) {
+    for (const int chunk : {8, 2, 1}) {
+      const RopeKey key = cuda::rope::rope_key(shape.layout(), shape.dim, chunk, shape.v_dim);
+      for (const Op op : kOps) {
+        const char* row = restored_row(shape, chunk, op);
+        const char* today = config_name(op, key);
+        if (row != nullptr) {
+          ++restored;
+          EXPECT_STREQ(today, kGeneral) << what << ", chunk " << chunk << ", op " << int(op);
+        }
+        EXPECT_STREQ(with_restored_rows(op, key), row != nullptr ? row : today)
+            << what << ", chunk " << chunk << ", op " << int(op);
+      }
+    }
+  }
+  EXPECT_GT(restored, 20) << "the sweep reaches the restored rows";
+  // A value added to a property later: in neither restored row's lists either.
+  for (const auto& [what, shape] : weightless_shapes()) {
+    for (const auto& [property, key] : keys_with_a_new_value(shape.key())) {
+      for (const Op op : kOps) {
+        EXPECT_STREQ(with_restored_rows(op, key), config_name(op, key))
+            << what << ", a new value of " << property << ", op " << int(op);
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace qkvfuse::test

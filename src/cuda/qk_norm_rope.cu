@@ -345,12 +345,16 @@ __global__ void __launch_bounds__(ForwardPolicy<Config, Geom, AngleT>::kThreads,
       }
     };
     if constexpr (Fix::kChunkRotation) {
+      // n (the key-offset store's next-token lanes) wherever the row may take key offset: a
+      // pointer chosen at run time puts n on the stack (key offset read at run time: the narrow
+      // row).
+      constexpr bool kMayKeyOffset = Fix::kSpec.placement.contains(rope::Placement::kKeyOffset);
 #pragma unroll
       for (int c = 0; c < C; ++c) {
         Chunk<V> y;
         Chunk<V> n{};
         rope::forward_chunk<Geom, Config>(in, x[k], c, rstd, angles, lanes, y,
-                                          in.key_offset ? &n : nullptr);
+                                          kMayKeyOffset ? &n : nullptr);
         store(c, y, n);
       }
     } else {

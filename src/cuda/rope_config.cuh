@@ -3,9 +3,9 @@
 // also read by the kernels, as constants).
 //
 // dispatch<kOp>(key, f) is the one dispatcher of the family: the configuration that serves the key
-// (rope_dispatch.hpp visit_config: the first matching row of the table, else General or
-// Section9), then the compile-time parameters that shape a kernel's registers, each switched once
-// from the key:
+// (rope_dispatch.hpp visit_config: the first matching row of the table, the restored rows' with
+// QKVFUSE_ROPE_RESTORED_ROWS=1, else General or Section9), then the compile-time parameters that
+// shape a kernel's registers, each switched once from the key:
 //   access width  V = 8, 2 or 1 (16-byte, 4-byte, 2-byte chunks)
 //   head width    the lane geometry of its width class (lanes_for), with the configuration's
 //                 NeoX-pairs form where it asks for it, and D as a constant at the power-of-two
@@ -204,6 +204,18 @@ inline bool general_only() {
   return value;
 }
 
+/// QKVFUSE_ROPE_RESTORED_ROWS=1 (read once per process): the dispatcher also tries the restored
+/// rows (rope_dispatch.hpp RestoredRows), after the specializations; off (the default) it never
+/// does. Their A/B against the default in one build and run (scripts/device_run.sh ab, side
+/// "restored-rows"); QKVFUSE_ROPE_GENERAL_ONLY=1 overrides it (Generals alone).
+inline bool restored_rows() {
+  static const bool value = [] {
+    const char* v = std::getenv("QKVFUSE_ROPE_RESTORED_ROWS");
+    return v != nullptr && std::string_view(v) == "1";
+  }();
+  return value;
+}
+
 /// The kernel for (kOp, key): f(Config{}, Geom{}, TypeTag<AngleT>{}, std::bool_constant<kExact>{})
 /// (see the file comment). `op` names the op in errors.
 template <Op kOp, typename F>
@@ -234,7 +246,7 @@ void dispatch(const char* op, const RopeKey& key, F&& f) {
       });
     });
   };
-  if (!visit_config<kOp>(key, run, general_only())) {
+  if (!visit_config<kOp>(key, run, general_only(), restored_rows())) {
     QKVF_FAIL(op, " (CUDA): no kernel configuration serves this layout");
   }
 }
@@ -319,6 +331,10 @@ struct Policy {
       // at one chunk per lane).
       if constexpr (kAngleValues) return C >= 3 ? 3 : 4;
       if constexpr (kWeightCode || V != 8) return C >= 3 ? 3 : (V == 8 && C == 1 ? 5 : 4);
+      // Without weights but with NeoX pairs possible (partners shuffled, a cos/sin cache; the
+      // restored general/no-weight row): 7 (<= 72 registers), add6545's weightless general
+      // kernel's budget.
+      if constexpr (Fixed<Config>::kMayNeox) return 7;
       // Interleaved pairs without weights: 8 (<= 64 registers) for one chunk per lane, key
       // offset included; C = 3 (D = 96 on 4 lanes) holds g, x (and g_next) and 6 factor chunks
       // of its one row at once: 6 (80 registers), 5 (92) under key offset.

@@ -16,6 +16,9 @@
 // - A specialization is a row of the table below (Specializations): the properties it fixes, each
 //   as the list of values it serves, the ops it serves, and four kernel knobs. The first row that
 //   serves (op, key) wins; no row: the first of Generals that serves it.
+// - Restored rows (RestoredRows) are rows awaiting their A/B: their kernels are built, but the
+//   dispatcher tries them (after Specializations, before Generals) only with
+//   QKVFUSE_ROPE_RESTORED_ROWS=1; off, its choice is the table's without them.
 // - Matching is conservative by construction: a row lists values (Served<E> has no "any" and no
 //   default, so a row that omits a property does not compile), and a value added to a property
 //   later is in no existing row's list, so it runs a general kernel until a row names it:
@@ -377,6 +380,75 @@ using Specializations = Table<TablesInterleavedRms, TablesInterleavedRmsKeyOffse
                              CacheNeoxRmsWeightedPairs, CacheNeoxRmsWeighted>;
 
 // ------------------------------------------------------------------------------------------------
+// Restored rows (QKVFUSE_ROPE_RESTORED_ROWS=1)
+// ------------------------------------------------------------------------------------------------
+// add6545's kernels for the layouts where the rebuilt family runs slower than add6545 did
+// (docs/perf_notes.md, "The kernel family"), as rows of the table. Not yet timed against the
+// default: the dispatcher tries them only with the switch on (rope_config.cuh restored_rows), so
+// that one build's A/B (scripts/device_run.sh ab, side "restored-rows") decides. A row >= 3 %
+// faster at its named shapes joins Specializations (and the switch goes); else it is deleted.
+
+/// Every layout without norm weights at D = 128 in the bf16 backward (16-byte rows, bf16 angles,
+/// plain or paired): rotary alone (Llama's and Mistral's layers; Qwen3-8B/no-norm) and the norm
+/// without weights (Qwen3-8B/no-weights). General's kernel holds the weight code (shared-memory
+/// weights, gradient sums) and runs 5 blocks (92 registers); without it this row's kernel has
+/// add6545's weightless general kernel's budget, 7 blocks (72 registers). Layouts a
+/// specialization serves (TablesInterleavedRms) stay there.
+struct GeneralWeightless {
+  static constexpr Spec kSpec{
+      .name = "general/no-weight",
+      .ops = {Op::kBackward},
+      .access = {Access::k16B},
+      .width = {HeadWidth::k128},
+      .rotary = {Rotary::kInterleaved, Rotary::kNeox},
+      .span = {RotarySpan::kWhole, RotarySpan::kPartial},
+      .norm = {Norm::kNone, Norm::kRms},
+      .weights = {Weights::kNone},
+      .angles = {AngleSource::kTables, AngleSource::kCache},
+      .angle_type = {AngleType::kBf16},
+      .placement = {Placement::kPlain, Placement::kPaired},
+      .scope = {NormScope::kHead},
+      .v_norm = {VNorm::kNone},
+      .heads = {Heads::kQueryAndKey},
+      .exact_width = Served<Op>::none(),
+      .neox_pairs_in_lane = false,
+      .angle_dtype_at_run_time = false,
+      .fewest_geometries = false,
+  };
+};
+
+/// The speedrun's layout (factor tables, interleaved pairs, RMS without weights; plain, paired and
+/// key offset in one kernel, key offset read at run time) on 4-byte chunks at 64 < D < 128
+/// (D = 100: rows not 16-byte aligned), all three ops: add6545's narrow speedrun kernels
+/// (8e30f53) on RowGeometry<2, 32, 2>, chunk by chunk (forward_chunk) with no weight, cache or
+/// partner code; General's narrow kernels hold all of it.
+struct TablesInterleavedRmsNarrow {
+  static constexpr Spec kSpec{
+      .name = "tables/interleaved/rms/no-weight/4-byte",
+      .ops = kEveryOp,
+      .access = {Access::k4B},
+      .width = {HeadWidth::kUpTo128},
+      .rotary = {Rotary::kInterleaved},
+      .span = {RotarySpan::kWhole, RotarySpan::kPartial},
+      .norm = {Norm::kRms},
+      .weights = {Weights::kNone},
+      .angles = {AngleSource::kTables},
+      .angle_type = {AngleType::kBf16},
+      .placement = {Placement::kPlain, Placement::kPaired, Placement::kKeyOffset},
+      .scope = {NormScope::kHead},
+      .v_norm = {VNorm::kNone},
+      .heads = {Heads::kQueryAndKey},
+      .exact_width = Served<Op>::none(),
+      .neox_pairs_in_lane = false,
+      .angle_dtype_at_run_time = false,
+      .fewest_geometries = false,
+  };
+};
+
+/// The restored rows, in the order they are tried (after Specializations, with the switch on).
+using RestoredRows = Table<GeneralWeightless, TablesInterleavedRmsNarrow>;
+
+// ------------------------------------------------------------------------------------------------
 // Selection
 // ------------------------------------------------------------------------------------------------
 
@@ -402,23 +474,30 @@ bool visit_first(Table<Rows...>, const RopeKey& key, F&& f) {
 }
 
 /// Calls f(Row{}) for the configuration that serves (kOp, key): the first row of Specializations
-/// whose every property lists the key's value and whose ops list kOp, else the first of Generals
-/// that serves it (`general_only`: Generals alone). False when none serves (Section9 serves every
-/// key: none so far).
+/// whose every property lists the key's value and whose ops list kOp, then (`restored_rows`) the
+/// first such row of RestoredRows, else the first of Generals that serves it (`general_only`:
+/// Generals alone, whatever `restored_rows` says). False when none serves (Section9 serves every
+/// key: none so far). Every row's kernels are instantiated whatever the flags say.
 template <Op kOp, typename F>
-bool visit_config(const RopeKey& key, F&& f, bool general_only = false) {
+bool visit_config(const RopeKey& key, F&& f, bool general_only = false,
+                  bool restored_rows = false) {
   if (!general_only && visit_first<kOp>(Specializations{}, key, f)) return true;
+  // The restored rows' kernels are instantiated either way (a run-time test): every build has them.
+  if (!general_only && restored_rows && visit_first<kOp>(RestoredRows{}, key, f)) return true;
   return visit_first<kOp>(Generals{}, key, f);
 }
 
 /// The name of the configuration that serves (op, key), or nullptr (tests, error messages).
-inline const char* config_name(Op op, const RopeKey& key, bool general_only = false) {
+inline const char* config_name(Op op, const RopeKey& key, bool general_only = false,
+                               bool restored_rows = false) {
   const char* name = nullptr;
   const auto take = [&](auto row) { name = decltype(row)::kSpec.name; };
   switch (op) {
-    case Op::kForward: visit_config<Op::kForward>(key, take, general_only); break;
-    case Op::kBackward: visit_config<Op::kBackward>(key, take, general_only); break;
-    case Op::kBackwardFp8: visit_config<Op::kBackwardFp8>(key, take, general_only); break;
+    case Op::kForward: visit_config<Op::kForward>(key, take, general_only, restored_rows); break;
+    case Op::kBackward: visit_config<Op::kBackward>(key, take, general_only, restored_rows); break;
+    case Op::kBackwardFp8:
+      visit_config<Op::kBackwardFp8>(key, take, general_only, restored_rows);
+      break;
   }
   return name;
 }

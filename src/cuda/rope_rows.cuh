@@ -65,6 +65,10 @@ struct Fixed {
     RopeInputs out = in;
     if constexpr (kSpec.angles.only(AngleSource::kCache)) out.angles.cache = true;
     if constexpr (kSpec.angles.only(AngleSource::kTables)) out.angles.cache = false;
+    // The angles' dtype: a run-time value of the narrow kernels (RunTimeAngles), a constant where
+    // the row fixes it.
+    if constexpr (kSpec.angle_type.only(AngleType::kBf16)) out.angles.fp32 = false;
+    if constexpr (kSpec.angle_type.only(AngleType::kFp32)) out.angles.fp32 = true;
     if constexpr (kSpec.rotary.only(Rotary::kNeox)) out.dims.neox = true;
     if constexpr (kSpec.rotary.only(Rotary::kInterleaved)) out.dims.neox = false;
     if constexpr (kSpec.span.only(RotarySpan::kWhole)) out.dims.rotary_dim = D;
