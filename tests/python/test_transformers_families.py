@@ -457,11 +457,34 @@ def test_supported_lists_every_family():
         assert any(cls in entry for entry in SUPPORTED), cls
 
 
+def eps_attribute(norm):
+    """The attribute a family norm's forward reads its eps from: transformers 5.25 renamed Gemma
+    4's `eps` to `variance_epsilon`, the other families' name."""
+    return "variance_epsilon" if hasattr(norm, "variance_epsilon") else "eps"
+
+
 def test_different_eps_of_q_and_v_norms_is_refused():
     model = build("gemma4")
-    model.model.layers[0].self_attn.v_norm.eps = 1e-5
+    norm = model.model.layers[0].self_attn.v_norm
+    setattr(norm, eps_attribute(norm), 1e-5)
     with pytest.raises(UnsupportedModelError, match="different eps"):
         apply_qkvfuse(model)
+
+
+@pytest.mark.parametrize("name", ["q_norm", "k_norm", "v_norm"])
+def test_a_norm_with_two_different_eps_is_refused(name):
+    """A norm holding both eps and variance_epsilon, with different values: which one its forward
+    reads is not known, so qkvfuse takes neither."""
+    model = build("gemma4")
+    norm = getattr(model.model.layers[0].self_attn, name)
+    read = eps_attribute(norm)
+    other = "eps" if read == "variance_epsilon" else "variance_epsilon"
+    setattr(norm, other, 1e-5)
+    with pytest.raises(UnsupportedModelError,
+                       match=f"layers.0.self_attn .*: {name} has both variance_epsilon"):
+        apply_qkvfuse(model)
+    setattr(norm, other, getattr(norm, read))  # the same value: no doubt
+    apply_qkvfuse(model)
 
 
 def test_fp8_refuses_the_gated_families_bias():

@@ -37,10 +37,10 @@ What changes. apply_qkvfuse replaces, on each attention module *instance*, the b
 `forward` (an instance attribute: the class, other models and other instances are untouched;
 remove_qkvfuse(model) deletes it again). The new forward computes q, k and v as below, then runs
 the rest of the library's forward as it is written there: the KV cache update (past_key_values,
-named cache in later 5.x: the class's own signature decides), the attention function the config
-selects (ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation), else the family's
-own eager_attention_forward), with the same dropout, scaling, sliding window and keyword
-arguments, and o_proj. No parameter, buffer or state-dict key is added, renamed or changed: a
+named cache from transformers 5.24 on: the class's own signature decides), the attention
+function the config selects (ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation),
+else the family's own eager_attention_forward), with the same dropout, scaling, sliding window
+and keyword arguments, and o_proj. No parameter, buffer or state-dict key is added, renamed or changed: a
 patched model saves and loads like an unpatched one, and load_state_dict / from_pretrained
 weights are used as they are.
 
@@ -324,7 +324,7 @@ class _Layer:
         # (q_norm, k_norm, their instance forwards, their kinds): see _qk_norms.
         self.norms = None
         self.eager = sys.modules[type(module).__module__].eager_attention_forward
-        # transformers >= 5.2x names the KV cache `cache` (past_key_values before) and hands the
+        # transformers 5.24 renamed the KV cache `cache` (past_key_values before) and hands the
         # call's keyword arguments to its update: the patched forward does what the class does.
         self.cache_kwargs = "cache" in inspect.signature(type(module).forward).parameters
         projections = families.projections(module, spec)
@@ -394,12 +394,12 @@ def _norm_kind(norm, name, layer) -> str:
     return kind
 
 
-def _norm_settings(norm, kind, layer):
-    """(weight_offset, eps) of a norm of that kind, read as its forward reads them."""
+def _norm_settings(norm, name, kind, layer):
+    """(weight_offset, eps) of the norm `name` of that kind, read as its forward reads them."""
     if kind == "liger":
         return float(norm.offset), float(norm.variance_epsilon)
-    eps = getattr(norm, "variance_epsilon", None)
-    return layer.family.weight_offset, float(norm.eps if eps is None else eps)
+    return layer.family.weight_offset, families.norm_eps(norm, layer.where, name,
+                                                         UnsupportedModelError)
 
 
 def _instance_forward(norm):
@@ -420,12 +420,12 @@ def _qk_norms(module, layer) -> dict:
         kinds = (_norm_kind(q, "q_norm", layer),
                  None if k is None else _norm_kind(k, "k_norm", layer))
         seen = layer.norms = (q, k, _instance_forward(q), _instance_forward(k), kinds)
-    q_offset, q_eps = _norm_settings(q, seen[4][0], layer)
+    q_offset, q_eps = _norm_settings(q, "q_norm", seen[4][0], layer)
     q_weight = q.weight
     if k is None:
         k_offset, k_eps, k_weight = q_offset, q_eps, None
     else:
-        (k_offset, k_eps), k_weight = _norm_settings(k, seen[4][1], layer), k.weight
+        (k_offset, k_eps), k_weight = _norm_settings(k, "k_norm", seen[4][1], layer), k.weight
     # One eps and one weight_offset serve both (an offset matters only with a weight).
     if q_weight is None:
         q_offset = k_offset
@@ -437,7 +437,7 @@ def _qk_norms(module, layer) -> dict:
                 f"{layer.where}: q_norm and k_norm differ in {setting} ({q_value} and "
                 f"{k_value}): qkvfuse applies one {setting} to both")
     if layer.spec.v_norm is not None:
-        v_eps = families.norm_eps(module.v_norm)
+        v_eps = families.norm_eps(module.v_norm, layer.where, "v_norm", UnsupportedModelError)
         if v_eps != q_eps:
             raise UnsupportedModelError(
                 f"{layer.where}: q_norm, k_norm and v_norm have different eps ({q_eps} and "
@@ -639,7 +639,7 @@ def _packed_weight(blocks, dtype) -> torch.Tensor:
 
 
 def cache_update(module, cache, key_states, value_states, kwargs):
-    """The KV cache's update as the class's own forward calls it: transformers >= 5.2x hands the
+    """The KV cache's update as the class's own forward calls it: transformers >= 5.24 hands the
     call's keyword arguments to it (the layer's cache_kwargs)."""
     if module._qkvfuse.cache_kwargs:
         return cache.update(key_states, value_states, module.layer_idx, kwargs=kwargs)
@@ -650,7 +650,7 @@ def _patched_forward(self, hidden_states, position_embeddings=None, attention_ma
                      past_key_values=None, **kwargs):
     """The family's attention forward with q, k, v from attention_input; the rest as written in
     transformers (the Qwen3/Gemma3/Llama/Mistral forwards differ only in sliding_window). The KV
-    cache arrives as past_key_values (transformers 5.17) or cache (later 5.x)."""
+    cache arrives as past_key_values (transformers < 5.24) or cache (5.24 on)."""
     layer = self._qkvfuse
     cache = kwargs.pop("cache", None) if past_key_values is None else past_key_values
     input_shape = hidden_states.shape[:-1]
