@@ -430,6 +430,26 @@ def test_generate_float64_same_tokens(family):
     assert torch.equal(got, want)
 
 
+def test_gemma4_kv_shared_layers_on_the_kept_positions_float64():
+    """transformers 5.25 runs Gemma 4's KV-shared layers on the last logits_to_keep positions only
+    (generate's prefill: their K and V come from the earlier layers, with every position): the same
+    logits as the unpatched model; on earlier versions those layers see every position."""
+    model = build("gemma4").eval()
+    ids = torch.randint(3, VOCAB, (2, 9))
+    shared = model.model.layers[-1].self_attn
+    assert shared.is_kv_shared_layer
+    seen = []
+    shared.register_forward_pre_hook(lambda m, args, kwargs: seen.append(
+        (kwargs.get("hidden_states", args[0] if args else None)).shape[1]), with_kwargs=True)
+    with torch.no_grad():
+        want = exact_norms(copy.deepcopy(model))(ids, logits_to_keep=1, use_cache=True).logits
+        got = apply_qkvfuse(model)(ids, logits_to_keep=1, use_cache=True).logits
+    sliced = hasattr(model.model, "_maybe_slice_kv_shared_inputs")
+    assert seen == [1 if sliced else 9] * 2  # the copy has the hook too
+    assert got.shape == (2, 1, VOCAB)
+    assert rel(got, want) <= 1e-6, rel(got, want)
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("family", ["gemma4", "qwen3_next", "olmo3"])
 def test_save_load_round_trip(tmp_path, family, fp8):

@@ -33,6 +33,13 @@ the model's class and the attention classes found. The multimodal Gemma3ForCondi
 is refused for its vision tower's attention (SiglipAttention); its text model,
 model.model.language_model (a Gemma3TextModel), can be patched on its own.
 
+Which transformers. The patched forward restates the attention classes of the transformers
+versions the tests pass on (5.17.0 and 5.25.0: scripts/test.sh). apply_qkvfuse compares each
+family's attention class, q/k norm class, apply_rotary_pos_emb and rotate_half in the installed
+transformers with their code in those versions (syntax trees: comments and formatting aside) and
+refuses, naming them, pieces it has not seen, which could compute something the patched forward
+does not (transformers_sources.py; QKVFUSE_ALLOW_UNCHECKED_TRANSFORMERS=1 makes it a warning).
+
 What changes. apply_qkvfuse replaces, on each attention module *instance*, the bound method
 `forward` (an instance attribute: the class, other models and other instances are untouched;
 remove_qkvfuse(model) deletes it again). The new forward computes q, k and v as below, then runs
@@ -171,6 +178,7 @@ import torch.nn.functional as F
 import qkvfuse
 
 from . import transformers_families as families
+from . import transformers_sources as sources
 
 try:
     from torch.distributed.tensor import DTensor as _DTensor
@@ -694,7 +702,8 @@ def apply_qkvfuse(model: nn.Module, fp8: bool = False) -> nn.Module:
     docstring). Calling it again re-patches with the new setting. Raises UnsupportedModelError,
     naming the model's class, for a model with no supported attention module or with any other
     attention module, and naming the module and the setting for what it cannot match (q/k norms,
-    head widths, FP8's requirements)."""
+    head widths, FP8's requirements), or the pieces of a family's code in the installed
+    transformers that differ from the versions it was tested with (transformers_sources.py)."""
     if getattr(model, "_qkvfuse_state", None) is not None:
         remove_qkvfuse(model)
     found, unsupported = [], []
@@ -712,6 +721,10 @@ def apply_qkvfuse(model: nn.Module, fp8: bool = False) -> nn.Module:
         raise UnsupportedModelError(
             f"qkvfuse.apply_qkvfuse: {model_name} is not supported: {what}. Supported attention "
             f"classes: {', '.join(SUPPORTED)}")
+    # The families' code in the installed transformers must be code the tests passed on: one the
+    # patched forward does not know could compute something else (transformers_sources.py).
+    for family in dict.fromkeys(family for _, _, family in found):
+        sources.check(family, f"qkvfuse.apply_qkvfuse: {model_name}", UnsupportedModelError)
     state = _ModelState(fp8)
     layers = []
     for name, module, family in found:
