@@ -15,6 +15,7 @@ import pathlib
 import sys
 
 import transformers
+from packaging.version import Version
 
 from qkvfuse.integrations import transformers as integration
 from qkvfuse.integrations import transformers_sources as sources
@@ -37,12 +38,8 @@ def merged(version):
             versions = set(filter(None, digests.get(digest, "").split(", "))) | {version}
             if digest not in digests:
                 new.append((family.module, name, digest))
-            digests[digest] = ", ".join(sorted(versions, key=_version_key))
+            digests[digest] = ", ".join(sorted(versions, key=Version))
     return known, new
-
-
-def _version_key(version):
-    return tuple(int(p) if p.isdigit() else 0 for p in version.split("."))
 
 
 def literal(known):

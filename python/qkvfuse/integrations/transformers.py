@@ -47,9 +47,9 @@ the rest of the library's forward as it is written there: the KV cache update (p
 named cache from transformers 5.24 on: the class's own signature decides), the attention
 function the config selects (ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation),
 else the family's own eager_attention_forward), with the same dropout, scaling, sliding window
-and keyword arguments, and o_proj. No parameter, buffer or state-dict key is added, renamed or changed: a
-patched model saves and loads like an unpatched one, and load_state_dict / from_pretrained
-weights are used as they are.
+and keyword arguments, and o_proj. No parameter, buffer or state-dict key is added, renamed or
+changed: a patched model saves and loads like an unpatched one, and load_state_dict /
+from_pretrained weights are used as they are.
 
 Rotary angles. The model's rotary embedding still runs (the decoder passes its
 position_embeddings = (cos, sin) [B or 1, S, D] to every attention layer, per layer type for

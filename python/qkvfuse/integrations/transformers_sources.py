@@ -17,9 +17,9 @@ forward reads the first half). The rotary embedding is not a piece: the patched 
 its cos and sin as it computes them (every rope type and scaling), and their layout is the one
 those two functions read. A piece's fingerprint is a digest of its syntax tree, read from the
 modeling module's source file (so a patch applied at run time, e.g. Liger-Kernel's, does not
-change it): comments, docstrings and formatting are not part of it, and neither are the fields
-that Python versions add to the tree as empty (3.12's type_params), so one fingerprint holds on
-every Python the package supports.
+change it): comments, docstrings and formatting are not part of it, and neither are fields left
+empty (None or []), which Python versions add to the tree (3.12's FunctionDef.type_params), so
+that the fingerprints do not depend on the Python version (recorded with 3.11).
 
 KNOWN holds the fingerprints of each piece in the transformers versions the tests pass on
 (scripts/test.sh runs them on each). A version whose pieces are each identical to those of a
@@ -31,10 +31,12 @@ pieces, for trying a release before it is checked.
 import ast
 import functools
 import hashlib
-import inspect
 import importlib
+import inspect
 import os
 import warnings
+
+from packaging.version import Version  # a dependency of transformers
 
 ALLOW_ENV = "QKVFUSE_ALLOW_UNCHECKED_TRANSFORMERS"
 # The modeling module's functions every family's forward shares the rotary convention of.
@@ -58,13 +60,19 @@ def _canonical(node) -> str:
     fields = []
     for name in node._fields:
         value = getattr(node, name, None)
-        if name == "body" and isinstance(node, (ast.ClassDef, ast.FunctionDef,
-                                                ast.AsyncFunctionDef)) and ast.get_docstring(node):
+        if name == "body" and _has_docstring(node):
             value = value[1:]
         if value is None or (isinstance(value, list) and not value):
             continue
         fields.append(f"{name}={_canonical(value)}")
     return f"{type(node).__name__}({', '.join(fields)})"
+
+
+def _has_docstring(node) -> bool:
+    body = node.body if isinstance(node, (ast.ClassDef, ast.FunctionDef,
+                                          ast.AsyncFunctionDef)) else None
+    return bool(body) and isinstance(body[0], ast.Expr) and isinstance(
+        body[0].value, ast.Constant) and isinstance(body[0].value.value, str)
 
 
 def fingerprint(node) -> str:
@@ -111,7 +119,7 @@ def unknown(family) -> list:
 def tested_versions() -> list:
     versions = {v for pieces_ in KNOWN.values() for digests in pieces_.values()
                 for listed in digests.values() for v in listed.split(", ")}
-    return sorted(versions, key=lambda v: tuple(int(p) for p in v.split(".")))
+    return sorted(versions, key=Version)
 
 
 def check(family, where: str, error) -> None:
@@ -123,7 +131,7 @@ def check(family, where: str, error) -> None:
         differ = unknown(family)
         reason = (f"{'differs' if len(differ) == 1 else 'differ'} from the code of the "
                   f"transformers versions qkvfuse was tested with")
-    except (OSError, SyntaxError, TypeError) as exception:
+    except (OSError, SyntaxError, TypeError, ValueError) as exception:
         differ = [family.attention]
         reason = f"cannot be compared with the tested code ({exception})"
     if not differ:
