@@ -1,7 +1,7 @@
 """qk_norm_rope against Hugging Face's own Qwen3 and Gemma 3 formulas (SPEC.md section 8).
 
-The formulas are restated here from transformers' source (checked against transformers 5.24;
-4.5x has the same code):
+The formulas are restated here from transformers' source (checked against transformers 5.17 and
+5.25, the versions CI runs; 4.5x has the same code):
 - transformers:src/transformers/models/qwen3/modeling_qwen3.py: Qwen3RMSNorm.forward (variance
   in float32, x * rsqrt(variance + eps), cast back to the input dtype, then weight * that), the
   rotary embedding Qwen3RotaryEmbedding (inv_freq = 1 / base ** (arange(0, D, 2) / D) in float32,

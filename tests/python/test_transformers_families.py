@@ -430,6 +430,26 @@ def test_generate_float64_same_tokens(family):
     assert torch.equal(got, want)
 
 
+def test_gemma4_kv_shared_layers_on_the_kept_positions_float64():
+    """transformers 5.25 runs Gemma 4's KV-shared layers on the last logits_to_keep positions only
+    (generate's prefill: their K and V come from the earlier layers, with every position): the same
+    logits as the unpatched model; on earlier versions those layers see every position."""
+    model = build("gemma4").eval()
+    ids = torch.randint(3, VOCAB, (2, 9))
+    shared = model.model.layers[-1].self_attn
+    assert shared.is_kv_shared_layer
+    seen = []
+    shared.register_forward_pre_hook(lambda m, args, kwargs: seen.append(
+        (kwargs.get("hidden_states", args[0] if args else None)).shape[1]), with_kwargs=True)
+    with torch.no_grad():
+        want = exact_norms(copy.deepcopy(model))(ids, logits_to_keep=1, use_cache=True).logits
+        got = apply_qkvfuse(model)(ids, logits_to_keep=1, use_cache=True).logits
+    sliced = hasattr(model.model, "_maybe_slice_kv_shared_inputs")
+    assert seen == [1 if sliced else 9] * 2  # the copy has the hook too
+    assert got.shape == (2, 1, VOCAB)
+    assert rel(got, want) <= 1e-6, rel(got, want)
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("family", ["gemma4", "qwen3_next", "olmo3"])
 def test_save_load_round_trip(tmp_path, family, fp8):
@@ -457,11 +477,34 @@ def test_supported_lists_every_family():
         assert any(cls in entry for entry in SUPPORTED), cls
 
 
+def eps_attribute(norm):
+    """The attribute a family norm's forward reads its eps from: transformers 5.25 renamed Gemma
+    4's `eps` to `variance_epsilon`, the other families' name."""
+    return "variance_epsilon" if hasattr(norm, "variance_epsilon") else "eps"
+
+
 def test_different_eps_of_q_and_v_norms_is_refused():
     model = build("gemma4")
-    model.model.layers[0].self_attn.v_norm.eps = 1e-5
+    norm = model.model.layers[0].self_attn.v_norm
+    setattr(norm, eps_attribute(norm), 1e-5)
     with pytest.raises(UnsupportedModelError, match="different eps"):
         apply_qkvfuse(model)
+
+
+@pytest.mark.parametrize("name", ["q_norm", "k_norm", "v_norm"])
+def test_a_norm_with_two_different_eps_is_refused(name):
+    """A norm holding both eps and variance_epsilon, with different values: which one its forward
+    reads is not known, so qkvfuse takes neither."""
+    model = build("gemma4")
+    norm = getattr(model.model.layers[0].self_attn, name)
+    read = eps_attribute(norm)
+    other = "eps" if read == "variance_epsilon" else "variance_epsilon"
+    setattr(norm, other, 1e-5)
+    with pytest.raises(UnsupportedModelError,
+                       match=f"layers.0.self_attn .*: {name} has both variance_epsilon"):
+        apply_qkvfuse(model)
+    setattr(norm, other, getattr(norm, read))  # the same value: no doubt
+    apply_qkvfuse(model)
 
 
 def test_fp8_refuses_the_gated_families_bias():

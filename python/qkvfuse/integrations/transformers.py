@@ -33,16 +33,23 @@ the model's class and the attention classes found. The multimodal Gemma3ForCondi
 is refused for its vision tower's attention (SiglipAttention); its text model,
 model.model.language_model (a Gemma3TextModel), can be patched on its own.
 
+Which transformers. The patched forward restates the attention classes of the transformers
+versions the tests pass on (5.17.0 and 5.25.0: scripts/test.sh). apply_qkvfuse compares each
+family's attention class, q/k norm class, apply_rotary_pos_emb and rotate_half in the installed
+transformers with their code in those versions (syntax trees: comments and formatting aside) and
+refuses, naming them, pieces it has not seen, which could compute something the patched forward
+does not (transformers_sources.py; QKVFUSE_ALLOW_UNCHECKED_TRANSFORMERS=1 makes it a warning).
+
 What changes. apply_qkvfuse replaces, on each attention module *instance*, the bound method
 `forward` (an instance attribute: the class, other models and other instances are untouched;
 remove_qkvfuse(model) deletes it again). The new forward computes q, k and v as below, then runs
 the rest of the library's forward as it is written there: the KV cache update (past_key_values,
-named cache in later 5.x: the class's own signature decides), the attention function the config
-selects (ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation), else the family's
-own eager_attention_forward), with the same dropout, scaling, sliding window and keyword
-arguments, and o_proj. No parameter, buffer or state-dict key is added, renamed or changed: a
-patched model saves and loads like an unpatched one, and load_state_dict / from_pretrained
-weights are used as they are.
+named cache from transformers 5.24 on: the class's own signature decides), the attention
+function the config selects (ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation),
+else the family's own eager_attention_forward), with the same dropout, scaling, sliding window
+and keyword arguments, and o_proj. No parameter, buffer or state-dict key is added, renamed or
+changed: a patched model saves and loads like an unpatched one, and load_state_dict /
+from_pretrained weights are used as they are.
 
 Rotary angles. The model's rotary embedding still runs (the decoder passes its
 position_embeddings = (cos, sin) [B or 1, S, D] to every attention layer, per layer type for
@@ -171,6 +178,7 @@ import torch.nn.functional as F
 import qkvfuse
 
 from . import transformers_families as families
+from . import transformers_sources as sources
 
 try:
     from torch.distributed.tensor import DTensor as _DTensor
@@ -324,7 +332,7 @@ class _Layer:
         # (q_norm, k_norm, their instance forwards, their kinds): see _qk_norms.
         self.norms = None
         self.eager = sys.modules[type(module).__module__].eager_attention_forward
-        # transformers >= 5.2x names the KV cache `cache` (past_key_values before) and hands the
+        # transformers 5.24 renamed the KV cache `cache` (past_key_values before) and hands the
         # call's keyword arguments to its update: the patched forward does what the class does.
         self.cache_kwargs = "cache" in inspect.signature(type(module).forward).parameters
         projections = families.projections(module, spec)
@@ -394,12 +402,12 @@ def _norm_kind(norm, name, layer) -> str:
     return kind
 
 
-def _norm_settings(norm, kind, layer):
-    """(weight_offset, eps) of a norm of that kind, read as its forward reads them."""
+def _norm_settings(norm, name, kind, layer):
+    """(weight_offset, eps) of the norm `name` of that kind, read as its forward reads them."""
     if kind == "liger":
         return float(norm.offset), float(norm.variance_epsilon)
-    eps = getattr(norm, "variance_epsilon", None)
-    return layer.family.weight_offset, float(norm.eps if eps is None else eps)
+    return layer.family.weight_offset, families.norm_eps(norm, layer.where, name,
+                                                         UnsupportedModelError)
 
 
 def _instance_forward(norm):
@@ -420,12 +428,12 @@ def _qk_norms(module, layer) -> dict:
         kinds = (_norm_kind(q, "q_norm", layer),
                  None if k is None else _norm_kind(k, "k_norm", layer))
         seen = layer.norms = (q, k, _instance_forward(q), _instance_forward(k), kinds)
-    q_offset, q_eps = _norm_settings(q, seen[4][0], layer)
+    q_offset, q_eps = _norm_settings(q, "q_norm", seen[4][0], layer)
     q_weight = q.weight
     if k is None:
         k_offset, k_eps, k_weight = q_offset, q_eps, None
     else:
-        (k_offset, k_eps), k_weight = _norm_settings(k, seen[4][1], layer), k.weight
+        (k_offset, k_eps), k_weight = _norm_settings(k, "k_norm", seen[4][1], layer), k.weight
     # One eps and one weight_offset serve both (an offset matters only with a weight).
     if q_weight is None:
         q_offset = k_offset
@@ -437,7 +445,7 @@ def _qk_norms(module, layer) -> dict:
                 f"{layer.where}: q_norm and k_norm differ in {setting} ({q_value} and "
                 f"{k_value}): qkvfuse applies one {setting} to both")
     if layer.spec.v_norm is not None:
-        v_eps = families.norm_eps(module.v_norm)
+        v_eps = families.norm_eps(module.v_norm, layer.where, "v_norm", UnsupportedModelError)
         if v_eps != q_eps:
             raise UnsupportedModelError(
                 f"{layer.where}: q_norm, k_norm and v_norm have different eps ({q_eps} and "
@@ -639,7 +647,7 @@ def _packed_weight(blocks, dtype) -> torch.Tensor:
 
 
 def cache_update(module, cache, key_states, value_states, kwargs):
-    """The KV cache's update as the class's own forward calls it: transformers >= 5.2x hands the
+    """The KV cache's update as the class's own forward calls it: transformers >= 5.24 hands the
     call's keyword arguments to it (the layer's cache_kwargs)."""
     if module._qkvfuse.cache_kwargs:
         return cache.update(key_states, value_states, module.layer_idx, kwargs=kwargs)
@@ -650,7 +658,7 @@ def _patched_forward(self, hidden_states, position_embeddings=None, attention_ma
                      past_key_values=None, **kwargs):
     """The family's attention forward with q, k, v from attention_input; the rest as written in
     transformers (the Qwen3/Gemma3/Llama/Mistral forwards differ only in sliding_window). The KV
-    cache arrives as past_key_values (transformers 5.17) or cache (later 5.x)."""
+    cache arrives as past_key_values (transformers < 5.24) or cache (5.24 on)."""
     layer = self._qkvfuse
     cache = kwargs.pop("cache", None) if past_key_values is None else past_key_values
     input_shape = hidden_states.shape[:-1]
@@ -694,7 +702,8 @@ def apply_qkvfuse(model: nn.Module, fp8: bool = False) -> nn.Module:
     docstring). Calling it again re-patches with the new setting. Raises UnsupportedModelError,
     naming the model's class, for a model with no supported attention module or with any other
     attention module, and naming the module and the setting for what it cannot match (q/k norms,
-    head widths, FP8's requirements)."""
+    head widths, FP8's requirements), or the pieces of a family's code in the installed
+    transformers that differ from the versions it was tested with (transformers_sources.py)."""
     if getattr(model, "_qkvfuse_state", None) is not None:
         remove_qkvfuse(model)
     found, unsupported = [], []
@@ -712,6 +721,10 @@ def apply_qkvfuse(model: nn.Module, fp8: bool = False) -> nn.Module:
         raise UnsupportedModelError(
             f"qkvfuse.apply_qkvfuse: {model_name} is not supported: {what}. Supported attention "
             f"classes: {', '.join(SUPPORTED)}")
+    # The families' code in the installed transformers must be code the tests passed on: one the
+    # patched forward does not know could compute something else (transformers_sources.py).
+    for family in dict.fromkeys(family for _, _, family in found):
+        sources.check(family, f"qkvfuse.apply_qkvfuse: {model_name}", UnsupportedModelError)
     state = _ModelState(fp8)
     layers = []
     for name, module, family in found:

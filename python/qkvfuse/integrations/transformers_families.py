@@ -190,9 +190,19 @@ def check_layer(where: str, spec: LayerSpec, family, error):
         raise error(f"{where}: v_norm has a weight; qkvfuse's V norm is weightless (SPEC.md 9)")
 
 
-def norm_eps(norm):
+def norm_eps(norm, where: str, name: str, error):
+    """A family norm's eps, from the attribute its forward reads: `variance_epsilon`, or `eps`
+    (Gemma 4's Gemma4RMSNorm before transformers 5.25 renamed it to variance_epsilon). A norm that
+    holds both, with different values, is refused: which of them its forward reads cannot be told
+    from outside. (`where`: the layer, as in error messages; `name`: "q_norm", "k_norm", "v_norm".)"""
     eps = getattr(norm, "variance_epsilon", None)
-    return float(norm.eps if eps is None else eps)
+    other = getattr(norm, "eps", None)
+    if eps is None:
+        return float(other)
+    if other is not None and float(other) != float(eps):
+        raise error(f"{where}: {name} has both variance_epsilon ({eps}) and eps ({other}); "
+                    f"qkvfuse cannot tell which one its forward reads")
+    return float(eps)
 
 
 # ---- Gemma 4's forward ---------------------------------------------------------------------------
