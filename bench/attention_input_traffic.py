@@ -10,7 +10,8 @@ kernels cannot run on the CPU: its RMSNorm and rotary functions are replaced by 
 equivalents that run unrecorded and are recorded as one op each with the bytes its kernel moves
 (rms_norm: reads X, writes Y and the fp32 rstd; backward: reads dY, X, rstd, writes dX over dY;
 rope: reads and writes q and k in place), the tensor handling around them (.contiguous(),
-transposes) as it runs. GEMMs (mm, addmm) are listed apart: their traffic is the GEMM's own.
+transposes) as it runs. GEMMs (mm, addmm) are listed apart: their traffic is the GEMM's own
+(qkvfuse-fp8's GEMMs run inside its packed ops, whose bytes include their operands).
 
 The layer runs at two token counts (batch 2 and 4 of --seq tokens, enough for the one-GEMM path
 of apply_qkvfuse, which smaller token counts do not take; the cos/sin tables, [S, D] per forward,
@@ -19,8 +20,8 @@ as a + b * tokens, then reported at the benchmark's shape (--batch x --seq-bench
 casts and their gradients do not scale with the tokens, activations do. Milliseconds: the
 non-GEMM bytes at --bandwidth, times --layers.
 
-    python bench/attention_input_traffic.py [--variants eager,liger,qkvfuse,liger+qkvfuse]
-        [--ops] [--markdown]
+    python bench/attention_input_traffic.py [--variants eager,liger,qkvfuse,liger+qkvfuse,
+        qkvfuse-fp8] [--ops]
 (QKVFUSE_TORCH_LIBRARY and PYTHONPATH as for the tests; CPU only, a few seconds per variant.)
 """
 import argparse
@@ -32,7 +33,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 BF16 = torch.bfloat16
-VARIANTS = ("eager", "liger", "qkvfuse", "liger+qkvfuse")
+VARIANTS = ("eager", "liger", "qkvfuse", "liger+qkvfuse", "qkvfuse-fp8")
 
 GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "fp8_gemm"}
 FILLS = {"zeros", "zeros_like", "new_zeros", "fill_", "zero_", "full", "ones", "new_ones"}
@@ -277,9 +278,9 @@ def build_attention(variant: str, cfg: Config):
                          vocab_size=256, attn_implementation="sdpa")
     config._attn_implementation = "qkvfuse_capture"
     model = modeling_qwen3.Qwen3Model(config)
-    if variant.endswith("qkvfuse"):
+    if "qkvfuse" in variant:
         from qkvfuse.integrations.transformers import apply_qkvfuse
-        apply_qkvfuse(model)
+        apply_qkvfuse(model, fp8=variant.endswith("fp8"))
     return model
 
 
@@ -343,6 +344,7 @@ def fit(small, large, tokens_small, tokens_large, tokens):
 
 def run_variant(variant, args):
     model = build_attention(variant, Config())
+    trace_attention_input(model, 2, args.seq)  # warm-up: what a patch creates once per model
     small, layout = trace_attention_input(model, 2, args.seq)
     large, _ = trace_attention_input(model, 4, args.seq)
     return fit(small, large, 2 * args.seq, 4 * args.seq, args.batch * args.seq_bench), layout

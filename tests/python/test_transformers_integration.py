@@ -135,7 +135,7 @@ def test_one_gemm_path_scatters_no_gradient(setup):
     concatenates gradients. v reaches the attention as the unpatched model's does ([B, S, Hkv, D]
     storage). Float32 master weights under autocast (T < C: the cast copies the weights anyway)
     and a bf16 model (T >= C)."""
-    dtype, autocast, seq = (torch.float32, True, 24) if setup == "autocast" else (BF16, False, 40)
+    dtype, autocast, seq = (torch.float32, True, 24) if setup == "autocast" else (BF16, False, 48)
     model = patched(build("qwen3"), dtype=dtype)
     attention = model.model.layers[0].self_attn
     x = torch.randn(2, seq, 64, dtype=dtype, requires_grad=True)
