@@ -286,9 +286,9 @@ def build_attention(variant: str, cfg: Config):
 
 def trace_attention_input(model, batch: int, seq: int, seed: int = 0):
     """The recorded ops of one attention input, forward and backward: x (the normed hidden states,
-    float32 as the decoder's RMSNorm returns them under autocast) -> q, k, v, under bf16
-    autocast, in bf16 as sdpa's autocast casts them; then backward from gradients laid out as flash attention's backward returns them
-    ([B, S, H, D] storage, seen as [B, H, S, D])."""
+    float32 as the decoder's RMSNorm returns them under autocast) -> q, k, v in bf16 (as sdpa's
+    autocast casts them), under bf16 autocast; then backward from gradients laid out as flash
+    attention's backward returns them ([B, S, H, D] storage, seen as [B, H, S, D])."""
     torch.manual_seed(seed)
     cfg = model.config
     attention = model.layers[0].self_attn
