@@ -210,6 +210,17 @@ def test_float64_equals_the_unpatched_math(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_float64_one_gemm_path(family):
+    """T >= C (T = 4 x 24, C = 64): q and k from one GEMM against their concatenated rows (a
+    gated query's query rows), v and the gate from GEMMs of their own (Gemma 4: V from the key
+    rows, or no V on a KV-shared layer)."""
+    model = build(family)
+    ids, _ = batch("batch", batch_size=4)
+    assert_close_f64(run(patched(model), ids), run(exact_norms(copy.deepcopy(model)), ids),
+                     tolerance=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_float64_packed_sequences(family):
     """Packed documents (position ids restarting per document): equal to the unpatched math,
     and each document's logits equal those of the document alone."""
@@ -511,13 +522,14 @@ def test_fp8_refuses_the_gated_families_bias():
     model = build("qwen3_next", attention_bias=True)
     with pytest.raises(UnsupportedModelError, match="attention_bias"):
         apply_qkvfuse(model, fp8=True)
-    ids, _ = batch("batch")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("proj.bias"):
                 p.normal_()
-    assert_close_f64(run(patched(model), ids), run(exact_norms(copy.deepcopy(model)), ids),
-                     tolerance=1e-6)
+    for size in (2, 4):  # the projections called as modules (T < C), the GEMMs (T >= C)
+        ids, _ = batch("batch", batch_size=size)
+        assert_close_f64(run(patched(model), ids), run(exact_norms(copy.deepcopy(model)), ids),
+                         tolerance=1e-6)
 
 
 # ---- CUDA ---------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import qkvfuse
 
@@ -37,6 +38,7 @@ from hf_models import (  # noqa: E402
 from qkvfuse.integrations.transformers import (  # noqa: E402
     UnsupportedModelError,
     apply_qkvfuse,
+    attention_input,
     remove_qkvfuse,
 )
 
@@ -104,6 +106,57 @@ def test_float64_rope_scaling(family, rope):
     assert_close_f64(run(patched(model), ids), run(model, ids))
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float64_one_gemm_path(family):
+    """T >= C (T = 4 x 24, C = 64): q and k from one GEMM against their concatenated weight rows,
+    v from a GEMM of its own; the same values as the unpatched model."""
+    model = build(family)
+    ids, _ = batch("batch", batch_size=4)
+    assert_close_f64(run(patched(model), ids), run(model, ids))
+
+
+class OpLog(TorchDispatchMode):
+    """Records (op name, args) of every op below autograd and autocast."""
+
+    def __init__(self, calls):
+        super().__init__()
+        self.calls = calls
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((func._schema.name, args))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("setup", ["autocast", "bf16"])
+def test_one_gemm_path_scatters_no_gradient(setup):
+    """The one-GEMM path hands qk_norm_rope the whole output of the q/k GEMM and gives v a GEMM
+    of its own: the backward sums the two GEMMs' input gradients over [T, C], and neither
+    scatters a gradient into a zero-filled copy of a wider output (slice_backward) nor
+    concatenates gradients. v reaches the attention as the unpatched model's does ([B, S, Hkv, D]
+    storage). Float32 master weights under autocast (T < C: the cast copies the weights anyway)
+    and a bf16 model (T >= C)."""
+    dtype, autocast, seq = (torch.float32, True, 24) if setup == "autocast" else (BF16, False, 48)
+    model = patched(build("qwen3"), dtype=dtype)
+    attention = model.model.layers[0].self_attn
+    x = torch.randn(2, seq, 64, dtype=dtype, requires_grad=True)
+    cos, sin = model.model.rotary_emb(x, torch.arange(seq)[None])
+    calls = []
+    with OpLog(calls), torch.autocast("cpu", dtype=BF16, enabled=autocast):
+        q, k, v = attention_input(attention, x, (cos, sin))
+    forward = len(calls)
+    with OpLog(calls):
+        torch.autograd.backward((q, k, v), [torch.randn_like(t) for t in (q, k, v)])
+    backward = [name for name, _ in calls[forward:]]
+    qk = next(args[0] for name, args in calls if name == "qkvfuse::qk_norm_rope")
+    assert qk.is_contiguous() and qk.shape == (2 * seq, 6, 32)
+    assert v.transpose(1, 2).is_contiguous()
+    scatters = {"aten::slice_backward", "aten::cat", "aten::zeros", "aten::zero_", "aten::fill_"}
+    assert not scatters & set(backward), backward
+    assert backward.count("aten::mm") == 4, backward  # dgrad and wgrad of two GEMMs
+    assert x.grad.dtype == dtype and all(
+        p.grad.dtype == dtype for p in (attention.q_proj.weight, attention.v_proj.weight))
+
+
 def test_float64_short_inputs_take_the_projection_path():
     """T < C: three projections and a cat of q and k (instead of one GEMM on the concatenated
     weight); the same values either way."""
@@ -134,14 +187,16 @@ def test_projections_that_are_not_plain_linear():
         apply_qkvfuse(model, fp8=True)
 
 
-def test_attention_bias_bf16_path():
-    """Qwen3 with attention_bias=True: the bias joins the concatenated projection."""
+@pytest.mark.parametrize("size", [2, 4])
+def test_attention_bias_bf16_path(size):
+    """Qwen3 with attention_bias=True: the biases of the projections called as modules (T < C)
+    and of the q/k and v GEMMs (T >= C)."""
     model = build("qwen3", attention_bias=True)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("proj.bias"):
                 p.normal_()
-    ids, _ = batch("batch")
+    ids, _ = batch("batch", batch_size=size)
     assert_close_f64(run(patched(model), ids), run(model, ids))
     with pytest.raises(UnsupportedModelError, match="attention_bias"):
         apply_qkvfuse(model, fp8=True)

@@ -67,19 +67,24 @@ reuse it) and the rotary width must be the full head width, as the families' own
 The Q/K layout. qk_norm_rope reads qk [T, Hq + Hkv, D] (query heads first) and HF keeps q_proj,
 k_proj and v_proj as three nn.Linear. The state dict must not change, so a packed weight cannot
 be stored; two ways remain, and the patched forward takes the cheaper per call:
-- one GEMM against the concatenated weight torch.cat([Wq; Wk; Wv]) (cast to the compute dtype
-  first, as autocast would): qk and v are then column views of one [T, F] output, with no copy of
-  the activations; the extra traffic is one copy of the (Hq + 2 Hkv) * D x C weight per forward.
-- three projections and torch.cat of the q and k outputs into [T, Hq + Hkv, D]: one copy of
-  T * (Hq + Hkv) * D activations.
-The first is cheaper when T * (Hq + Hkv) * D >= (Hq + 2 Hkv) * D * C, i.e. once T is about C or
-more: every training step (T = batch x sequence is thousands of tokens), while generate's decode
-steps (T = batch) take the second. Measured on the project's shared 2-core CPU (float32,
-C = 768, Hq = 12, Hkv = 4, D = 128, T = 2048, forward + backward of the projections and the cat,
-median of 7 runs, 3 interleaved rounds each): three projections + activation cat 787-844 ms,
-weight cat + one GEMM 542-784 ms, the one GEMM faster in every round. Projections that are not
-plain nn.Linear (e.g. PEFT's LoRA layers, quantized linears) are always called as modules, with
-the activation cat.
+- one GEMM against the concatenated q and k weight rows torch.cat([Wq; Wk]), cast to the compute
+  dtype in the same pass (as autocast would cast them): qk is that GEMM's whole output, with no
+  copy of the activations. Float32 master weights under autocast are cast, i.e. copied, either
+  way, so the concatenation costs nothing more; weights already in the compute dtype are copied,
+  (Hq + Hkv) * D x C elements per forward.
+- the projections called as modules and torch.cat of the q and k outputs: a copy of
+  T * (Hq + Hkv) * D activations, and as much again in the backward.
+The first is taken under autocast with float32 weights and otherwise from T >= C: every training
+step (T = batch x sequence is thousands of tokens), while generate's decode steps (T = batch) of a
+bf16 model take the second. v, and a gated query's gate, are GEMMs of their own, never column
+slices of a wider GEMM output: autograd scatters the gradient of such a slice into a zero-filled
+copy of the whole output and sums the parts (in eager mode seven passes over T x (Hq + 2 Hkv) * D;
+under torch.compile a cat), while the input gradients of separate GEMMs are summed once over
+[T, C] (under torch.compile by the next GEMM, as an addmm). At the Qwen3-0.6B training shape
+(T = 16384) that is 0.84 GB less memory traffic per layer and step in eager mode, 0.23 GB under
+torch.compile (bench/attention_input_traffic.py counts it). Projections that are not plain
+nn.Linear (e.g. PEFT's LoRA layers, quantized linears) are always called as modules, with the
+activation cat.
 
 FP8 (fp8=True). Each layer's q/k/v projection runs through
 qkvfuse.packed_fp8_qkv_current_scaling: one FP8 GEMM, then the norm + rotary, with current
@@ -337,19 +342,6 @@ class _Layer:
         self.cache_kwargs = "cache" in inspect.signature(type(module).forward).parameters
         projections = families.projections(module, spec)
         self.plain = all(type(p) is nn.Linear for p in projections)
-        self.bias = self.plain and any(p.bias is not None for p in projections)
-
-    @property
-    def qk_features(self):
-        return (self.q_heads + self.kv_heads) * self.head_dim
-
-    @property
-    def features(self):
-        """Output features of the one bf16 GEMM: Q, K, V (none for k_eq_v: V is K's rows) and
-        the gate."""
-        v_heads = 0 if self.spec.k_eq_v else self.kv_heads
-        gate = self.q_heads if self.spec.gated else 0
-        return (self.q_heads + self.kv_heads + v_heads + gate) * self.head_dim
 
 
 def _spec_of(module, family):
@@ -533,29 +525,26 @@ def attention_states(module: nn.Module, hidden_states: torch.Tensor, position_em
 
 
 def _bf16_projection(module, layer, x, dtype):
-    """(qk [T, Hq + Hkv, D], v [T, Hkv, D] or None, gate [T, Hq*D] or None) in `dtype`: one GEMM
-    against the concatenated weight rows (transformers_families.weight_blocks: a gated query's
-    query rows first, its gate rows last), or the projections called as modules and a cat of q and
-    k, whichever copies less (module docstring). attention_k_eq_v: v is a view of qk's key rows;
-    a KV-shared layer: qk holds the query heads alone, v is None."""
+    """(qk [T, Hq + Hkv, D], v [T, Hkv, D] or None, gate [T, Hq*D] or None) in `dtype`: qk from
+    one GEMM against the concatenated q and k weight rows (transformers_families.weight_blocks: a
+    gated query's query rows), whose whole output qk_norm_rope reads, and v and a gated query's
+    gate from GEMMs of their own, never column slices of a wider output (module docstring, "The
+    Q/K layout"); or the projections called as modules and a cat of q and k, where that copies
+    less (_concatenate_weights) or they are not plain nn.Linear. attention_k_eq_v: v is a view of
+    qk's key rows; a KV-shared layer: qk holds the query heads alone, v is None."""
     tokens = x.shape[0]
     d = layer.head_dim
     spec = layer.spec
     heads = layer.q_heads + layer.kv_heads
-    if layer.plain and tokens * layer.qk_features >= layer.features * x.shape[1]:
-        qk_rows, v_rows = families.weight_blocks(module, spec, fp8=False)
-        gate_rows = families.gate_blocks(module, spec)
-        weight = _packed_weight(qk_rows + v_rows + gate_rows, dtype)
-        bias = None
-        if layer.bias:
-            qk_bias, v_bias = families.weight_blocks(module, spec, fp8=False, bias=True)
-            bias = torch.cat([b.reshape(-1).to(dtype) for b in qk_bias + v_bias +
-                              families.gate_blocks(module, spec, bias=True)])
-        out = F.linear(x, weight, bias)
-        qk = out[:, :layer.qk_features].view(tokens, heads, d)
-        v_features = sum(w.numel() // w.shape[-1] for w in v_rows)
-        v = out[:, layer.qk_features:layer.qk_features + v_features].view(tokens, -1, d)
-        gate = out[:, layer.qk_features + v_features:] if spec.gated else None
+    blocks = families.weight_blocks(module, spec, fp8=False) if layer.plain else None
+    if blocks is not None and _concatenate_weights(blocks[0], x, dtype):
+        qk_rows, v_rows = blocks
+        qk_bias, v_bias = families.weight_blocks(module, spec, fp8=False, bias=True)
+        qk = _linear(x, qk_rows, qk_bias, dtype).view(tokens, heads, d)
+        v = _linear(x, v_rows, v_bias, dtype).view(tokens, -1, d) if v_rows else None
+        gate = _linear(x, families.gate_blocks(module, spec),
+                       families.gate_blocks(module, spec, bias=True), dtype) if (
+            spec.gated) else None
     else:
         q = module.q_proj(x).to(dtype)
         gate = None
@@ -571,6 +560,25 @@ def _bf16_projection(module, layer, x, dtype):
     if spec.k_eq_v:
         v = qk[:, layer.q_heads:]  # V is the key projection before k_norm
     return qk, None if spec.kv_shared else v, gate
+
+
+def _concatenate_weights(qk_rows, x, dtype) -> bool:
+    """Whether qk comes from one GEMM against the concatenated q and k weight rows rather than
+    from a cat of the projections' outputs: weights cast to the compute dtype are copied either
+    way; otherwise the weight copy (Fqk x C) is the smaller from T >= C (module docstring)."""
+    tokens, channels = x.shape
+    return tokens >= channels or any(w.dtype != dtype for w in qk_rows)
+
+
+def _linear(x, blocks, bias_blocks, dtype):
+    """x @ W^T + b for W the blocks' rows in order (_packed_weight) and b their biases (None
+    where the projections have none), in `dtype`."""
+    weight = _packed_weight(blocks, dtype)
+    bias = None
+    if any(b is not None for b in bias_blocks):
+        bias = torch.cat([x.new_zeros(w.numel() // w.shape[-1], dtype=dtype) if b is None
+                          else b.reshape(-1).to(dtype) for w, b in zip(blocks, bias_blocks)])
+    return F.linear(x, weight, bias)
 
 
 def _fp8_projection(module, layer, x, norms):
@@ -635,7 +643,10 @@ class _CastCat(torch.autograd.Function):
 
 def _packed_weight(blocks, dtype) -> torch.Tensor:
     """The blocks' rows (e.g. [Wq; Wk; Wv]: transformers_families.weight_blocks) as one [F, C]
-    in `dtype`, differentiable in the weights."""
+    in `dtype`, differentiable in the weights. One [F, C] block is the weight itself (cast when
+    its dtype differs, as autocast would: no copy otherwise)."""
+    if len(blocks) == 1 and blocks[0].dim() == 2:
+        return blocks[0].to(dtype)
     weights, order = [], []
     for block in blocks:
         index = next((i for i, w in enumerate(weights) if w is block), None)

@@ -130,19 +130,21 @@ def _query_rows(weight, spec, gate):
     """The rows of q_proj's weight (or bias) holding the query (gate: the gate) of each head, as
     one strided view [H, D, C] (bias: [H, D]): the projection is [H, 2D] per token, query lanes
     [0, D) then gate lanes [D, 2D) (docs/families.md). One view, not one per head: autograd then
-    scatters its gradient into q_proj's once."""
+    scatters its gradient into q_proj's once. None for a projection without a bias."""
+    if weight is None:
+        return None
     d = spec.head_dim
     return weight.view(spec.q_heads, 2, d, *weight.shape[1:])[:, 1 if gate else 0]
 
 
 def weight_blocks(module, spec: LayerSpec, fp8: bool, bias: bool = False):
     """(qk blocks, v blocks): the row blocks of the packed projection's Q/K part ([Hq*D | Hkv*D]
-    rows) and V part (Hkv*D rows), as views of the module's weights (biases with `bias`): each
-    [rows, C] ([rows] for a bias), or a gated query's [Hq, D, C] ([Hq, D]), whose rows in order
-    are the query's.
+    rows) and V part (Hkv*D rows), as views of the module's weights (biases with `bias`, None for
+    a projection without one): each [rows, C] ([rows] for a bias), or a gated query's [Hq, D, C]
+    ([Hq, D]), whose rows in order are the query's.
 
     The V part is empty for a KV-shared layer and, on the bf16 path, for attention_k_eq_v (V is
-    then a view of the key rows of the one GEMM's output); fp8=True repeats the key rows there,
+    then a view of the key rows of the Q/K GEMM's output); fp8=True repeats the key rows there,
     since the packed op's V has rows of its own (the GEMM computes them twice; both rows'
     gradients are summed into k_proj's)."""
     def rows(projection):
