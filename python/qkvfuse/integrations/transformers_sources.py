@@ -116,9 +116,13 @@ def unknown(family) -> list:
     return [name for name in names if found[name] not in known.get(name, {})]
 
 
-def tested_versions() -> list:
-    versions = {v for pieces_ in KNOWN.values() for digests in pieces_.values()
-                for listed in digests.values() for v in listed.split(", ")}
+def tested_versions(module=None) -> list:
+    """The versions recorded in KNOWN; with a module, those recorded for every one of its pieces
+    (a version can be recorded for some families only: 5.24.0 not for Gemma 4)."""
+    modules = [KNOWN.get(module, {})] if module else list(KNOWN.values())
+    per_piece = [{v for listed in digests.values() for v in listed.split(", ")}
+                 for pieces_ in modules for digests in pieces_.values()]
+    versions = set.intersection(*per_piece) if module and per_piece else set().union(*per_piece)
     return sorted(versions, key=Version)
 
 
@@ -138,7 +142,7 @@ def check(family, where: str, error) -> None:
         return
     message = (
         f"{where}: transformers {transformers.__version__}'s {', '.join(differ)} "
-        f"({family.module}) {reason} ({', '.join(tested_versions())}): the patched forward "
+        f"({family.module}) {reason} ({', '.join(tested_versions(family.module))}): the patched forward "
         f"could compute something other than the model. Use one of those versions, or set "
         f"{ALLOW_ENV}=1 to patch anyway after checking that the change does not matter "
         f"(qkvfuse.integrations.transformers_sources)")
@@ -151,79 +155,101 @@ def check(family, where: str, error) -> None:
 # ---- KNOWN: written by scripts/transformers_sources.py --write -----------------------------------
 KNOWN = {
     "transformers.models.gemma3.modeling_gemma3": {
-        "Gemma3Attention": {"7f237b0703376239": "5.17.0", "c94f030b9b243c8d": "5.25.0"},
-        "Gemma3RMSNorm": {"a5f91cc31e4a9f9a": "5.17.0", "b26bb972787c8bea": "5.25.0"},
-        "apply_rotary_pos_emb": {"0a7ee152b7792a47": "5.17.0, 5.25.0"},
-        "rotate_half": {"458e8da1c9744213": "5.17.0, 5.25.0"},
+        "Gemma3Attention": {
+            "7f237b0703376239": "5.17.0",
+            "c94f030b9b243c8d": "5.25.0",
+            "0ff9df1d559877a4": "5.24.0",
+        },
+        "Gemma3RMSNorm": {"a5f91cc31e4a9f9a": "5.17.0, 5.24.0", "b26bb972787c8bea": "5.25.0"},
+        "apply_rotary_pos_emb": {"0a7ee152b7792a47": "5.17.0, 5.24.0, 5.25.0"},
+        "rotate_half": {"458e8da1c9744213": "5.17.0, 5.24.0, 5.25.0"},
     },
     "transformers.models.gemma4.modeling_gemma4": {
-        "Gemma4RMSNorm": {"a01a53a6b6826d09": "5.17.0", "5f12a11dcc0ce7d8": "5.25.0"},
+        "Gemma4RMSNorm": {"a01a53a6b6826d09": "5.17.0, 5.24.0", "5f12a11dcc0ce7d8": "5.25.0"},
         "Gemma4TextAttention": {"d41c6c713eab4d2b": "5.17.0", "497c61e6ea606cc6": "5.25.0"},
-        "apply_rotary_pos_emb": {"6e120d2f1b46d8be": "5.17.0, 5.25.0"},
-        "rotate_half": {"458e8da1c9744213": "5.17.0, 5.25.0"},
+        "apply_rotary_pos_emb": {"6e120d2f1b46d8be": "5.17.0, 5.24.0, 5.25.0"},
+        "rotate_half": {"458e8da1c9744213": "5.17.0, 5.24.0, 5.25.0"},
     },
     "transformers.models.glm4_moe.modeling_glm4_moe": {
-        "Glm4MoeAttention": {"82881210c74f92cf": "5.17.0", "6578bf33303e8787": "5.25.0"},
-        "Glm4MoeRMSNorm": {"401e8b8d2815f972": "5.17.0, 5.25.0"},
-        "apply_rotary_pos_emb": {"1791c045dc9ccc29": "5.17.0, 5.25.0"},
-        "rotate_half": {"458e8da1c9744213": "5.17.0, 5.25.0"},
+        "Glm4MoeAttention": {"82881210c74f92cf": "5.17.0", "6578bf33303e8787": "5.24.0, 5.25.0"},
+        "Glm4MoeRMSNorm": {"401e8b8d2815f972": "5.17.0, 5.24.0, 5.25.0"},
+        "apply_rotary_pos_emb": {"1791c045dc9ccc29": "5.17.0, 5.24.0, 5.25.0"},
+        "rotate_half": {"458e8da1c9744213": "5.17.0, 5.24.0, 5.25.0"},
     },
     "transformers.models.llama.modeling_llama": {
-        "LlamaAttention": {"ca0bd26bee8215dc": "5.17.0", "c4d83064659fc967": "5.25.0"},
-        "apply_rotary_pos_emb": {"0a7ee152b7792a47": "5.17.0, 5.25.0"},
-        "rotate_half": {"458e8da1c9744213": "5.17.0, 5.25.0"},
+        "LlamaAttention": {"ca0bd26bee8215dc": "5.17.0", "c4d83064659fc967": "5.24.0, 5.25.0"},
+        "apply_rotary_pos_emb": {"0a7ee152b7792a47": "5.17.0, 5.24.0, 5.25.0"},
+        "rotate_half": {"458e8da1c9744213": "5.17.0, 5.24.0, 5.25.0"},
     },
     "transformers.models.mistral.modeling_mistral": {
-        "MistralAttention": {"951a7825a21963bd": "5.17.0", "9dc9088debfa9cdd": "5.25.0"},
-        "apply_rotary_pos_emb": {"0a7ee152b7792a47": "5.17.0, 5.25.0"},
-        "rotate_half": {"458e8da1c9744213": "5.17.0, 5.25.0"},
+        "MistralAttention": {"951a7825a21963bd": "5.17.0", "9dc9088debfa9cdd": "5.24.0, 5.25.0"},
+        "apply_rotary_pos_emb": {"0a7ee152b7792a47": "5.17.0, 5.24.0, 5.25.0"},
+        "rotate_half": {"458e8da1c9744213": "5.17.0, 5.24.0, 5.25.0"},
     },
     "transformers.models.olmo2.modeling_olmo2": {
-        "Olmo2Attention": {"07bb516b23722788": "5.17.0", "a458c75561e57a72": "5.25.0"},
-        "Olmo2RMSNorm": {"7194868388932f62": "5.17.0", "de1c09eadf2ce0b7": "5.25.0"},
-        "apply_rotary_pos_emb": {"4eaa4a5620bf57df": "5.17.0", "6e337e17be64229f": "5.25.0"},
-        "rotate_half": {"458e8da1c9744213": "5.17.0, 5.25.0"},
+        "Olmo2Attention": {
+            "07bb516b23722788": "5.17.0",
+            "a458c75561e57a72": "5.25.0",
+            "b798ad85e146d5ad": "5.24.0",
+        },
+        "Olmo2RMSNorm": {"7194868388932f62": "5.17.0, 5.24.0", "de1c09eadf2ce0b7": "5.25.0"},
+        "apply_rotary_pos_emb": {
+            "4eaa4a5620bf57df": "5.17.0, 5.24.0",
+            "6e337e17be64229f": "5.25.0",
+        },
+        "rotate_half": {"458e8da1c9744213": "5.17.0, 5.24.0, 5.25.0"},
     },
     "transformers.models.olmo3.modeling_olmo3": {
-        "Olmo3Attention": {"c1ff1f3fb64494de": "5.17.0", "51ed00ec36767d2f": "5.25.0"},
-        "Olmo3RMSNorm": {"30129f7f01480e7c": "5.17.0", "530c305928fd2bb8": "5.25.0"},
-        "apply_rotary_pos_emb": {"4eaa4a5620bf57df": "5.17.0", "6e337e17be64229f": "5.25.0"},
-        "rotate_half": {"458e8da1c9744213": "5.17.0, 5.25.0"},
+        "Olmo3Attention": {
+            "c1ff1f3fb64494de": "5.17.0",
+            "51ed00ec36767d2f": "5.25.0",
+            "25b6ab079161c867": "5.24.0",
+        },
+        "Olmo3RMSNorm": {"30129f7f01480e7c": "5.17.0, 5.24.0", "530c305928fd2bb8": "5.25.0"},
+        "apply_rotary_pos_emb": {
+            "4eaa4a5620bf57df": "5.17.0, 5.24.0",
+            "6e337e17be64229f": "5.25.0",
+        },
+        "rotate_half": {"458e8da1c9744213": "5.17.0, 5.24.0, 5.25.0"},
     },
     "transformers.models.qwen3.modeling_qwen3": {
-        "Qwen3Attention": {"bfa6497d6520e3e9": "5.17.0", "679c38ca1880240c": "5.25.0"},
-        "Qwen3RMSNorm": {"e5cec41077a19349": "5.17.0, 5.25.0"},
-        "apply_rotary_pos_emb": {"0a7ee152b7792a47": "5.17.0, 5.25.0"},
-        "rotate_half": {"458e8da1c9744213": "5.17.0, 5.25.0"},
+        "Qwen3Attention": {"bfa6497d6520e3e9": "5.17.0", "679c38ca1880240c": "5.24.0, 5.25.0"},
+        "Qwen3RMSNorm": {"e5cec41077a19349": "5.17.0, 5.24.0, 5.25.0"},
+        "apply_rotary_pos_emb": {"0a7ee152b7792a47": "5.17.0, 5.24.0, 5.25.0"},
+        "rotate_half": {"458e8da1c9744213": "5.17.0, 5.24.0, 5.25.0"},
     },
     "transformers.models.qwen3_5.modeling_qwen3_5": {
-        "Qwen3_5Attention": {"dcc436fe79b2cc93": "5.17.0", "17ce7b3a3fc616ed": "5.25.0"},
-        "Qwen3_5RMSNorm": {"fc58d65a70c3f9a2": "5.17.0", "7ba373a39010c34d": "5.25.0"},
-        "apply_rotary_pos_emb": {"1791c045dc9ccc29": "5.17.0, 5.25.0"},
-        "rotate_half": {"458e8da1c9744213": "5.17.0, 5.25.0"},
+        "Qwen3_5Attention": {"dcc436fe79b2cc93": "5.17.0", "17ce7b3a3fc616ed": "5.24.0, 5.25.0"},
+        "Qwen3_5RMSNorm": {"fc58d65a70c3f9a2": "5.17.0, 5.24.0", "7ba373a39010c34d": "5.25.0"},
+        "apply_rotary_pos_emb": {"1791c045dc9ccc29": "5.17.0, 5.24.0, 5.25.0"},
+        "rotate_half": {"458e8da1c9744213": "5.17.0, 5.24.0, 5.25.0"},
     },
     "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe": {
-        "Qwen3_5MoeAttention": {"bcacb83d48e717fd": "5.17.0", "c5bac1ad41acfcc1": "5.25.0"},
-        "Qwen3_5MoeRMSNorm": {"f6aeb8c503a6074c": "5.17.0", "4ebae64bb12db2ac": "5.25.0"},
-        "apply_rotary_pos_emb": {"1791c045dc9ccc29": "5.17.0, 5.25.0"},
-        "rotate_half": {"458e8da1c9744213": "5.17.0, 5.25.0"},
+        "Qwen3_5MoeAttention": {"bcacb83d48e717fd": "5.17.0", "c5bac1ad41acfcc1": "5.24.0, 5.25.0"},
+        "Qwen3_5MoeRMSNorm": {
+            "f6aeb8c503a6074c": "5.17.0",
+            "4ebae64bb12db2ac": "5.25.0",
+            "b94c1ad1d1d577d1": "5.24.0",
+        },
+        "apply_rotary_pos_emb": {"1791c045dc9ccc29": "5.17.0, 5.24.0, 5.25.0"},
+        "rotate_half": {"458e8da1c9744213": "5.17.0, 5.24.0, 5.25.0"},
     },
     "transformers.models.qwen3_moe.modeling_qwen3_moe": {
-        "Qwen3MoeAttention": {"903c4802739c4d2d": "5.17.0", "fe85c8cc28bf987d": "5.25.0"},
-        "Qwen3MoeRMSNorm": {"da51832aaea0a33f": "5.17.0, 5.25.0"},
-        "apply_rotary_pos_emb": {"0a7ee152b7792a47": "5.17.0, 5.25.0"},
-        "rotate_half": {"458e8da1c9744213": "5.17.0, 5.25.0"},
+        "Qwen3MoeAttention": {"903c4802739c4d2d": "5.17.0", "fe85c8cc28bf987d": "5.24.0, 5.25.0"},
+        "Qwen3MoeRMSNorm": {"da51832aaea0a33f": "5.17.0, 5.24.0, 5.25.0"},
+        "apply_rotary_pos_emb": {"0a7ee152b7792a47": "5.17.0, 5.24.0, 5.25.0"},
+        "rotate_half": {"458e8da1c9744213": "5.17.0, 5.24.0, 5.25.0"},
     },
     "transformers.models.qwen3_next.modeling_qwen3_next": {
-        "Qwen3NextAttention": {"1ab28312ee4e6694": "5.17.0", "c5ca255ee22e40be": "5.25.0"},
-        "Qwen3NextRMSNorm": {"d7f5c4db329c2350": "5.17.0", "bf9fa9a93ef928e5": "5.25.0"},
-        "apply_rotary_pos_emb": {"1791c045dc9ccc29": "5.17.0, 5.25.0"},
-        "rotate_half": {"458e8da1c9744213": "5.17.0, 5.25.0"},
+        "Qwen3NextAttention": {"1ab28312ee4e6694": "5.17.0", "c5ca255ee22e40be": "5.24.0, 5.25.0"},
+        "Qwen3NextRMSNorm": {"d7f5c4db329c2350": "5.17.0, 5.24.0", "bf9fa9a93ef928e5": "5.25.0"},
+        "apply_rotary_pos_emb": {"1791c045dc9ccc29": "5.17.0, 5.24.0, 5.25.0"},
+        "rotate_half": {"458e8da1c9744213": "5.17.0, 5.24.0, 5.25.0"},
     },
     "transformers.models.smollm3.modeling_smollm3": {
-        "SmolLM3Attention": {"8e22299a61e6bf48": "5.17.0", "cebe236fbdf696c0": "5.25.0"},
-        "apply_rotary_pos_emb": {"0a7ee152b7792a47": "5.17.0, 5.25.0"},
-        "rotate_half": {"458e8da1c9744213": "5.17.0, 5.25.0"},
+        "SmolLM3Attention": {"8e22299a61e6bf48": "5.17.0", "cebe236fbdf696c0": "5.24.0, 5.25.0"},
+        "apply_rotary_pos_emb": {"0a7ee152b7792a47": "5.17.0, 5.24.0, 5.25.0"},
+        "rotate_half": {"458e8da1c9744213": "5.17.0, 5.24.0, 5.25.0"},
     },
 }
 # ---- end of KNOWN --------------------------------------------------------------------------------
