@@ -300,16 +300,7 @@ def summary_lines(rows):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="results file: *.md for markdown, else CSV (required on "
-                                      "the GPU)")
-    parser.add_argument("--commit", help="git commit to record (default: git rev-parse HEAD)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="on the CPU at a tiny T: every call once, timings meaningless")
-    parser.add_argument("--batch", type=int, help="sequences (default 4; 2 with --dry-run)")
-    parser.add_argument("--seq-len", type=int, help="tokens per sequence = cache rows (default "
-                                                    "8192; 16 with --dry-run)")
-    parser.add_argument("--budget-gib", type=int, default=16,
-                        help="device memory for rotated input copies")
+    general.main_arguments(parser)
     parser.add_argument("--models", default=",".join(f.name for f in FAMILIES),
                         help="comma-separated subset of " + ",".join(f.name for f in FAMILIES))
     parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out")

@@ -745,6 +745,21 @@ def section_args(liger_path, axolotl_path=None, device="cuda"):
                               seq_len=8192, device=device)
 
 
+def main_arguments(parser):
+    """The options of a stand-alone run (bench_families.py takes them too): output, commit, the
+    CPU dry run, the shape and the memory for rotated copies."""
+    parser.add_argument("--out", help="results file: *.md for markdown, else CSV (required on "
+                                      "the GPU)")
+    parser.add_argument("--commit", help="git commit to record (default: git rev-parse HEAD)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="on the CPU at a tiny T: every call once, timings meaningless")
+    parser.add_argument("--batch", type=int, help="sequences (default 4; 2 with --dry-run)")
+    parser.add_argument("--seq-len", type=int, help="tokens per sequence = cache rows (default "
+                                                    "8192; 16 with --dry-run)")
+    parser.add_argument("--budget-gib", type=int, default=16,
+                        help="device memory for rotated input copies")
+
+
 def add_arguments(parser):
     """The options run() reads beyond section_args's (device, batch and seq_len come from
     main's)."""
@@ -800,16 +815,7 @@ def summary_lines(rows, copy_gbs):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="results file: *.md for markdown, else CSV (required on "
-                                      "the GPU)")
-    parser.add_argument("--commit", help="git commit to record (default: git rev-parse HEAD)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="on the CPU at a tiny T: every call once, timings meaningless")
-    parser.add_argument("--batch", type=int, help="sequences (default 4; 2 with --dry-run)")
-    parser.add_argument("--seq-len", type=int, help="tokens per sequence = cache rows (default "
-                                                    "8192; 16 with --dry-run)")
-    parser.add_argument("--budget-gib", type=int, default=16,
-                        help="device memory for rotated input copies")
+    main_arguments(parser)
     add_arguments(parser)
     args = parser.parse_args()
     args.batch = args.batch or (2 if args.dry_run else 4)
